@@ -1,0 +1,33 @@
+# Fresh-machine entry points. Each target creates (or reuses) the virtual environment in $(VENV)
+# and installs memtrain into it in editable mode, so `make quickstart` and `make test` are the only
+# commands a new machine needs.
+VENV ?= .venv
+PYTHON ?= python3
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.memtrain-installed
+
+.PHONY: install quickstart test test-fast bench clean
+
+$(STAMP): setup.py constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# A real training run on CPU with the built-in corpus: prepare shards, train, checkpoint, log.
+quickstart: $(STAMP)
+	$(VENV)/bin/memtrain prepare recipes/quickstart.yaml
+	$(VENV)/bin/memtrain train recipes/quickstart.yaml
+
+test: $(STAMP)
+	$(VENV)/bin/pytest -q
+
+test-fast: $(STAMP)
+	$(VENV)/bin/pytest -q -m "not slow"
+
+bench: $(STAMP)
+	$(PY) benchmarks/attention.py --quick
+
+clean:
+	rm -rf runs data/quickstart .pytest_cache

@@ -1,0 +1,567 @@
+"""The recipe schema: typed dataclasses, YAML loading, dotted overrides and validation.
+
+A recipe is a YAML file with the sections ``run``, ``model``, ``memory``, ``data``, ``train``,
+``parallel``, ``checkpoint``, ``logging`` and ``slurm``. :func:`load_recipe` reads it with
+``yaml.safe_load``, applies ``key=value`` overrides (values parsed as YAML), converts every section
+into its dataclass with strict type checks, and validates cross-field consistency. Any problem raises
+one :class:`RecipeError` whose message starts with the dotted key at fault.
+
+Durations (``train.max_steps``, ``train.schedule.warmup``, the ``every_steps`` keys) carry units:
+``1000`` or ``"1000 steps"`` or ``"2B tokens"``; token counts become steps once the number of tokens
+per optimizer step is known (:meth:`Duration.to_steps`). Sizes accept decimal (``K``, ``M``, ``B``/``G``,
+``T``), binary (``Ki``, ``Mi``, ``Gi``, ``Ti``) and power-of-two (``2^40``) forms.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+
+from memtrain.errors import MemtrainError
+
+SECTIONS = ("run", "model", "memory", "data", "train", "parallel", "checkpoint", "logging", "slurm")
+
+
+class RecipeError(MemtrainError):
+    """A recipe key that is unknown, has the wrong type, or is inconsistent with another key."""
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        super().__init__(f"recipe error: {key}: {message}" if key else f"recipe error: {message}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Sizes and durations
+
+_SUFFIX = {
+    "": 1,
+    "k": 10**3, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12,
+    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*(?:(\d+)\s*\^\s*(\d+)|(\d+(?:\.\d+)?(?:[eE][+-]?\d+)?)\s*(Ki|Mi|Gi|Ti|k|K|M|B|G|T)?)\s*$")
+
+
+def parse_size(value: Any) -> int:
+    """``4096``, ``"64K"``, ``"2Mi"``, ``"1.1T"``, ``"2^40"`` -> int. Raises ValueError."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a count, got {value!r}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if not isinstance(value, str):
+        raise ValueError(f"expected a count like 4096, '64K', '2Mi' or '2^40', got {value!r}")
+    m = _SIZE_RE.match(value)
+    if not m:
+        raise ValueError(f"expected a count like 4096, '64K', '2Mi' or '2^40', got {value!r}")
+    if m.group(1) is not None:
+        return int(m.group(1)) ** int(m.group(2))
+    number = float(m.group(3)) * _SUFFIX[m.group(4) or ""]
+    if not number.is_integer():
+        raise ValueError(f"{value!r} is not a whole number")
+    return int(number)
+
+
+@dataclass(frozen=True)
+class Duration:
+    """A length of training in optimizer steps or in tokens."""
+
+    value: int
+    unit: Literal["steps", "tokens"] = "steps"
+
+    @classmethod
+    def parse(cls, raw: Any) -> "Duration":
+        if isinstance(raw, Duration):
+            return raw
+        if isinstance(raw, str):
+            parts = raw.strip().rsplit(None, 1)
+            if len(parts) == 2 and parts[1] in ("steps", "step", "tokens", "token"):
+                unit = "steps" if parts[1].startswith("step") else "tokens"
+                return cls(parse_size(parts[0]), unit)
+        try:
+            return cls(parse_size(raw), "steps")
+        except ValueError:
+            raise ValueError(
+                f"expected a duration like 1000, '1000 steps', '10k steps' or '2B tokens', got {raw!r}"
+            ) from None
+
+    def to_steps(self, tokens_per_step: int) -> int:
+        """Steps covering this duration; a token count rounds up to whole steps."""
+        if self.unit == "steps":
+            return self.value
+        return -(-self.value // tokens_per_step)
+
+    def __str__(self) -> str:
+        return f"{self.value} {self.unit}"
+
+
+# --------------------------------------------------------------------------------------------------
+# Sections
+
+
+@dataclass
+class RunConfig:
+    name: str = "memtrain"
+    dir: Optional[str] = None  # default runs/<name>
+    seed: int = 1234
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+
+@dataclass
+class ModelConfig:
+    """A decoder-only LM (OpenLM-style by default; Llama-style with norm=rmsnorm, qk_norm=false)."""
+
+    type: Literal["decoder"] = "decoder"
+    vocab_size: int = 50432
+    d_model: int = 512
+    n_layers: int = 8
+    n_heads: int = 8
+    n_kv_heads: Optional[int] = None  # grouped-query attention; default n_heads
+    head_dim: Optional[int] = None  # default d_model // n_heads
+    ffn_dim: int = 2048  # SwiGLU inner dimension
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"  # layernorm is gain-only (no bias)
+    norm_eps: float = 1e-5
+    qk_norm: bool = True  # normalise queries and keys over the full projection width
+    tie_embeddings: bool = False
+    rope_theta: float = 100000.0
+    max_seq_len: int = 2048
+    attention: Literal["auto", "sdpa", "flex"] = "auto"
+    reset_positions: bool = True  # RoPE positions restart at every document in a packed sequence
+    init_std: Optional[float] = None  # default 1/sqrt(d_model)
+
+
+@dataclass
+class MemoryConfig:
+    """Memory modules attached to the anchor. ``none`` trains the anchor alone."""
+
+    type: Literal["none"] = "none"
+
+
+@dataclass
+class TokenizerConfig:
+    path: Optional[str] = None  # a SentencePiece .model file or a local Hugging Face tokenizer folder
+    vocab_size: int = 8192  # when memtrain trains a SentencePiece model (path unset)
+    model_type: Literal["unigram", "bpe"] = "unigram"
+    byte_fallback: bool = True  # unseen characters become UTF-8 byte pieces (needs vocab_size > ~300)
+
+
+@dataclass
+class DataConfig:
+    dir: Optional[str] = None  # default data/<run.name>
+    sources: list[str] = field(default_factory=lambda: ["builtin"])  # "builtin" or local files/globs
+    text_field: str = "text"
+    seq_len: int = 2048
+    val_fraction: float = 0.01
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    shard_size_limit: int = 1 << 26
+    shuffle: bool = True
+    num_workers: int = 0
+    num_canonical_nodes: int = 1
+
+
+@dataclass
+class OptimizerConfig:
+    name: Literal["adamw"] = "adamw"
+    lr: float = 3e-4
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+
+
+@dataclass
+class ScheduleConfig:
+    kind: Literal["cosine", "constant"] = "cosine"
+    warmup: Duration = Duration(0)
+    min_lr: float = 0.0  # the cool-down floor the cosine decays to at train.max_steps
+
+
+@dataclass
+class EvalConfig:
+    every_steps: Duration = Duration(0)  # 0: only at the end of training
+    batches: int = 8
+
+
+@dataclass
+class TrainConfig:
+    max_steps: Duration = Duration(100)
+    global_batch_tokens: int = 1 << 16  # tokens per optimizer step, over all ranks
+    micro_batch_size: int = 8  # sequences per rank per forward/backward
+    grad_clip: float = 1.0
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+@dataclass
+class ParallelConfig:
+    zero_stage: int = 0
+    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    activation_checkpointing: bool = False
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: Duration = Duration(0)  # 0: only at the end of training
+    keep_last: int = 3
+    permanent_every_steps: Duration = Duration(0)  # 0: none are permanent
+    resume: bool = True  # resume from the newest complete checkpoint in run.dir
+
+
+@dataclass
+class LoggingConfig:
+    every_steps: Duration = Duration(10)
+    tensorboard: bool = True
+    peak_flops: Optional[float] = None  # per-device peak FLOP/s for MFU; default from the device name
+
+
+@dataclass
+class SlurmConfig:
+    job_name: Optional[str] = None  # default run.name
+    nodes: int = 1
+    gpus_per_node: int = 8
+    cpus_per_task: int = 8
+    time: str = "24:00:00"
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    exclusive: bool = True
+    directives: list[str] = field(default_factory=list)  # extra "#SBATCH" options, e.g. "--constraint=h100"
+    setup: list[str] = field(default_factory=list)  # shell lines run before launching (module load, venv)
+    launcher: Literal["srun", "torchrun"] = "srun"
+
+
+@dataclass
+class Recipe:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+
+    # -- derived values ----------------------------------------------------------------------------
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.dir) if self.run.dir else Path("runs") / self.run.name
+
+    @property
+    def data_dir(self) -> Path:
+        return Path(self.data.dir) if self.data.dir else Path("data") / self.run.name
+
+    @property
+    def sequences_per_step(self) -> int:
+        return self.train.global_batch_tokens // self.data.seq_len
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.sequences_per_step * self.data.seq_len
+
+    def steps(self, duration: Duration) -> int:
+        return duration.to_steps(self.tokens_per_step)
+
+    @property
+    def max_steps(self) -> int:
+        return self.steps(self.train.max_steps)
+
+    def grad_accum_steps(self, world_size: int) -> int:
+        """Micro-steps per optimizer step so that the global batch holds ``global_batch_tokens``."""
+        per_micro = self.train.micro_batch_size * world_size
+        if self.sequences_per_step % per_micro:
+            raise RecipeError(
+                "train.global_batch_tokens",
+                f"{self.sequences_per_step} sequences per step (global_batch_tokens "
+                f"{self.train.global_batch_tokens} / data.seq_len {self.data.seq_len}) do not divide into "
+                f"micro-batches of train.micro_batch_size {self.train.micro_batch_size} x {world_size} "
+                f"ranks; choose a global batch that is a multiple of {per_micro * self.data.seq_len} tokens",
+            )
+        return self.sequences_per_step // per_micro
+
+    def to_dict(self) -> dict:
+        return _to_plain(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None)
+
+
+def _to_plain(obj: Any) -> Any:
+    if isinstance(obj, Duration):
+        return obj.value if obj.unit == "steps" else str(obj)
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [_to_plain(v) for v in obj]
+    return obj
+
+
+# --------------------------------------------------------------------------------------------------
+# Conversion from plain YAML data into the dataclasses, with strict types
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp) if a is not type(None)) + " or null"
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    if tp is Duration:
+        return "a duration (1000, '1000 steps' or '2B tokens')"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _convert(tp: Any, value: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _convert(args[0], value, key)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise RecipeError(key, f"must be one of {', '.join(repr(c) for c in choices)}; got {value!r}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise RecipeError(key, f"expected {_type_name(tp)}, got {value!r}")
+        (item,) = typing.get_args(tp)
+        return [_convert(item, v, f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp is Duration:
+        try:
+            return Duration.parse(value)
+        except ValueError as e:
+            raise RecipeError(key, str(e)) from None
+    if dataclasses.is_dataclass(tp):
+        if value is None:
+            return tp()
+        if not isinstance(value, dict):
+            raise RecipeError(key, f"expected a mapping of settings, got {value!r}")
+        return _build_dataclass(tp, value, key)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise RecipeError(key, f"expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        try:
+            return parse_size(value)
+        except ValueError as e:
+            raise RecipeError(key, str(e)) from None
+    if tp is float:
+        if isinstance(value, bool):
+            raise RecipeError(key, f"expected a number, got {value!r}")
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):  # PyYAML reads "1e-3" as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise RecipeError(key, f"expected a number, got {value!r}")
+    if tp is str:
+        if not isinstance(value, str):
+            raise RecipeError(key, f"expected a string, got {value!r}")
+        return value
+    raise TypeError(f"unsupported recipe type {tp!r} at {key}")  # a schema bug, not a user error
+
+
+def _unknown_key(cls: type, name: str, prefix: str) -> RecipeError:
+    known = [f.name for f in dataclasses.fields(cls)]
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f"; did you mean {prefix + close[0]!r}?" if close else f"; known keys: {', '.join(known)}"
+    return RecipeError(prefix + name, f"unknown key{hint}")
+
+
+def _build_dataclass(cls: type, data: dict, key: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    prefix = f"{key}." if key else ""
+    for name in data:
+        if not isinstance(name, str) or name not in names:
+            raise _unknown_key(cls, str(name), prefix)
+    kwargs = {name: _convert(hints[name], value, prefix + name) for name, value in data.items()}
+    return cls(**kwargs)
+
+
+# --------------------------------------------------------------------------------------------------
+# Overrides
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``"train.max_steps=20"`` -> ``("train.max_steps", 20)``; the value is parsed as YAML."""
+    if "=" not in text:
+        raise RecipeError("", f"override {text!r} is not of the form key=value (e.g. train.max_steps=20)")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise RecipeError("", f"override {text!r} has no key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw
+    return key, value
+
+
+def apply_override(data: dict, key: str, value: Any) -> None:
+    """Set ``data[a][b][c] = value`` for ``key = "a.b.c"``, checking each step against the schema."""
+    parts = key.split(".")
+    cls: Any = Recipe
+    node = data
+    for i, part in enumerate(parts):
+        here = ".".join(parts[: i + 1])
+        names = {f.name: f for f in dataclasses.fields(cls)}
+        if part not in names:
+            raise _unknown_key(cls, part, ".".join(parts[:i]) + "." if i else "")
+        if i == len(parts) - 1:
+            node[part] = value
+            return
+        tp = typing.get_type_hints(cls)[part]
+        if not dataclasses.is_dataclass(tp) or tp is Duration:
+            raise RecipeError(here, f"is a value, not a section; cannot set {key}")
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        elif not isinstance(child, dict):
+            raise RecipeError(here, f"expected a mapping of settings, got {child!r}")
+        node, cls = child, tp
+
+
+# --------------------------------------------------------------------------------------------------
+# Validation of values that are fine alone but inconsistent together
+
+
+def validate(recipe: Recipe) -> Recipe:
+    m, d, t, p, c = recipe.model, recipe.data, recipe.train, recipe.parallel, recipe.checkpoint
+
+    def positive(key: str, value: float) -> None:
+        if not value > 0:
+            raise RecipeError(key, f"must be positive, got {value}")
+
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", recipe.run.name):
+        raise RecipeError("run.name", f"use letters, digits, '.', '_' and '-' only; got {recipe.run.name!r}")
+    for key in ("vocab_size", "d_model", "n_layers", "n_heads", "ffn_dim", "max_seq_len"):
+        positive(f"model.{key}", getattr(m, key))
+    if m.head_dim is None and m.d_model % m.n_heads:
+        raise RecipeError("model.head_dim", f"model.d_model {m.d_model} is not divisible by model.n_heads "
+                          f"{m.n_heads}; set model.head_dim explicitly")
+    if m.head_dim is not None:
+        positive("model.head_dim", m.head_dim)
+    if (m.head_dim or m.d_model // m.n_heads) % 2:
+        raise RecipeError("model.head_dim", "must be even for rotary position embeddings")
+    if m.n_kv_heads is not None:
+        positive("model.n_kv_heads", m.n_kv_heads)
+        if m.n_heads % m.n_kv_heads:
+            raise RecipeError("model.n_kv_heads", f"model.n_heads {m.n_heads} must be a multiple of "
+                              f"model.n_kv_heads {m.n_kv_heads}")
+    positive("model.rope_theta", m.rope_theta)
+    positive("model.norm_eps", m.norm_eps)
+    if m.init_std is not None:
+        positive("model.init_std", m.init_std)
+
+    positive("data.seq_len", d.seq_len)
+    if d.seq_len > m.max_seq_len:
+        raise RecipeError("data.seq_len", f"{d.seq_len} exceeds model.max_seq_len {m.max_seq_len}")
+    if not 0 <= d.val_fraction < 1:
+        raise RecipeError("data.val_fraction", f"must be in [0, 1), got {d.val_fraction}")
+    if not d.sources:
+        raise RecipeError("data.sources", "is empty; name local files (text, jsonl, parquet) or 'builtin'")
+    if d.tokenizer.path is None and d.tokenizer.vocab_size > m.vocab_size:
+        raise RecipeError("data.tokenizer.vocab_size", f"{d.tokenizer.vocab_size} exceeds model.vocab_size "
+                          f"{m.vocab_size}; the embedding must cover every token id")
+    positive("data.tokenizer.vocab_size", d.tokenizer.vocab_size)
+    positive("data.shard_size_limit", d.shard_size_limit)
+    positive("data.num_canonical_nodes", d.num_canonical_nodes)
+    if d.num_workers < 0:
+        raise RecipeError("data.num_workers", f"must be >= 0, got {d.num_workers}")
+
+    positive("train.global_batch_tokens", t.global_batch_tokens)
+    positive("train.micro_batch_size", t.micro_batch_size)
+    if t.global_batch_tokens % d.seq_len:
+        raise RecipeError("train.global_batch_tokens", f"{t.global_batch_tokens} is not a multiple of "
+                          f"data.seq_len {d.seq_len}")
+    if recipe.sequences_per_step % t.micro_batch_size:
+        raise RecipeError("train.micro_batch_size", f"{t.micro_batch_size} does not divide the "
+                          f"{recipe.sequences_per_step} sequences of one global batch")
+    positive("train.max_steps", recipe.max_steps)
+    positive("train.optimizer.lr", t.optimizer.lr)
+    if len(t.optimizer.betas) != 2 or not all(0 <= b < 1 for b in t.optimizer.betas):
+        raise RecipeError("train.optimizer.betas", f"expected two numbers in [0, 1), got {t.optimizer.betas}")
+    if t.optimizer.eps < 0 or t.optimizer.weight_decay < 0:
+        raise RecipeError("train.optimizer", "eps and weight_decay must be >= 0")
+    if t.grad_clip < 0:
+        raise RecipeError("train.grad_clip", f"must be >= 0 (0 disables clipping), got {t.grad_clip}")
+    if not 0 <= t.schedule.min_lr <= t.optimizer.lr:
+        raise RecipeError("train.schedule.min_lr", f"{t.schedule.min_lr} must lie in [0, "
+                          f"train.optimizer.lr {t.optimizer.lr}]")
+    if recipe.steps(t.schedule.warmup) >= recipe.max_steps:
+        raise RecipeError("train.schedule.warmup", f"{t.schedule.warmup} is not shorter than train.max_steps "
+                          f"({recipe.max_steps} steps)")
+    positive("train.eval.batches", t.eval.batches)
+
+    if p.zero_stage not in (0, 1, 2, 3):
+        raise RecipeError("parallel.zero_stage", f"must be 0, 1, 2 or 3, got {p.zero_stage}")
+    if c.keep_last < 1:
+        raise RecipeError("checkpoint.keep_last", f"must be >= 1, got {c.keep_last}")
+    if recipe.steps(recipe.logging.every_steps) < 1:
+        raise RecipeError("logging.every_steps", "must be at least one step")
+    if recipe.logging.peak_flops is not None:
+        positive("logging.peak_flops", recipe.logging.peak_flops)
+
+    s = recipe.slurm
+    for key in ("nodes", "gpus_per_node", "cpus_per_task"):
+        positive(f"slurm.{key}", getattr(s, key))
+    if not re.fullmatch(r"(\d+-)?\d{1,3}(:\d{2}){0,2}", s.time):
+        raise RecipeError("slurm.time", f"expected a Slurm time like 24:00:00 or 2-00:00:00, got {s.time!r}")
+    return recipe
+
+
+# --------------------------------------------------------------------------------------------------
+# Entry points
+
+
+def recipe_from_dict(data: dict, overrides: Optional[list[str]] = None) -> Recipe:
+    data = copy.deepcopy(data) if data else {}
+    if not isinstance(data, dict):
+        raise RecipeError("", "a recipe must be a YAML mapping of sections (run, model, data, train, ...)")
+    for text in overrides or []:
+        apply_override(data, *parse_override(text))
+    return validate(_build_dataclass(Recipe, data, ""))
+
+
+def load_recipe(path: str | Path, overrides: Optional[list[str]] = None) -> Recipe:
+    """Load ``path``, apply ``key=value`` overrides and validate; raises :class:`RecipeError`."""
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError("", f"recipe file {str(path)!r} does not exist; pass a YAML recipe such as "
+                          "recipes/quickstart.yaml")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise RecipeError("", f"{path} is not valid YAML: {e}") from None
+    return recipe_from_dict(data or {}, overrides)
+
+
+def recipe_hash_fields(recipe: Recipe) -> dict:
+    """The parts of a recipe a checkpoint must agree with to be resumed (model shape, data layout)."""
+    return {"model": _to_plain(recipe.model), "memory": _to_plain(recipe.memory),
+            "data.seq_len": recipe.data.seq_len}
+
+
+__all__ = [
+    "Duration", "Recipe", "RecipeError", "SECTIONS", "load_recipe", "parse_size", "recipe_from_dict",
+    "apply_override", "parse_override", "validate", "recipe_hash_fields",
+] + [name for name in dir() if name.endswith("Config")]
+

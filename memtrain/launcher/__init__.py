@@ -1,0 +1,1 @@
+"""Command line, process-group discovery, the training loop and Slurm submission."""

@@ -1,0 +1,260 @@
+"""The training loop: `memtrain train RECIPE [key=value ...]`.
+
+One optimizer step = ``grad_accum`` micro-batches on every rank, together ``train.global_batch_tokens``
+tokens. DeepSpeed owns the forward/backward/step mechanics (ZeRO, precision, clipping, gradient
+averaging); this loop owns data, evaluation, logging, checkpoints and resume.
+
+Resume is automatic: running the same command again continues from the newest complete checkpoint in
+``run.dir`` and reproduces the uninterrupted loss trajectory (model, optimizer, scheduler, data-loader
+position and every rank's RNG state are restored). SIGTERM or SIGUSR1 (Slurm preemption) make the
+loop finish the current step, write a checkpoint and exit cleanly.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import signal
+import time
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from memtrain.config import Recipe
+from memtrain.errors import CheckpointError, RecipeError
+from memtrain.launcher import dist
+from memtrain.launcher.metrics import MetricsWriter, format_line
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+class _StopFlag:
+    """Set by SIGTERM/SIGUSR1; checked (and agreed on by all ranks) once per step."""
+
+    def __init__(self) -> None:
+        self.raised = False
+        self._previous = {}
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread (e.g. called from a test harness thread)
+                pass
+
+    def _handle(self, signum, frame) -> None:
+        self.raised = True
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _all_mean(values: list[float], device: torch.device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.all_reduce(t)
+        t /= torch.distributed.get_world_size()
+    return t.tolist()
+
+
+def _any(flag: bool, device: torch.device) -> bool:
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def _to_device(batch: dict, device: torch.device) -> dict:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+@torch.no_grad()
+def evaluate(engine, loader_factory, batches: int, device: torch.device) -> Optional[float]:
+    """Mean validation loss over the first ``batches`` micro-batches of every rank's val split."""
+    if loader_factory is None:
+        return None
+    engine.eval()
+    total, count = 0.0, 0
+    for i, batch in enumerate(loader_factory()):
+        if i >= batches:
+            break
+        batch = _to_device(batch, device)
+        out = engine(batch["input_ids"], doc_ids=batch["doc_ids"])
+        total += float(lm_loss(out.logits, batch["labels"]))
+        count += 1
+    engine.train()
+    total, count = _all_mean([total, float(count)], device)
+    return total / count if count else None
+
+
+def _log(msg: str, rank: int) -> None:
+    if rank == 0:
+        print(f"memtrain: {msg}", flush=True)
+
+
+def train(recipe: Recipe) -> dict:
+    """Run (or resume) training to ``train.max_steps``; returns a summary of the last step."""
+    from memtrain.data.loader import build_loader, read_meta, ResumableBatches
+    from memtrain.model import build, flops_per_token, peak_flops, count_parameters
+    from memtrain.parallel import checkpoint as ckpt
+    from memtrain.parallel.engine import global_grad_norm, initialize, lr_at, precision
+
+    dist_env = dist.discover()
+    device = dist.resolve_device(recipe.run.device, dist_env)
+    prec = precision(recipe, device)
+    accum = recipe.grad_accum_steps(dist_env.world_size)  # RecipeError before anything is written
+    meta = read_meta(recipe.data_dir, recipe)  # DataError when `memtrain prepare` has not run
+    if meta["vocab_size"] > recipe.model.vocab_size:
+        raise RecipeError("model.vocab_size", f"{recipe.model.vocab_size} is smaller than the tokenizer's "
+                          f"{meta['vocab_size']} tokens in {recipe.data_dir}")
+    run_dir = recipe.run_dir
+    latest = ckpt.latest_checkpoint(run_dir)
+    if latest is not None and not recipe.checkpoint.resume:
+        raise CheckpointError(f"{run_dir} already holds checkpoints (newest {latest.tag}) and checkpoint.resume "
+                              "is false; resume it, or choose a new run.dir")
+
+    dist.init(dist_env, device, recipe.parallel.backend)
+    rank, world = dist_env.rank, dist_env.world_size
+    import deepspeed
+
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+
+    torch.manual_seed(recipe.run.seed)  # identical initial weights on every rank
+    model = build(recipe.model, recipe.memory)
+    if recipe.parallel.activation_checkpointing:
+        model.set_activation_checkpointing(True)
+    n_params = count_parameters(model)
+    model.to(device)
+
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "recipe.yaml").write_text(recipe.to_yaml(), encoding="utf-8")
+    dist.barrier()
+
+    engine, optimizer, scheduler = initialize(model, recipe, world, prec)
+    train_batches = ResumableBatches(build_loader(recipe, "train", recipe.train.micro_batch_size))
+    val_factory = None
+    if meta.get("val_samples", 0) > 0:
+        val_loader = build_loader(recipe, "val", recipe.train.micro_batch_size, shuffle=False)
+        val_factory = lambda: iter(val_loader)  # noqa: E731 - a fresh pass from the start each time
+
+    step, tokens_seen = 0, 0
+    # Per-rank RNG streams, distinct across ranks (restored from the checkpoint on resume).
+    torch.manual_seed(recipe.run.seed + 1 + rank)
+    if latest is not None:
+        state = ckpt.read_trainer_state(latest)
+        ckpt.check_compatible(latest, state, recipe, world)
+        _, incomplete = ckpt.list_checkpoints(run_dir)
+        for p in incomplete:
+            _log(f"ignoring incomplete checkpoint {p} (no {ckpt.MARKER})", rank)
+        state = ckpt.load(engine, latest, rank)
+        step, tokens_seen = int(state["step"]), int(state["tokens_seen"])
+        train_batches.load_state_dict(state["loader"])
+        _log(f"resuming from {latest.path} (step {step}, {tokens_seen} tokens seen)", rank)
+
+    max_steps = recipe.max_steps
+    log_every = recipe.steps(recipe.logging.every_steps)
+    ckpt_every = recipe.steps(recipe.checkpoint.every_steps)
+    eval_every = recipe.steps(recipe.train.eval.every_steps)
+    writer = MetricsWriter(run_dir, enabled=rank == 0, tensorboard=recipe.logging.tensorboard,
+                           resume_step=step if latest is not None else None)
+    fpt = flops_per_token(recipe.model, recipe.data.seq_len)
+    peak = recipe.logging.peak_flops or peak_flops(device)
+    schedule = lr_at(recipe)
+    _log(f"{n_params:,} parameters | {world} rank(s) via {dist_env.launcher} on {device.type} ({prec}) | "
+         f"ZeRO {recipe.parallel.zero_stage} | {recipe.sequences_per_step} x {recipe.data.seq_len} tokens per step "
+         f"= {recipe.train.micro_batch_size} per micro-batch x {world} ranks x {accum} accumulation", rank)
+    if writer.log_dir:
+        _log(f"TensorBoard logs in {writer.log_dir} (tensorboard --logdir {run_dir / 'tensorboard'})", rank)
+
+    def save(at_step: int) -> None:
+        path = ckpt.save(engine, recipe, step=at_step, rank=rank, world_size=world,
+                         trainer_state={"step": at_step, "tokens_seen": tokens_seen,
+                                        "loader": train_batches.state_dict(), "world_size": world})
+        _log(f"saved checkpoint {path}", rank)
+
+    if step >= max_steps:
+        _log(f"run already complete at step {step} (train.max_steps {max_steps}); nothing to do", rank)
+        writer.close()
+        return {"step": step, "tokens_seen": tokens_seen, "resumed": True}
+
+    stop = _StopFlag()
+    stop.install()
+    last: dict = {}
+    engine.train()
+    last_saved = step if latest is not None else -1
+    try:
+        while step < max_steps:
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            t_start = time.perf_counter()
+            data_wait, pre_clip_norm = 0.0, float("nan")
+            loss_sum = torch.zeros((), device=device)
+            for _ in range(accum):
+                t0 = time.perf_counter()
+                batch = _to_device(next(train_batches), device)
+                data_wait += time.perf_counter() - t0
+                out = engine(batch["input_ids"], doc_ids=batch["doc_ids"])
+                loss = lm_loss(out.logits, batch["labels"])
+                if out.aux_loss is not None:
+                    loss = loss + out.aux_loss
+                engine.backward(loss)
+                if engine.is_gradient_accumulation_boundary() and recipe.parallel.zero_stage == 0:
+                    # DeepSpeed reports no norm without ZeRO or bf16; take it before clipping here.
+                    grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+                    pre_clip_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+                engine.step()
+                loss_sum += loss.detach()
+            step += 1
+            tokens_seen += recipe.tokens_per_step
+            grad_norm = global_grad_norm(engine)
+            if math.isnan(grad_norm) and recipe.parallel.zero_stage == 0:
+                grad_norm = pre_clip_norm
+            train_loss = _all_mean([float(loss_sum) / accum], device)[0]
+            step_time = time.perf_counter() - t_start
+            data_frac = _all_mean([data_wait / step_time], device)[0]
+
+            values = {
+                "loss/train": train_loss,
+                "optim/lr": schedule(step - 1),
+                "optim/grad_norm": grad_norm,
+                "throughput/tokens_per_sec": recipe.tokens_per_step / step_time,
+                "throughput/device/tokens_per_sec": recipe.tokens_per_step / step_time / world,
+                "throughput/step_time_s": step_time,
+                "throughput/data_wait_frac": data_frac,
+                "progress/tokens_seen": float(tokens_seen),
+            }
+            if peak:
+                values["throughput/mfu"] = fpt * values["throughput/device/tokens_per_sec"] / peak
+            if device.type == "cuda":
+                values["gpu_mem/max_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+            if eval_every and step % eval_every == 0 or step == max_steps:
+                val = evaluate(engine, val_factory, recipe.train.eval.batches, device)
+                if val is not None:
+                    values["loss/val"] = val
+            if step % log_every == 0 or step == max_steps or "loss/val" in values:
+                writer.scalars(step, values)
+                writer.line(format_line(step, max_steps, values))
+            last = {"step": step, "tokens_seen": tokens_seen, **values}
+
+            stopping = _any(stop.raised, device)
+            if (ckpt_every and step % ckpt_every == 0) or step == max_steps or stopping:
+                save(step)
+                last_saved = step
+            if stopping:
+                _log(f"stopped by signal at step {step}; run the same command to resume", rank)
+                break
+    finally:
+        stop.restore()
+        writer.close()
+    last["resumed"] = latest is not None
+    last["last_checkpoint_step"] = last_saved
+    return last
+
+
+__all__ = ["train", "evaluate", "lm_loss"]

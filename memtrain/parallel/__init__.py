@@ -1,0 +1,1 @@
+"""DeepSpeed engine set-up and sharded checkpoints (later: the row-sharded memory bank)."""

@@ -1,0 +1,228 @@
+"""Sharded checkpoints: DeepSpeed's engine state plus memtrain's trainer state, with completion markers.
+
+Layout under ``<run.dir>/checkpoints/global_step<N>/``:
+
+- DeepSpeed's files (model states, ZeRO-partitioned optimizer states, the LR scheduler);
+- ``trainer_state.json`` (rank 0): step, tokens seen, data-loader position, the resolved recipe;
+- ``rank_state_<rank>.pt`` (every rank): that rank's torch / numpy / Python RNG states, loaded back
+  with ``weights_only=True``;
+- ``COMPLETE.json``: written by rank 0 after a global barrier once every rank has finished writing.
+  A tag without it is incomplete (a run killed mid-save) and is never resumed from; DeepSpeed's own
+  ``latest`` file is not written, since it can point at an unfinished tag.
+
+Retention: the newest ``checkpoint.keep_last`` complete checkpoints are kept; every checkpoint at a
+multiple of ``checkpoint.permanent_every_steps`` is permanent and never pruned.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from memtrain.config import Recipe, recipe_hash_fields
+from memtrain.errors import CheckpointError
+
+MARKER = "COMPLETE.json"
+TRAINER_STATE = "trainer_state.json"
+_TAG_RE = re.compile(r"^global_step(\d+)$")
+
+
+def checkpoint_root(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def tag_for(step: int) -> str:
+    return f"global_step{step}"
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    path: Path
+    step: int
+    permanent: bool
+    world_size: int
+
+    @property
+    def tag(self) -> str:
+        return self.path.name
+
+
+def _write_json_atomic(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def list_checkpoints(run_dir: Path) -> tuple[list[CheckpointInfo], list[Path]]:
+    """(complete checkpoints sorted by step, incomplete tag folders)."""
+    root = checkpoint_root(run_dir)
+    complete, incomplete = [], []
+    if not root.is_dir():
+        return complete, incomplete
+    for child in root.iterdir():
+        m = _TAG_RE.match(child.name)
+        if not m or not child.is_dir():
+            continue
+        marker = child / MARKER
+        if not marker.is_file():
+            incomplete.append(child)
+            continue
+        try:
+            info = json.loads(marker.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError):
+            incomplete.append(child)
+            continue
+        complete.append(CheckpointInfo(child, int(m.group(1)), bool(info.get("permanent", False)),
+                                       int(info.get("world_size", 1))))
+    complete.sort(key=lambda c: c.step)
+    incomplete.sort(key=lambda p: p.name)
+    return complete, incomplete
+
+
+def latest_checkpoint(run_dir: Path) -> Optional[CheckpointInfo]:
+    complete, _ = list_checkpoints(run_dir)
+    return complete[-1] if complete else None
+
+
+# --------------------------------------------------------------------------------------------------
+# Per-rank RNG state
+
+
+def rng_state() -> dict:
+    np_state = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": {"key": np_state[0], "pos": int(np_state[2]), "has_gauss": int(np_state[3]),
+                  "cached_gaussian": float(np_state[4]), "keys": torch.from_numpy(np_state[1].astype(np.int64))},
+        "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    n = state["numpy"]
+    np.random.set_state((n["key"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+# --------------------------------------------------------------------------------------------------
+# Save / load
+
+
+def save(engine, recipe: Recipe, *, step: int, trainer_state: dict, rank: int, world_size: int) -> Path:
+    """Write checkpoint ``global_step<step>`` on every rank; rank 0 marks it complete and prunes."""
+    import torch.distributed as dist
+
+    root = checkpoint_root(recipe.run_dir)
+    tag = tag_for(step)
+    path = root / tag
+    if rank == 0 and path.exists():  # an incomplete leftover from a killed run at the same step
+        shutil.rmtree(path)
+    if dist.is_initialized():
+        dist.barrier()
+    engine.save_checkpoint(str(root), tag=tag, client_state={"memtrain_step": step}, save_latest=False)
+    path.mkdir(parents=True, exist_ok=True)
+    torch.save(rng_state(), path / f"rank_state_{rank:05d}.pt")
+    if rank == 0:
+        _write_json_atomic(path / TRAINER_STATE, {**trainer_state, "recipe": recipe.to_dict()})
+    if dist.is_initialized():
+        dist.barrier()
+    if rank == 0:
+        every = recipe.steps(recipe.checkpoint.permanent_every_steps)
+        permanent = every > 0 and step % every == 0
+        _write_json_atomic(path / MARKER, {"step": step, "permanent": permanent, "world_size": world_size,
+                                           "time": time.time()})
+        prune(recipe.run_dir, recipe.checkpoint.keep_last)
+    if dist.is_initialized():
+        dist.barrier()
+    return path
+
+
+def prune(run_dir: Path, keep_last: int) -> list[Path]:
+    """Delete complete, non-permanent checkpoints beyond the newest ``keep_last``, and incomplete
+    tags older than the newest complete checkpoint."""
+    complete, incomplete = list_checkpoints(run_dir)
+    removed = []
+    regular = [c for c in complete if not c.permanent]
+    for info in regular[:-keep_last] if keep_last > 0 else regular:
+        shutil.rmtree(info.path, ignore_errors=True)
+        removed.append(info.path)
+    if complete:
+        newest = complete[-1].step
+        for p in incomplete:
+            m = _TAG_RE.match(p.name)
+            if m and int(m.group(1)) < newest:
+                shutil.rmtree(p, ignore_errors=True)
+                removed.append(p)
+    return removed
+
+
+def read_trainer_state(info: CheckpointInfo) -> dict:
+    try:
+        return json.loads((info.path / TRAINER_STATE).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"checkpoint {info.path} is marked complete but its {TRAINER_STATE} cannot be "
+                              f"read ({e}); delete {info.path / MARKER} to fall back to an older checkpoint")
+
+
+def check_compatible(info: CheckpointInfo, state: dict, recipe: Recipe, world_size: int) -> None:
+    """Refuse to resume a checkpoint whose model or data layout differs from the recipe's."""
+    saved = state.get("recipe") or {}
+    saved_fields = {"model": saved.get("model"), "memory": saved.get("memory"),
+                    "data.seq_len": (saved.get("data") or {}).get("seq_len")}
+    current = recipe_hash_fields(recipe)
+    for section, now in current.items():
+        then = saved_fields.get(section)
+        if isinstance(now, dict) and isinstance(then, dict):
+            for key in now:
+                if now[key] != then.get(key):
+                    raise CheckpointError(
+                        f"checkpoint {info.path} was written with {section}.{key}={then.get(key)!r} but the recipe "
+                        f"has {now[key]!r}; restore the recipe value or choose a new run.dir")
+        elif now != then:
+            raise CheckpointError(f"checkpoint {info.path} was written with {section}={then!r} but the recipe "
+                                  f"has {now!r}; restore the recipe value or choose a new run.dir")
+    stage = (saved.get("parallel") or {}).get("zero_stage", 0)
+    if info.world_size != world_size and stage > 0:
+        raise CheckpointError(
+            f"checkpoint {info.path} was written by {info.world_size} ranks with ZeRO stage {stage}; its optimizer "
+            f"state is partitioned for that many ranks. Resume on {info.world_size} ranks (this run has "
+            f"{world_size}).")
+
+
+def load(engine, info: CheckpointInfo, rank: int) -> dict:
+    """Load engine and RNG state for this rank from ``info``; returns the trainer state."""
+    state = read_trainer_state(info)
+    load_path, _ = engine.load_checkpoint(str(info.path.parent), tag=info.tag, load_optimizer_states=True,
+                                          load_lr_scheduler_states=True)
+    if load_path is None:
+        raise CheckpointError(f"DeepSpeed could not load {info.path}; the folder may be damaged. Delete its "
+                              f"{MARKER} to resume from an older checkpoint")
+    rank_file = info.path / f"rank_state_{rank:05d}.pt"
+    if rank_file.is_file():
+        set_rng_state(torch.load(rank_file, weights_only=True))
+    return state
+
+
+def summarize(info: CheckpointInfo) -> dict[str, Any]:
+    return {"path": str(info.path), "step": info.step, "permanent": info.permanent, "world_size": info.world_size}

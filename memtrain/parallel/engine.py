@@ -1,0 +1,124 @@
+"""DeepSpeed engine set-up from a recipe.
+
+The DeepSpeed JSON config is generated here from the recipe and never written by hand
+(:func:`deepspeed_config`); ``memtrain recipe show`` prints it. The optimizer is torch's AdamW with two
+parameter groups (weight decay on matrices and embeddings, none on norm gains), handed to DeepSpeed
+as a client optimizer so that ZeRO shards its state; the learning-rate schedule is a client
+``LambdaLR`` that DeepSpeed steps once per optimizer step and saves in its checkpoints.
+
+Schedule (hierarchical-memories paper, Appendix A.1): linear warmup to ``lr`` over the warmup steps,
+then a cosine from ``lr`` down to the cool-down floor ``min_lr`` reached at ``train.max_steps``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+from torch import nn
+
+from memtrain.config import Recipe
+from memtrain.errors import LaunchError
+
+
+def precision(recipe: Recipe, device: torch.device) -> str:
+    """``bf16`` on GPU and ``fp32`` on CPU unless the recipe says otherwise."""
+    wanted = recipe.parallel.precision
+    if wanted == "auto":
+        return "bf16" if device.type == "cuda" else "fp32"
+    if wanted == "bf16" and device.type != "cuda":
+        raise LaunchError("parallel.precision is bf16 but this run is on CPU; use parallel.precision=fp32 "
+                          "or auto")
+    return wanted
+
+
+def deepspeed_config(recipe: Recipe, world_size: int, precision_name: str = "fp32") -> dict:
+    """The DeepSpeed config for ``world_size`` data-parallel ranks."""
+    accum = recipe.grad_accum_steps(world_size)
+    stage = recipe.parallel.zero_stage
+    zero: dict = {"stage": stage}
+    if stage > 0:
+        zero.update({"contiguous_gradients": True, "overlap_comm": False,
+                     "reduce_bucket_size": 5e7, "allgather_bucket_size": 5e7})
+    if stage == 3:
+        zero.update({"stage3_gather_16bit_weights_on_model_save": False, "stage3_param_persistence_threshold": 1e5})
+    return {
+        "train_batch_size": recipe.sequences_per_step,
+        "train_micro_batch_size_per_gpu": recipe.train.micro_batch_size,
+        "gradient_accumulation_steps": accum,
+        "gradient_clipping": recipe.train.grad_clip,
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        "bf16": {"enabled": precision_name == "bf16"},
+        "fp16": {"enabled": False},
+        # Accumulate bf16 gradients in fp32 so that many micro-batches do not lose precision.
+        "data_types": {"grad_accum_dtype": "fp32" if precision_name == "bf16" else None},
+        "steps_per_print": 2**62,
+        "wall_clock_breakdown": False,
+        "dump_state": False,
+        # memtrain writes TensorBoard itself; DeepSpeed's monitors would duplicate the tags.
+        "tensorboard": {"enabled": False},
+        "csv_monitor": {"enabled": False},
+        "wandb": {"enabled": False},
+    }
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on every matrix (and the embedding), none on vectors such as norm gains."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def build_optimizer(model: nn.Module, recipe: Recipe) -> torch.optim.Optimizer:
+    o = recipe.train.optimizer
+    return torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                             foreach=False)
+
+
+def lr_at(recipe: Recipe) -> Callable[[int], float]:
+    """``step -> learning rate`` for optimizer step ``step`` (0-based)."""
+    lr, floor = recipe.train.optimizer.lr, recipe.train.schedule.min_lr
+    warmup, total = recipe.steps(recipe.train.schedule.warmup), recipe.max_steps
+    kind = recipe.train.schedule.kind
+
+    def schedule(step: int) -> float:
+        if step < warmup:
+            return lr * (step + 1) / warmup
+        if kind == "constant":
+            return lr
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return floor + (lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return schedule
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, recipe: Recipe) -> torch.optim.lr_scheduler.LambdaLR:
+    lr, schedule = recipe.train.optimizer.lr, lr_at(recipe)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: schedule(step) / lr)
+
+
+def initialize(model: nn.Module, recipe: Recipe, world_size: int, precision_name: str):
+    """``deepspeed.initialize`` with memtrain's optimizer, schedule and generated config."""
+    import deepspeed
+
+    optimizer = build_optimizer(model, recipe)
+    scheduler = build_scheduler(optimizer, recipe)
+    engine, optimizer, _, scheduler = deepspeed.initialize(
+        model=model, optimizer=optimizer, lr_scheduler=scheduler,
+        config=deepspeed_config(recipe, world_size, precision_name), dist_init_required=False)
+    return engine, optimizer, scheduler
+
+
+def global_grad_norm(engine) -> float:
+    """The gradient norm before clipping of the step just taken, over all ranks."""
+    norm = engine.get_global_grad_norm()
+    if norm is None:
+        return float("nan")
+    return float(norm)

@@ -1,0 +1,70 @@
+"""Checkpoint bookkeeping: completion markers, pruning, permanence, RNG state and compatibility."""
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from memtrain.config import recipe_from_dict
+from memtrain.errors import CheckpointError
+from memtrain.parallel import checkpoint as ckpt
+
+
+def _fake(run_dir, step, complete=True, permanent=False, world_size=1):
+    path = ckpt.checkpoint_root(run_dir) / ckpt.tag_for(step)
+    path.mkdir(parents=True)
+    if complete:
+        (path / ckpt.MARKER).write_text(json.dumps({"step": step, "permanent": permanent, "world_size": world_size}))
+    return path
+
+
+def test_latest_ignores_incomplete_tags(tmp_path):
+    _fake(tmp_path, 10)
+    _fake(tmp_path, 20)
+    _fake(tmp_path, 30, complete=False)  # killed mid-save
+    (ckpt.checkpoint_root(tmp_path) / "latest").write_text("global_step30")  # DeepSpeed's pointer is not trusted
+    assert ckpt.latest_checkpoint(tmp_path).step == 20
+    complete, incomplete = ckpt.list_checkpoints(tmp_path)
+    assert [c.step for c in complete] == [10, 20] and [p.name for p in incomplete] == ["global_step30"]
+
+
+def test_corrupt_marker_counts_as_incomplete(tmp_path):
+    _fake(tmp_path, 10)
+    bad = _fake(tmp_path, 20)
+    (bad / ckpt.MARKER).write_text("{not json")
+    assert ckpt.latest_checkpoint(tmp_path).step == 10
+
+
+def test_prune_keeps_last_n_and_permanent(tmp_path):
+    for step in (10, 20, 30, 40, 50):
+        _fake(tmp_path, step, permanent=step == 20)
+    _fake(tmp_path, 25, complete=False)  # older than the newest complete one: garbage
+    _fake(tmp_path, 60, complete=False)  # newer: may be in progress, keep
+    ckpt.prune(tmp_path, keep_last=2)
+    complete, incomplete = ckpt.list_checkpoints(tmp_path)
+    assert [c.step for c in complete] == [20, 40, 50]
+    assert [p.name for p in incomplete] == ["global_step60"]
+
+
+def test_rng_state_roundtrip_loads_with_weights_only(tmp_path):
+    torch.manual_seed(1), np.random.seed(2), random.seed(3)
+    state = ckpt.rng_state()
+    torch.save(state, tmp_path / "s.pt")
+    expected = (torch.rand(3), np.random.rand(3), random.random())
+    torch.manual_seed(99), np.random.seed(99), random.seed(99)
+    ckpt.set_rng_state(torch.load(tmp_path / "s.pt", weights_only=True))
+    got = (torch.rand(3), np.random.rand(3), random.random())
+    assert torch.equal(expected[0], got[0]) and np.array_equal(expected[1], got[1]) and expected[2] == got[2]
+
+
+def test_incompatible_checkpoint_names_the_key(tmp_path):
+    saved = recipe_from_dict({"model": {"d_model": 256}, "parallel": {"zero_stage": 2}})
+    info = ckpt.CheckpointInfo(tmp_path / "global_step5", 5, False, world_size=2)
+    state = {"recipe": saved.to_dict()}
+    with pytest.raises(CheckpointError, match=r"model.d_model=256 but the recipe has 512"):
+        ckpt.check_compatible(info, state, recipe_from_dict({}), world_size=2)
+    with pytest.raises(CheckpointError, match="written by 2 ranks with ZeRO stage 2"):
+        ckpt.check_compatible(info, state, recipe_from_dict({"model": {"d_model": 256}}), world_size=4)
+    ckpt.check_compatible(info, state, recipe_from_dict({"model": {"d_model": 256}}), world_size=2)

@@ -1,0 +1,64 @@
+"""Process-group discovery under each launcher, from their environment variables."""
+
+import pytest
+
+from memtrain.errors import LaunchError
+from memtrain.launcher.dist import discover, first_host, tasks_on_node
+
+
+def test_single_process_without_launcher():
+    env = discover({})
+    assert (env.rank, env.local_rank, env.world_size, env.local_world_size, env.launcher) == (0, 0, 1, 1, "single")
+    assert env.master_port > 0
+
+
+def test_torchrun():
+    env = discover({"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4",
+                    "MASTER_ADDR": "node0", "MASTER_PORT": "29400"})
+    assert (env.rank, env.local_rank, env.world_size, env.local_world_size) == (5, 1, 8, 4)
+    assert (env.master_addr, env.master_port, env.launcher, env.num_nodes) == ("node0", 29400, "torchrun", 2)
+
+
+def test_deepspeed_launcher_sets_local_size_not_local_world_size():
+    env = discover({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_SIZE": "2",
+                    "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "CROSS_RANK": "1"})
+    assert (env.rank, env.local_rank, env.world_size, env.local_world_size, env.launcher) == (3, 1, 4, 2, "deepspeed")
+
+
+def test_slurm_step():
+    env = discover({"SLURM_PROCID": "9", "SLURM_LOCALID": "1", "SLURM_NODEID": "2", "SLURM_STEP_NUM_TASKS": "11",
+                    "SLURM_STEP_TASKS_PER_NODE": "4(x2),3", "SLURM_STEP_NODELIST": "gpu[07-09]",
+                    "SLURM_JOB_ID": "123456", "SLURM_JOB_NODELIST": "gpu[07-09]"})
+    assert (env.rank, env.local_rank, env.world_size, env.local_world_size, env.launcher) == (9, 1, 11, 3, "slurm")
+    assert env.master_addr == "gpu07"
+    assert env.master_port == 20000 + 123456 % 20000
+
+
+def test_slurm_batch_script_outside_srun_is_a_single_process():
+    assert discover({"SLURM_JOB_ID": "1", "SLURM_PROCID": "0", "SLURM_NTASKS": "8"}).launcher == "single"
+
+
+def test_launcher_variables_win_over_slurm():
+    # torchrun started by srun: one task per node, torchrun's variables describe the processes.
+    env = discover({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_LOCALID": "0",
+                    "RANK": "6", "LOCAL_RANK": "2", "WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"})
+    assert (env.rank, env.world_size, env.launcher) == (6, 16, "torchrun")
+
+
+def test_slurm_helpers():
+    assert tasks_on_node("8(x3)", 2) == 8
+    assert tasks_on_node("2,4(x2)", 0) == 2 and tasks_on_node("2,4(x2)", 2) == 4
+    assert first_host("node12") == "node12"
+    assert first_host("a[3,5-7],b1") == "a3"
+    with pytest.raises(LaunchError):
+        tasks_on_node("4(x2)", 5)
+
+
+@pytest.mark.parametrize("environ", [
+    {"RANK": "0", "WORLD_SIZE": "2"},  # neither LOCAL_WORLD_SIZE nor LOCAL_SIZE
+    {"RANK": "2", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "0"},  # rank outside world
+    {"RANK": "x", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"},
+])
+def test_inconsistent_environment_is_a_launch_error(environ):
+    with pytest.raises(LaunchError):
+        discover(environ)

@@ -1,0 +1,202 @@
+"""End-to-end training runs on CPU: the quickstart, exact resume, incomplete checkpoints, and
+multi-process DeepSpeed runs (torchrun, the deepspeed launcher's and Slurm's environments) that
+must reproduce the single-process losses for the same global batch."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+TINY = {
+    "run": {"name": "tiny", "seed": 7},
+    "model": {"vocab_size": 320, "d_model": 32, "n_layers": 2, "n_heads": 2, "ffn_dim": 64, "max_seq_len": 32,
+              "tie_embeddings": False},
+    "data": {"sources": ["builtin"], "seq_len": 32, "val_fraction": 0.02,
+             "tokenizer": {"vocab_size": 320, "model_type": "bpe"}},
+    "train": {"max_steps": 8, "global_batch_tokens": 256, "micro_batch_size": 2,
+              "optimizer": {"lr": 3.0e-3}, "schedule": {"kind": "cosine", "warmup": "2 steps", "min_lr": 3.0e-4},
+              "eval": {"every_steps": 4, "batches": 2}},
+    "checkpoint": {"every_steps": 4, "keep_last": 3},
+    "logging": {"every_steps": 1},
+}
+
+
+def _env(extra: dict | None = None) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("RANK", "LOCAL_", "WORLD_SIZE", "MASTER_", "SLURM_", "TORCHELASTIC"))}
+    env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
+    env.update(extra or {})
+    return env
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """A work folder with a prepared tiny corpus and a recipe pointing at it."""
+    root = tmp_path_factory.mktemp("train")
+    recipe = json.loads(json.dumps(TINY))
+    recipe["data"]["dir"] = str(root / "data")
+    (root / "tiny.yaml").write_text(yaml.safe_dump(recipe))
+    out = subprocess.run([sys.executable, "-m", "memtrain", "prepare", "tiny.yaml"], cwd=root, env=_env(),
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    return root
+
+
+def train(workdir: Path, run: str, *overrides: str, launcher: list[str] | None = None,
+          prelude: str = "", env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    args = ["tiny.yaml", f"run.dir=runs/{run}", *overrides]
+    if prelude:  # run the CLI in-process after some set-up (used to simulate a preemption signal)
+        code = prelude + f"\nfrom memtrain.launcher.cli import main\nraise SystemExit(main({['train', *args]!r}))"
+        cmd = [sys.executable, "-c", code]
+    else:
+        cmd = (launcher or [sys.executable, "-m", "memtrain"]) + ["train", *args]
+    out = subprocess.run(cmd, cwd=workdir, env=_env(env), capture_output=True, text=True, timeout=900)
+    if check:
+        assert out.returncode == 0, f"{cmd}\nstdout:\n{out.stdout[-3000:]}\nstderr:\n{out.stderr[-5000:]}"
+    return out
+
+
+def losses(workdir: Path, run: str) -> dict[int, float]:
+    rows = [json.loads(line) for line in (workdir / "runs" / run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss/train"] for r in rows}
+
+
+@pytest.fixture(scope="module")
+def reference(workdir):
+    """An uninterrupted single-process run of 8 steps (no launcher: a world of one)."""
+    out = train(workdir, "ref")
+    assert "step 8/8" in out.stdout and "1 rank(s) via single on cpu (fp32)" in out.stdout
+    return losses(workdir, "ref")
+
+
+def test_loss_goes_down_and_artifacts_exist(workdir, reference):
+    assert sorted(reference) == list(range(1, 9))
+    assert reference[8] < reference[1] - 0.3
+    run = workdir / "runs" / "ref"
+    complete = sorted(p.parent.name for p in run.glob("checkpoints/*/COMPLETE.json"))
+    assert complete == ["global_step4", "global_step8"]
+    assert not (run / "checkpoints" / "latest").exists()
+    assert (run / "recipe.yaml").is_file()
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run / "tensorboard"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    for tag in ("loss/train", "loss/val", "optim/lr", "optim/grad_norm", "throughput/tokens_per_sec",
+                "throughput/device/tokens_per_sec", "throughput/step_time_s", "throughput/data_wait_frac",
+                "progress/tokens_seen"):
+        assert tag in tags, tag
+    assert "throughput/mfu" not in tags  # CPU peak unknown and not set in the recipe
+    assert [e.step for e in acc.Scalars("loss/val")] == [4, 8]
+    assert acc.Scalars("progress/tokens_seen")[-1].value == 8 * 256
+    # DeepSpeed's own monitor is off: every event file is ours.
+    assert len(list((run / "tensorboard").glob("events.*"))) == 1
+
+
+def test_stop_and_resume_reproduces_the_uninterrupted_losses(workdir, reference):
+    # A preemption signal observed after step 3 (not a checkpoint step): the loop checkpoints and exits.
+    stop_after_3 = textwrap.dedent("""
+        import memtrain.launcher.train as t
+        calls = {"n": 0}
+        real = t._any
+        def fake(flag, device):
+            calls["n"] += 1
+            return real(flag or calls["n"] == 3, device)
+        t._any = fake
+    """)
+    out = train(workdir, "resume", prelude=stop_after_3)
+    assert "stopped by signal at step 3" in out.stdout
+    assert sorted(losses(workdir, "resume")) == [1, 2, 3]
+    out = train(workdir, "resume")
+    assert "resuming from" in out.stdout and "global_step3 (step 3" in out.stdout
+    resumed = losses(workdir, "resume")
+    assert sorted(resumed) == list(range(1, 9))
+    for step in range(1, 9):
+        assert resumed[step] == pytest.approx(reference[step], rel=0, abs=1e-6), step
+    out = train(workdir, "resume")
+    assert "run already complete at step 8" in out.stdout
+
+
+def test_incomplete_checkpoint_is_ignored(workdir, reference):
+    train(workdir, "partial")
+    tag8 = workdir / "runs" / "partial" / "checkpoints" / "global_step8"
+    (tag8 / "COMPLETE.json").unlink()  # as if the job died while writing step 8
+    out = train(workdir, "partial")
+    assert "ignoring incomplete checkpoint" in out.stdout and "global_step8" in out.stdout
+    assert "global_step4 (step 4" in out.stdout
+    again = losses(workdir, "partial")
+    for step in range(5, 9):
+        assert again[step] == pytest.approx(reference[step], rel=0, abs=1e-6)
+
+
+def test_existing_run_is_not_overwritten_without_resume(workdir, reference):
+    before = sorted(p.name for p in (workdir / "runs" / "ref" / "checkpoints").iterdir())
+    out = train(workdir, "ref", "checkpoint.resume=false", check=False)
+    assert out.returncode == 2 and "already holds checkpoints" in out.stderr
+    assert sorted(p.name for p in (workdir / "runs" / "ref" / "checkpoints").iterdir()) == before
+
+
+def _compare(workdir, run, reference):
+    got = losses(workdir, run)
+    assert sorted(got) == list(range(1, 9))
+    for step in range(1, 9):
+        assert got[step] == pytest.approx(reference[step], rel=1e-5, abs=1e-5), (step, got[step], reference[step])
+
+
+def test_two_ranks_under_torchrun_zero2_match_one_process(workdir, reference):
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                str(_port()), "-m", "memtrain"]
+    out = train(workdir, "torchrun", "parallel.zero_stage=2", launcher=launcher)
+    assert "2 rank(s) via torchrun" in out.stdout and "x 2 ranks x 2 accumulation" in out.stdout
+    _compare(workdir, "torchrun", reference)
+
+
+def _spawn_two(workdir, run, overrides, env_for_rank, argv_for_rank=lambda r: []):
+    procs = []
+    for rank in range(2):
+        cmd = [sys.executable, "-m", "memtrain", *argv_for_rank(rank), "train", "tiny.yaml", f"run.dir=runs/{run}",
+               *overrides]
+        procs.append(subprocess.Popen(cmd, cwd=workdir, env=_env(env_for_rank(rank)), stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=900) for p in procs]
+    for p, (so, se) in zip(procs, outs):
+        assert p.returncode == 0, f"stdout:\n{so[-3000:]}\nstderr:\n{se[-5000:]}"
+    return outs[0][0]
+
+
+def test_two_ranks_under_slurm_environment_match_one_process(workdir, reference):
+    port = str(_port())
+    out = _spawn_two(workdir, "slurm", ["parallel.zero_stage=1"], lambda r: {
+        "SLURM_JOB_ID": "77", "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r), "SLURM_NODEID": "0",
+        "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_STEP_NODELIST": "127.0.0.1",
+        "MASTER_PORT": port})
+    assert "2 rank(s) via slurm" in out
+    _compare(workdir, "slurm", reference)
+
+
+def test_two_ranks_under_deepspeed_launcher_environment_match_one_process(workdir, reference):
+    port = str(_port())
+    out = _spawn_two(workdir, "dslaunch", ["parallel.zero_stage=3"], lambda r: {
+        "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2", "LOCAL_SIZE": "2", "CROSS_RANK": "0",
+        "CROSS_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port},
+        argv_for_rank=lambda r: [f"--local_rank={r}"])
+    assert "2 rank(s) via deepspeed" in out
+    _compare(workdir, "dslaunch", reference)
