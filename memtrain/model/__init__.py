@@ -1,0 +1,31 @@
+"""Models: the anchor decoder (:mod:`.anchor`), its attention paths (:mod:`.attention`) and FLOP
+accounting (:mod:`.flops`). Memory modules attach here later.
+
+Imports torch only (never DeepSpeed, streaming or transformers), so models can be built and
+benchmarked alone. :func:`build` works under ``with torch.device("meta"):`` for parameter counts.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from torch import nn
+
+from memtrain.config import MemoryConfig, ModelConfig
+from memtrain.model.anchor import DecoderLM, ModelOutput, document_ids, position_ids_from_doc_ids
+from memtrain.model.flops import count_parameters, flops_per_token, peak_flops
+
+
+def build(model_cfg: ModelConfig, memory_cfg: Optional[MemoryConfig] = None) -> nn.Module:
+    """The model a recipe describes: the anchor decoder, with memory modules once they exist."""
+    if model_cfg.type != "decoder":
+        raise ValueError(f"unknown model.type {model_cfg.type!r}; expected 'decoder'")
+    if memory_cfg is not None and memory_cfg.type != "none":
+        raise ValueError(f"unknown memory.type {memory_cfg.type!r}; only 'none' is available")
+    return DecoderLM(model_cfg)
+
+
+__all__ = [
+    "DecoderLM", "ModelOutput", "build", "count_parameters", "document_ids", "flops_per_token", "peak_flops",
+    "position_ids_from_doc_ids",
+]

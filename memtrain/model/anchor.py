@@ -1,0 +1,292 @@
+"""The anchor model: the OpenLM decoder-only transformer of the hierarchical-memories paper.
+
+Architecture (paper Appendix A.1, Tables 6-8, block of Fig. 13; Appendix I names the linear layers):
+
+- token embedding ``V x d``; pre-norm blocks ``x = x + attn(norm1(x))``, ``x = x + ffn(norm2(x))``;
+  a final norm; an LM head tied to the embedding (160M) or a separate bias-free linear (410M, 1B).
+- attention: bias-free ``wq`` (d -> h*dh), ``wk``/``wv`` (d -> kv*dh, grouped-query when
+  kv < h), ``wo`` (h*dh -> d). The attention width h*dh may differ from d (160M: 12 x 32 = 384, d 512).
+- qk-norm: one norm over the full projection width (h*dh for queries, kv*dh for keys), before RoPE.
+  This is OpenLM's layout, and with it the parameter counts equal the paper's exactly
+  (163,510,016 / 411,665,408 / 1,439,893,504).
+- norms: ``layernorm`` is gain-only LayerNorm (mean-subtracting, no bias); ``rmsnorm`` is RMSNorm.
+- RoPE (Appendix A: frequency base 100,000), rotate-half convention, computed in fp32. With
+  ``reset_positions`` the positions restart at every document of a packed sequence.
+- SwiGLU FFN with OpenLM's names: ``w3(silu(w1 x) * w2 x)`` (w1 gate, w2 up, w3 down). No biases.
+- Attention is causal and never crosses documents (:mod:`memtrain.model.attention`).
+
+Initialisation (OpenLM's scheme; :meth:`DecoderLM.reset_parameters`): every weight matrix and the
+embedding draw from a normal truncated at +-3 sigma, with
+
+- sigma = ``init_std`` or ``1/sqrt(d_model)`` for the embedding, ``wq``, ``wk``, ``wv``, ``w1``,
+  ``w2`` and a separate LM head (all have fan-in d_model);
+- sigma = ``1/sqrt(fan_in) / sqrt(2 * (layer_index + 1))`` for the output projections ``wo``
+  (fan-in h*dh) and ``w3`` (fan-in ffn_dim): depth-scaled so deeper residual branches start smaller;
+- norm gains 1.
+
+Construction draws from torch's global RNG only, so ``torch.manual_seed(s); build(cfg)`` is
+reproducible. On the meta device no initialisation happens (parameter counting only).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from memtrain.config import ModelConfig
+from memtrain.model.attention import AttentionMask, attend, build_attention_mask
+
+
+@dataclass
+class ModelOutput:
+    """What a forward returns: logits ``[B, T, V]`` and an optional auxiliary loss (memory modules)."""
+
+    logits: torch.Tensor
+    aux_loss: Optional[torch.Tensor] = None
+
+
+# --------------------------------------------------------------------------------------------------
+# Document structure of packed sequences
+
+
+def document_ids(input_ids: torch.Tensor, eot_id: int) -> torch.Tensor:
+    """Document index per position: the number of EOT tokens strictly before it.
+
+    An EOT token belongs to the document it ends. ``[..., T]`` -> LongTensor ``[..., T]``.
+    """
+    is_eot = (input_ids == eot_id).long()
+    return is_eot.cumsum(-1) - is_eot
+
+
+def position_ids_from_doc_ids(doc_ids: torch.Tensor) -> torch.Tensor:
+    """Position of each token within its document (0 at every document start). ``[..., T]``."""
+    T = doc_ids.shape[-1]
+    idx = torch.arange(T, device=doc_ids.device).expand_as(doc_ids)
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[..., 1:] = doc_ids[..., 1:] != doc_ids[..., :-1]
+    # The running max of start indices is the start of the current document.
+    first = torch.where(starts, idx, torch.zeros_like(idx)).cummax(-1).values
+    return idx - first
+
+
+# --------------------------------------------------------------------------------------------------
+# Building blocks
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with a gain, computed in at least fp32 (as Llama does) so bf16 inputs keep their scale."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return y.type_as(x) * self.weight
+
+
+def make_norm(kind: str, dim: int, eps: float) -> nn.Module:
+    """``layernorm``: gain-only LayerNorm (OpenLM has no biases anywhere); ``rmsnorm``: RMSNorm."""
+    if kind == "layernorm":
+        return nn.LayerNorm(dim, eps=eps, bias=False)
+    if kind == "rmsnorm":
+        return RMSNorm(dim, eps=eps)
+    raise ValueError(f"unknown norm {kind!r}; expected 'layernorm' or 'rmsnorm'")
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables of RoPE for given positions, in fp32.
+
+    Holds no buffers: the inverse frequencies are recomputed per forward (head_dim/2 values), so a
+    bf16 cast of the model cannot degrade them and state dicts contain parameters only. Tests hook
+    this module to see which positions the model used.
+    """
+
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        self.head_dim = head_dim
+        self.theta = theta
+
+    def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[B, T]`` positions -> cos, sin of shape ``[B, T, 1, head_dim]`` (broadcast over heads)."""
+        device = position_ids.device
+        exponent = torch.arange(0, self.head_dim, 2, device=device, dtype=torch.float32) / self.head_dim
+        inv_freq = 1.0 / (self.theta ** exponent)
+        freqs = position_ids.float()[..., None] * inv_freq
+        angles = torch.cat((freqs, freqs), dim=-1)[..., None, :]
+        return angles.cos(), angles.sin()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[B, T, H, D]`` by RoPE (rotate-half convention) in fp32 (float64 inputs stay
+    float64); returns x's dtype."""
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    return (xf * cos + _rotate_half(xf) * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_index: int):
+        super().__init__()
+        self.layer_index = layer_index
+        self.n_heads = cfg.n_heads
+        self.n_kv_heads = cfg.n_kv_heads or cfg.n_heads
+        self.head_dim = cfg.head_dim or cfg.d_model // cfg.n_heads
+        q_width, kv_width = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        self.wq = nn.Linear(cfg.d_model, q_width, bias=False)
+        self.wk = nn.Linear(cfg.d_model, kv_width, bias=False)
+        self.wv = nn.Linear(cfg.d_model, kv_width, bias=False)
+        self.wo = nn.Linear(q_width, cfg.d_model, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = make_norm(cfg.norm, q_width, cfg.norm_eps)
+            self.k_norm = make_norm(cfg.norm, kv_width, cfg.norm_eps)
+        else:
+            self.q_norm = self.k_norm = nn.Identity()
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_norm(self.wq(x)).view(B, T, self.n_heads, self.head_dim)
+        k = self.k_norm(self.wk(x)).view(B, T, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
+        # Under autocast the norms return fp32 while v is bf16; attention wants one dtype.
+        q = apply_rope(q, cos, sin).to(v.dtype)
+        k = apply_rope(k, cos, sin).to(v.dtype)
+        out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
+        return self.wo(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+
+class SwiGLU(nn.Module):
+    """SwiGLU FFN (Shazeer 2020) with OpenLM's names: w1 gate, w2 up, w3 down (paper Fig. 13, 18)."""
+
+    def __init__(self, d_model: int, ffn_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(d_model, ffn_dim, bias=False)
+        self.w2 = nn.Linear(d_model, ffn_dim, bias=False)
+        self.w3 = nn.Linear(ffn_dim, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w3(F.silu(self.w1(x)) * self.w2(x))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block of Fig. 13."""
+
+    def __init__(self, cfg: ModelConfig, layer_index: int):
+        super().__init__()
+        self.layer_index = layer_index
+        self.norm1 = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg, layer_index)
+        self.norm2 = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
+        self.ffn = SwiGLU(cfg.d_model, cfg.ffn_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, mask)
+        return x + self.ffn(self.norm2(x))
+
+
+def _trunc_normal_(weight: torch.Tensor, std: float) -> None:
+    nn.init.trunc_normal_(weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+
+
+# --------------------------------------------------------------------------------------------------
+# The model
+
+
+class DecoderLM(nn.Module):
+    """OpenLM decoder-only language model (see the module docstring for architecture and init)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.head_dim = cfg.head_dim or cfg.d_model // cfg.n_heads
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
+        if cfg.tie_embeddings:
+            # Built on meta so that no V x d matrix is allocated only to be replaced by the embedding.
+            self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False, device="meta")
+            self.lm_head.weight = self.embed.weight
+        else:
+            self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.rope = RotaryEmbedding(self.head_dim, cfg.rope_theta)
+        self.activation_checkpointing = False
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """OpenLM initialisation (module docstring); a no-op on the meta device."""
+        if self.embed.weight.is_meta:
+            return
+        cfg = self.cfg
+        base = cfg.init_std or 1.0 / math.sqrt(cfg.d_model)
+        attn_width = cfg.n_heads * self.head_dim
+        _trunc_normal_(self.embed.weight, base)
+        for block in self.blocks:
+            depth = 1.0 / math.sqrt(2 * (block.layer_index + 1))
+            attn, ffn = block.attn, block.ffn
+            for linear in (attn.wq, attn.wk, attn.wv, ffn.w1, ffn.w2):
+                _trunc_normal_(linear.weight, base)
+            _trunc_normal_(attn.wo.weight, depth / math.sqrt(attn_width))
+            _trunc_normal_(ffn.w3.weight, depth / math.sqrt(cfg.ffn_dim))
+        if not cfg.tie_embeddings:
+            _trunc_normal_(self.lm_head.weight, base)
+        for module in self.modules():
+            if isinstance(module, (nn.LayerNorm, RMSNorm)):
+                module.reset_parameters()
+
+    def set_activation_checkpointing(self, enabled: bool) -> None:
+        """Recompute each block's activations in backward (training only) to save memory."""
+        self.activation_checkpointing = bool(enabled)
+
+    def position_ids(self, input_ids: torch.Tensor, doc_ids: Optional[torch.Tensor]) -> torch.Tensor:
+        """RoPE positions: per document when ``reset_positions`` and doc_ids are given, else 0..T-1."""
+        if doc_ids is not None and self.cfg.reset_positions:
+            return position_ids_from_doc_ids(doc_ids)
+        return torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids)
+
+    def forward(self, input_ids: torch.Tensor, doc_ids: Optional[torch.Tensor] = None,
+                memory: Any = None) -> ModelOutput:
+        """``input_ids`` ``[B, T]``; ``doc_ids`` ``[B, T]`` document index per position (see
+        :func:`document_ids`), None for one document per sequence. ``memory`` is reserved for memory
+        modules; the anchor alone takes none."""
+        if memory is not None:
+            raise ValueError("this model has no memory modules (memory.type is 'none'); pass memory=None")
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}")
+        T = input_ids.shape[1]
+        if T > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {T} exceeds model.max_seq_len {self.cfg.max_seq_len}")
+        if doc_ids is not None and doc_ids.shape != input_ids.shape:
+            raise ValueError(f"doc_ids shape {tuple(doc_ids.shape)} differs from input_ids "
+                             f"{tuple(input_ids.shape)}")
+
+        cos, sin = self.rope(self.position_ids(input_ids, doc_ids))
+        mask = build_attention_mask(doc_ids, T, self.cfg.attention, input_ids.device)
+        x = self.embed(input_ids)
+        recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
+        for block in self.blocks:
+            if recompute:
+                x = checkpoint(block, x, cos, sin, mask, use_reentrant=False)
+            else:
+                x = block(x, cos, sin, mask)
+        return ModelOutput(logits=self.lm_head(self.norm(x)))
+
+
+__all__ = [
+    "Attention", "Block", "DecoderLM", "ModelOutput", "RMSNorm", "RotaryEmbedding", "SwiGLU", "apply_rope",
+    "document_ids", "make_norm", "position_ids_from_doc_ids",
+]

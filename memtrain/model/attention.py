@@ -1,0 +1,168 @@
+"""Document-masked causal self-attention: mask construction and the attention call.
+
+A packed training sequence holds several documents separated by EOT tokens; a query may attend to a
+key only if the key is not in the future *and* belongs to the same document (hierarchical-memories
+paper, Appendix A.1: sequences are built with dataset decomposition, where no attention crosses
+document boundaries). This module owns that rule for every attention path:
+
+- ``sdpa``: :func:`torch.nn.functional.scaled_dot_product_attention`. Without document ids it uses
+  ``is_causal=True`` (FlashAttention on GPU); with document ids it takes a dense boolean mask
+  ``[B, 1, T, T]``. The dense mask is the reference path and the one that runs everywhere.
+- ``flex``: :func:`torch.nn.attention.flex_attention.flex_attention` with a block-sparse
+  ``BlockMask`` built by ``create_block_mask`` from the same rule; fully masked blocks are skipped,
+  which is what makes long packed sequences cheap on GPU. It is compiled on CUDA and runs eagerly
+  (unfused, for checking) elsewhere; flex has no CPU backward, so on CPU with gradients enabled the
+  dense-mask sdpa path stands in for it.
+- ``auto``: flex on CUDA when it can be imported, sdpa otherwise.
+
+Masks are built once per forward by :func:`build_attention_mask` and shared by all layers.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import warnings
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+try:  # flex attention appeared in torch 2.5; keep sdpa working if an older or trimmed build lacks it
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    _FLEX_IMPORT_ERROR: Optional[str] = None
+except ImportError as e:  # pragma: no cover - depends on the torch build
+    create_block_mask = flex_attention = None  # type: ignore[assignment]
+    _FLEX_IMPORT_ERROR = str(e)
+
+BACKENDS = ("auto", "sdpa", "flex")
+
+
+def flex_available() -> bool:
+    """Whether ``torch.nn.attention.flex_attention`` can be imported in this torch build."""
+    return flex_attention is not None
+
+
+def resolve_backend(backend: str, device: torch.device, grad: Optional[bool] = None) -> str:
+    """Map ``auto`` to the concrete path for ``device``; return ``"sdpa"`` or ``"flex"``.
+
+    Flex attention has no CPU backward, so ``flex`` on CPU with gradients enabled (``grad``, default
+    ``torch.is_grad_enabled()``) falls back to the equivalent dense-mask sdpa, with a warning once.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+    if backend == "auto":
+        return "flex" if device.type == "cuda" and flex_available() else "sdpa"
+    if backend == "flex" and not flex_available():
+        raise RuntimeError(f"attention 'flex' needs torch.nn.attention.flex_attention, which failed to import "
+                           f"({_FLEX_IMPORT_ERROR}); set model.attention to 'sdpa'")
+    if backend == "flex" and device.type == "cpu" and (torch.is_grad_enabled() if grad is None else grad):
+        _warn_flex_cpu_backward()
+        return "sdpa"
+    return backend
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_flex_cpu_backward() -> None:
+    warnings.warn("flex attention has no backward on CPU; using the dense-mask sdpa path (same result) "
+                  "while gradients are enabled", stacklevel=4)
+
+
+def document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """Dense boolean mask ``[B, 1, T, T]``: True where query t may attend key s (s <= t, same doc)."""
+    T = doc_ids.shape[-1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
+    same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]
+    return (same_doc & causal)[:, None]
+
+
+@dataclass
+class AttentionMask:
+    """Everything the layers of one forward need to apply the mask; build with
+    :func:`build_attention_mask`. ``dense`` and ``block_mask`` are both None for plain causal sdpa."""
+
+    backend: str  # "sdpa" or "flex"
+    dense: Optional[torch.Tensor] = None  # [B, 1, T, T] bool, sdpa with documents
+    block_mask: Any = None  # flex BlockMask
+
+
+@functools.lru_cache(maxsize=None)
+def _create_block_mask_accepts_compile() -> bool:
+    return "_compile" in inspect.signature(create_block_mask).parameters
+
+
+def _flex_block_mask(doc_ids: Optional[torch.Tensor], batch: int, seq_len: int, device: torch.device) -> Any:
+    if doc_ids is None:
+        def mask_mod(b, h, q_idx, kv_idx):
+            return q_idx >= kv_idx
+
+        batch_dim = None  # the same causal pattern for every sequence
+    else:
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (q_idx >= kv_idx) & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
+
+        batch_dim = batch
+    kwargs = {}
+    # Uncompiled, create_block_mask materialises the whole [B, T, T] mask; compiled it works block
+    # by block, which is what keeps 8k-token packed batches cheap on GPU.
+    if device.type == "cuda" and _create_block_mask_accepts_compile():
+        kwargs["_compile"] = True
+    return create_block_mask(mask_mod, batch_dim, None, seq_len, seq_len, device=device, **kwargs)
+
+
+def build_attention_mask(doc_ids: Optional[torch.Tensor], seq_len: int, backend: str,
+                         device: torch.device) -> AttentionMask:
+    """Build the mask for one forward pass (shared by all layers).
+
+    ``doc_ids``: ``[B, T]`` document index per position (non-decreasing along T) or None for one
+    document per sequence (plain causal attention).
+    """
+    resolved = resolve_backend(backend, device)
+    if doc_ids is not None and doc_ids.shape[-1] != seq_len:
+        raise ValueError(f"doc_ids has length {doc_ids.shape[-1]}, expected {seq_len}")
+    if resolved == "flex":
+        batch = 1 if doc_ids is None else doc_ids.shape[0]
+        return AttentionMask("flex", block_mask=_flex_block_mask(doc_ids, batch, seq_len, device))
+    if doc_ids is None:
+        return AttentionMask("sdpa")
+    return AttentionMask("sdpa", dense=document_mask(doc_ids))
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_flex_attention():
+    # Eager flex_attention is an unfused reference implementation; the fused kernel needs compile.
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """[B, KV, T, D] -> [B, KV*n_rep, T, D], query head i reading kv head i // n_rep."""
+    if n_rep == 1:
+        return x
+    B, KV, T, D = x.shape
+    return x[:, :, None].expand(B, KV, n_rep, T, D).reshape(B, KV * n_rep, T, D)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
+    """Masked attention. ``q``: ``[B, H, T, D]``; ``k``, ``v``: ``[B, KV, T, D]`` with KV dividing H
+    (grouped-query attention: query head i uses kv head ``i // (H // KV)``). Returns ``[B, H, T, D]``."""
+    H, KV = q.shape[1], k.shape[1]
+    if H % KV:
+        raise ValueError(f"{H} query heads are not a multiple of {KV} key/value heads")
+    if mask.backend == "flex":
+        fn = _compiled_flex_attention() if q.is_cuda else flex_attention
+        return fn(q, k, v, block_mask=mask.block_mask, enable_gqa=KV != H)
+    if mask.dense is None:
+        # enable_gqa keeps FlashAttention usable without materialising repeated k/v.
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=KV != H)
+    # With an explicit mask, the memory-efficient kernel is the fast one, and it does not take
+    # enable_gqa; repeating k/v keeps it eligible.
+    n_rep = H // KV
+    return F.scaled_dot_product_attention(q, _repeat_kv(k, n_rep), _repeat_kv(v, n_rep), attn_mask=mask.dense)
+
+
+__all__ = [
+    "AttentionMask", "BACKENDS", "attend", "build_attention_mask", "document_mask", "flex_available",
+    "resolve_backend",
+]

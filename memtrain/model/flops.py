@@ -1,0 +1,82 @@
+"""Parameter counts, training FLOPs per token and device peak FLOP/s (for MFU).
+
+Training FLOPs per token follow the PaLM convention (Chowdhery et al. 2022, Appendix B)::
+
+    flops_per_token = 6 * N_matmul + 12 * n_layers * n_heads * head_dim * seq_len
+
+``N_matmul`` counts the weights that take part in matrix multiplications: per layer ``wq``
+(d x h*dh), ``wk`` and ``wv`` (d x kv*dh each), ``wo`` (h*dh x d) and the three SwiGLU matrices
+(3 x d x ffn_dim), plus the LM head (d x V) - counted even when tied to the embedding, because the
+head is a matmul either way. The embedding lookup and the norm gains are excluded. Each such weight
+costs 2 FLOPs per token forward and 4 backward (6 in all); the second term is the attention score
+and value products (QK^T and AV: 2 * 2 * h * dh * T forward per layer, times 3 for training). As in
+PaLM, the attention term does not halve for causal masking or shorten for document masking.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+import torch
+from torch import nn
+
+from memtrain.config import ModelConfig
+
+
+def count_parameters(model: nn.Module, include_embedding: bool = True) -> int:
+    """Number of parameters, a tied weight counted once.
+
+    ``include_embedding=False`` leaves out the weights of ``nn.Embedding`` modules (with a tied head
+    that also removes the head, being the same tensor); a separate LM head still counts.
+    """
+    skip = set()
+    if not include_embedding:
+        skip = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    # parameters() yields each tensor once, so tied weights are not double counted.
+    return sum(p.numel() for p in model.parameters() if id(p) not in skip)
+
+
+def matmul_parameters(cfg: ModelConfig) -> int:
+    """``N_matmul`` of the module docstring: the weights used in matmuls, LM head included."""
+    head_dim = cfg.head_dim or cfg.d_model // cfg.n_heads
+    kv_heads = cfg.n_kv_heads or cfg.n_heads
+    d = cfg.d_model
+    attn = d * cfg.n_heads * head_dim * 2 + d * kv_heads * head_dim * 2  # wq, wo; wk, wv
+    ffn = 3 * d * cfg.ffn_dim
+    return cfg.n_layers * (attn + ffn) + d * cfg.vocab_size
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training (forward + backward) FLOPs per token at context ``seq_len`` (module docstring)."""
+    head_dim = cfg.head_dim or cfg.d_model // cfg.n_heads
+    return float(6 * matmul_parameters(cfg) + 12 * cfg.n_layers * cfg.n_heads * head_dim * seq_len)
+
+
+# Dense bf16 peak per device, first match wins (so "H100 PCIe" precedes the SXM default).
+_PEAK_BF16 = [
+    (re.compile(r"H100.*PCIe", re.IGNORECASE), 756e12),
+    (re.compile(r"H100|H200", re.IGNORECASE), 989e12),
+    (re.compile(r"A100", re.IGNORECASE), 312e12),
+    (re.compile(r"A10G", re.IGNORECASE), 125e12),
+    (re.compile(r"\bL4\b", re.IGNORECASE), 121e12),  # word boundary: not L40 / L40S
+]
+
+
+def peak_flops_from_name(name: str) -> Optional[float]:
+    """Dense bf16 peak FLOP/s for a GPU name like ``"NVIDIA H100 80GB HBM3"``; None if unknown."""
+    for pattern, peak in _PEAK_BF16:
+        if pattern.search(name):
+            return peak
+    return None
+
+
+def peak_flops(device: torch.device) -> Optional[float]:
+    """Dense bf16 peak FLOP/s of ``device`` for known GPUs; None for CPUs and unknown devices."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return peak_flops_from_name(torch.cuda.get_device_name(device))
+
+
+__all__ = ["count_parameters", "flops_per_token", "matmul_parameters", "peak_flops", "peak_flops_from_name"]
