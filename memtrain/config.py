@@ -151,7 +151,7 @@ class TokenizerConfig:
     path: Optional[str] = None  # a SentencePiece .model file or a local Hugging Face tokenizer folder
     vocab_size: int = 8192  # when memtrain trains a SentencePiece model (path unset)
     model_type: Literal["unigram", "bpe"] = "unigram"
-    byte_fallback: bool = True  # unseen characters become UTF-8 byte pieces (needs vocab_size > ~300)
+    byte_fallback: bool = False  # unseen characters become UTF-8 byte pieces, not <unk> (adds 256 pieces)
 
 
 @dataclass

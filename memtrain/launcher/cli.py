@@ -67,6 +67,16 @@ def recipe_show(recipe, world_size: Optional[int]) -> str:
     return "\n".join(lines)
 
 
+def prepare_summary(recipe, report: dict) -> str:
+    c = report["counts"]
+    head = (f"{report['status']} {recipe.data_dir}: {c['documents']:,} documents ({c['skipped_empty']} empty skipped) -> "
+            f"{report['train_samples']:,} train / {report['val_samples']:,} val sequences of {report['seq_len']} tokens, "
+            f"vocabulary {report['vocab_size']} (tokenizer {report['tokenizer']})")
+    if "seconds" in report:
+        head += f" in {report['seconds']:.1f} s ({report['documents_per_s']:,.0f} documents/s)"
+    return head + f"\ndetails: {recipe.data_dir / 'meta.json'}"
+
+
 def run(argv: Optional[list[str]] = None) -> int:
     args = _parser().parse_args(argv)
     from memtrain.config import load_recipe
@@ -80,7 +90,7 @@ def run(argv: Optional[list[str]] = None) -> int:
         from memtrain.data.prepare import prepare
 
         report = prepare(recipe, force=args.force)
-        print(json.dumps(report, indent=2))
+        print(prepare_summary(recipe, report))
     elif args.command == "recipe":
         world = args.world_size
         if world is None and recipe.parallel.precision == "bf16":

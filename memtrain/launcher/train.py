@@ -21,8 +21,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from memtrain.config import Recipe
-from memtrain.errors import CheckpointError, RecipeError
+from memtrain.config import Recipe, RecipeError
+from memtrain.errors import CheckpointError
 from memtrain.launcher import dist
 from memtrain.launcher.metrics import MetricsWriter, format_line
 
@@ -98,7 +98,7 @@ def _log(msg: str, rank: int) -> None:
 
 def train(recipe: Recipe) -> dict:
     """Run (or resume) training to ``train.max_steps``; returns a summary of the last step."""
-    from memtrain.data.loader import build_loader, read_meta, ResumableBatches
+    from memtrain.data.loader import build_loader, read_meta, LoaderIterator
     from memtrain.model import build, flops_per_token, peak_flops, count_parameters
     from memtrain.parallel import checkpoint as ckpt
     from memtrain.parallel.engine import global_grad_norm, initialize, lr_at, precision
@@ -137,7 +137,7 @@ def train(recipe: Recipe) -> dict:
     dist.barrier()
 
     engine, optimizer, scheduler = initialize(model, recipe, world, prec)
-    train_batches = ResumableBatches(build_loader(recipe, "train", recipe.train.micro_batch_size))
+    train_batches = LoaderIterator(build_loader(recipe, "train", recipe.train.micro_batch_size))
     val_factory = None
     if meta.get("val_samples", 0) > 0:
         val_loader = build_loader(recipe, "val", recipe.train.micro_batch_size, shuffle=False)

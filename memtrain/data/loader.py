@@ -1,0 +1,255 @@
+"""Training and validation batches from a prepared data folder, via MosaicML Streaming.
+
+:func:`build_loader` wraps ``<data_dir>/<split>`` in a ``streaming.StreamingDataset`` and a
+``streaming.StreamingDataLoader``. The distributed layout comes from the launcher's environment
+(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``), which Streaming reads itself; with
+several ranks it synchronises them through ``torch.distributed`` (initialising a gloo group from
+``MASTER_ADDR``/``MASTER_PORT`` itself if the trainer has not done so yet).
+
+Sample order. Within an epoch Streaming fixes one global order of samples that depends only on the
+data, ``run.seed``, the epoch and ``data.num_canonical_nodes``; at micro-step ``i`` the ranks
+together hold positions ``[i*W*B, (i+1)*W*B)`` of it (``W`` ranks, micro-batch ``B``), each rank a
+disjoint part. So the samples of one optimizer step (a global batch of ``G`` sequences, split into
+micro-batches and accumulation steps) are the same whatever ``W`` and ``B`` are, provided every epoch
+holds a whole number of global batches. For the training split :func:`build_loader` makes that true
+by setting Streaming's ``epoch_size`` to the number of samples rounded down to a multiple of ``G``
+(and of ``num_canonical_nodes``): each epoch leaves out fewer than ``G`` samples, a different
+random subset each epoch when shuffling. (Streaming also requires the number of nodes and
+``num_canonical_nodes`` to divide one another.)
+
+Resumption. :class:`LoaderIterator` yields batches forever, starting the next epoch when one ends;
+its :meth:`~LoaderIterator.state_dict` (JSON-serialisable) lets a fresh iterator continue with exactly
+the batches the original would have produced, also across epoch boundaries and world-size changes.
+
+Shared memory. Streaming coordinates the ranks of a node through shared memory registered under a
+new numeric prefix per dataset; with local-only data (``remote=None``) several datasets, including
+two on the same folder, coexist in one process, and segments leaked by a killed run are skipped,
+never reused (Streaming also leaves small ``NNNNNN_*_filelock`` files in the temporary directory,
+whose prefixes are skipped likewise). :func:`clean_stale_shared_memory` removes leaked segments but
+also destroys those of live datasets on the same host, so call it only at start-up, before any
+dataset exists, and only when no other job on the node uses Streaming.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator, Optional
+
+import numpy as np
+import torch
+
+from memtrain.config import Recipe
+from memtrain.data.prepare import FORMAT_VERSION, META
+from memtrain.errors import DataError
+from memtrain.model.anchor import document_ids
+
+if TYPE_CHECKING:
+    from streaming import StreamingDataLoader
+
+SPLITS = ("train", "val")
+
+
+def read_meta(data_dir: str | Path, recipe: Optional[Recipe] = None) -> dict[str, Any]:
+    """meta.json of a prepared data folder; checks it against ``recipe.data.seq_len`` when given."""
+    data_dir = Path(data_dir)
+    path = data_dir / META
+    if not path.is_file():
+        raise DataError(f"no prepared data in {data_dir}; run `memtrain prepare RECIPE` first (or set data.dir "
+                        "to a prepared folder)")
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise DataError(f"{path} is unreadable ({e}); run `memtrain prepare RECIPE --force`") from None
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise DataError(f"{data_dir} was prepared in data format {meta.get('format_version')}, this memtrain "
+                        f"reads format {FORMAT_VERSION}; run `memtrain prepare RECIPE --force`")
+    seq_len = recipe.data.seq_len if recipe is not None else None
+    if seq_len is not None and meta["seq_len"] != seq_len:
+        raise DataError(f"{data_dir} holds sequences of {meta['seq_len']} tokens but data.seq_len is {seq_len}; "
+                        f"set data.seq_len: {meta['seq_len']}, or prepare the data again for {seq_len} "
+                        "(another data.dir, or `memtrain prepare RECIPE --force`)")
+    return meta
+
+
+class Collate:
+    """Turns samples ``{"tokens": uint array [seq_len + 1]}`` into a training batch of LongTensors.
+
+    ``input_ids`` and ``labels`` are the tokens without their last and first position; ``doc_ids[b, t]``
+    counts the end-of-text tokens strictly before ``t`` in ``input_ids[b]``, so an end-of-text token
+    belongs to the document it ends.
+    """
+
+    def __init__(self, eot_id: int):
+        self.eot_id = eot_id
+
+    def __call__(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        tokens = torch.from_numpy(np.stack([s["tokens"] for s in samples]).astype(np.int64))
+        input_ids, labels = tokens[:, :-1], tokens[:, 1:]
+        doc_ids = document_ids(input_ids, self.eot_id)
+        return {"input_ids": input_ids.contiguous(), "labels": labels.contiguous(), "doc_ids": doc_ids}
+
+
+def collate(samples: list[dict[str, Any]], eot_id: int) -> dict[str, torch.Tensor]:
+    """Functional form of :class:`Collate`."""
+    return Collate(eot_id)(samples)
+
+
+def train_epoch_size(num_samples: int, sequences_per_step: int, num_canonical_nodes: int) -> int:
+    """Samples per training epoch: ``num_samples`` rounded down to whole global batches (see module doc)."""
+    unit = math.lcm(sequences_per_step, num_canonical_nodes)
+    if num_samples < unit:
+        # Fewer samples than one global batch: every epoch repeats some of them (Streaming upsamples).
+        return unit
+    return num_samples // unit * unit
+
+
+def build_loader(recipe: Recipe, split: str, micro_batch_size: int,
+                 shuffle: Optional[bool] = None) -> "StreamingDataLoader":
+    """A ``StreamingDataLoader`` over ``<data_dir>/<split>`` yielding :class:`Collate` batches.
+
+    ``shuffle`` defaults to ``data.shuffle`` for ``"train"`` and False for ``"val"``. Training batches
+    always hold ``micro_batch_size`` sequences; the last validation batch may be smaller.
+    """
+    from streaming import StreamingDataLoader, StreamingDataset
+
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    meta = read_meta(recipe.data_dir, recipe)
+    if meta["vocab_size"] > recipe.model.vocab_size:
+        raise DataError(f"the data in {recipe.data_dir} uses {meta['vocab_size']} token ids but model.vocab_size "
+                        f"is {recipe.model.vocab_size}; set model.vocab_size to at least {meta['vocab_size']}")
+    local = (recipe.data_dir / split).resolve()
+    n = meta[f"{split}_samples"]
+    if n == 0 or not (local / "index.json").is_file():
+        hint = "data.val_fraction is 0" if split == "val" else "it is empty"
+        raise DataError(f"{recipe.data_dir} has no {split} split ({hint}); prepare it again with "
+                        f"{'data.val_fraction > 0' if split == 'val' else 'more data'}")
+    if shuffle is None:
+        shuffle = recipe.data.shuffle if split == "train" else False
+    epoch_size = None
+    if split == "train":
+        epoch_size = train_epoch_size(n, recipe.sequences_per_step, recipe.data.num_canonical_nodes)
+    with _host_prefix_lock():
+        dataset = StreamingDataset(
+            local=str(local), remote=None, shuffle=shuffle, shuffle_seed=recipe.run.seed,
+            batch_size=micro_batch_size, num_canonical_nodes=recipe.data.num_canonical_nodes,
+            replication=None, epoch_size=epoch_size,
+        )
+    loader = StreamingDataLoader(
+        dataset, batch_size=micro_batch_size, num_workers=recipe.data.num_workers,
+        collate_fn=Collate(meta["eot_id"]), drop_last=split == "train",
+        persistent_workers=False, pin_memory=torch.cuda.is_available(),
+    )
+    loader.memtrain_meta = meta  # for LoaderIterator's consistency check
+    return loader
+
+
+@contextlib.contextmanager
+def _host_prefix_lock() -> Iterator[None]:
+    """Serialise StreamingDataset construction among the jobs of one host.
+
+    Streaming picks a free shared-memory prefix by looking at ``/dev/shm`` and then creates it; two
+    processes doing so at the same moment can pick the same prefix and one fails with
+    ``FileExistsError``. The local leader holds a host-wide file lock while all ranks of the job build
+    their dataset (they synchronise inside Streaming), so concurrent jobs on the host take turns.
+    Multi-node jobs skip the lock: holding per-host locks across nodes could deadlock two jobs that
+    share nodes in opposite order; such jobs should run on exclusive nodes (the sbatch default).
+    """
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if world != local_world:
+        yield
+        return
+    synced = dist.is_available() and dist.is_initialized() and world > 1
+    handle = None
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        handle = open(Path(tempfile.gettempdir()) / "memtrain-streaming-prefix.lock", "a")
+        fcntl.flock(handle, fcntl.LOCK_EX)
+    try:
+        if synced:
+            dist.barrier()
+        yield
+        if synced:
+            dist.barrier()
+    finally:
+        if handle is not None:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+            handle.close()
+
+
+class LoaderIterator:
+    """Endless batches from a ``StreamingDataLoader``, epoch after epoch, with checkpointable state.
+
+    Create it on a fresh loader; call :meth:`load_state_dict` before the first ``next()``.
+    """
+
+    STATE_VERSION = 1
+
+    def __init__(self, loader: "StreamingDataLoader"):
+        self.loader = loader
+        self._it: Optional[Iterator[dict[str, torch.Tensor]]] = None
+        self._started = False
+        self.epochs_started = 0  # in this process
+
+    def __iter__(self) -> "LoaderIterator":
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        self._started = True
+        for _ in range(2):  # an epoch resumed at its very end yields nothing; the next one must not
+            if self._it is None:
+                self._it = iter(self.loader)
+                self.epochs_started += 1
+            try:
+                return next(self._it)
+            except StopIteration:
+                self._it = None
+        raise DataError("the data loader produced no batch in a whole epoch; the split has fewer samples than "
+                        "one micro-batch per rank: add data, or lower train.micro_batch_size")
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the next batch comes from: Streaming's epoch and global sample offset, plus checks."""
+        meta = getattr(self.loader, "memtrain_meta", {})
+        return {
+            "version": self.STATE_VERSION,
+            "data_fingerprint": meta.get("fingerprint"),
+            "epoch_size": self.loader.dataset.epoch_size,
+            "streaming": self.loader.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self._started:
+            # Streaming would treat the state as stale once this loader has begun an epoch.
+            raise RuntimeError("LoaderIterator.load_state_dict must be called before the first batch")
+        meta = getattr(self.loader, "memtrain_meta", {})
+        if state.get("version") != self.STATE_VERSION:
+            raise DataError(f"data loader state version {state.get('version')} is not {self.STATE_VERSION}; this "
+                            "checkpoint was written by another memtrain version")
+        if state.get("data_fingerprint") != meta.get("fingerprint"):
+            raise DataError("the checkpoint was trained on different data than data.dir now holds (data "
+                            f"fingerprint {state.get('data_fingerprint')} vs {meta.get('fingerprint')}); restore the "
+                            "original data, or start a new run (run.dir) instead of resuming")
+        self.loader.load_state_dict(state["streaming"])
+
+
+def clean_stale_shared_memory() -> None:
+    """Remove Streaming shared memory leaked by killed runs on this host.
+
+    Call once per node at start-up, before any dataset exists: it also unlinks the segments of
+    datasets that are alive (in this or another job on the host).
+    """
+    from streaming.base.util import clean_stale_shared_memory as clean
+
+    clean()
+
+
+__all__ = ["Collate", "LoaderIterator", "build_loader", "clean_stale_shared_memory", "collate",
+           "read_meta", "train_epoch_size"]

@@ -1,0 +1,79 @@
+"""Packing token streams into fixed-length samples and writing them as MDS shards.
+
+Each document's tokens are followed by one end-of-text token; the documents are concatenated in the
+given order and cut into samples of ``sample_len = seq_len + 1`` tokens (a model reads the first
+``seq_len`` and predicts the last ``seq_len``). The final partial sample is dropped and counted.
+Samples are stored in one MDS column, ``tokens``, as ``uint16`` (or ``uint32`` for vocabularies
+of more than 65,536 ids).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator, Optional, Sequence
+
+import numpy as np
+
+COLUMN = "tokens"
+
+
+def token_dtype(vocab_size: int) -> str:
+    """The smallest unsigned dtype holding every id below ``vocab_size``."""
+    return "uint16" if vocab_size <= 1 << 16 else "uint32"
+
+
+@dataclass
+class PackStats:
+    documents: int = 0
+    tokens: int = 0  # including one end-of-text token per document
+    samples: int = 0
+    dropped_tokens: int = 0  # the final partial sample
+
+
+def pack(docs: Iterable[Sequence[int] | np.ndarray], eot_id: int, sample_len: int, dtype: str = "uint32",
+         stats: Optional[PackStats] = None) -> Iterator[np.ndarray]:
+    """Yield ``sample_len``-token arrays cut from ``doc0 EOT doc1 EOT ...``; ``stats`` is filled in."""
+    stats = stats if stats is not None else PackStats()
+    buf = np.empty(0, dtype=dtype)
+    pending: list[np.ndarray] = []
+    pending_len = 0
+    eot = np.array([eot_id], dtype=dtype)
+    for doc in docs:
+        arr = np.asarray(doc, dtype=dtype)
+        stats.documents += 1
+        stats.tokens += len(arr) + 1
+        pending += [arr, eot]
+        pending_len += len(arr) + 1
+        if len(buf) + pending_len < sample_len:
+            continue
+        # concatenate only when at least one sample is complete, so long runs of short documents stay cheap
+        buf = np.concatenate([buf] + pending)
+        pending, pending_len = [], 0
+        n = len(buf) // sample_len
+        for i in range(n):
+            stats.samples += 1
+            yield buf[i * sample_len:(i + 1) * sample_len]
+        buf = buf[n * sample_len:].copy()
+    stats.dropped_tokens = len(buf) + pending_len
+
+
+def write_mds(out: str | Path, samples: Iterable[np.ndarray], dtype: str, size_limit: int,
+              progress: Optional[object] = None) -> int:
+    """Write ``samples`` into the MDS dataset folder ``out``; returns the number written.
+
+    ``progress`` is an optional tqdm bar advanced once per sample.
+    """
+    from streaming import MDSWriter
+
+    count = 0
+    with MDSWriter(out=str(out), columns={COLUMN: f"ndarray:{dtype}"}, size_limit=size_limit) as writer:
+        for sample in samples:
+            writer.write({COLUMN: sample})
+            count += 1
+            if progress is not None:
+                progress.update(1)
+    return count
+
+
+__all__ = ["COLUMN", "PackStats", "pack", "token_dtype", "write_mds"]

@@ -1,0 +1,194 @@
+"""Tokenizers: a small protocol and its two implementations.
+
+:class:`SentencePieceTokenizer` wraps a SentencePiece ``.model`` file and can train one
+reproducibly (:meth:`SentencePieceTokenizer.train`); :class:`HFTokenizer` wraps a local Hugging Face
+tokenizer folder. :func:`load_tokenizer` picks one by path. The end-of-text id (``eot_id``) that
+separates packed documents is the tokenizer's end-of-sequence token.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+from pathlib import Path
+from typing import Iterable, Optional, Protocol, runtime_checkable
+
+from memtrain.errors import DataError
+
+# SentencePiece skips training sentences longer than this many bytes; longer lines are cut into pieces.
+_MAX_SENTENCE_BYTES = 4096
+# The trainer samples at most this many sentences (seeded), which bounds its memory and time.
+_MAX_TRAIN_SENTENCES = 2_000_000
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What packing and evaluation need from a tokenizer."""
+
+    vocab_size: int
+    eot_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class SentencePieceTokenizer:
+    """A SentencePiece model; ``eot_id`` is its EOS id. No BOS/EOS are added by :meth:`encode`."""
+
+    def __init__(self, model_path: str | Path):
+        import sentencepiece as spm
+
+        self.path = Path(model_path)
+        if not self.path.is_file():
+            raise DataError(f"tokenizer model {str(self.path)!r} does not exist; set data.tokenizer.path to a "
+                            "SentencePiece .model file or leave it unset to train one")
+        try:
+            self.sp = spm.SentencePieceProcessor(model_file=str(self.path))
+        except (RuntimeError, OSError) as e:
+            raise DataError(f"{self.path} is not a SentencePiece model ({e}); check data.tokenizer.path") from None
+        self.vocab_size: int = self.sp.get_piece_size()
+        self.eot_id: int = self.sp.eos_id()
+        if self.eot_id < 0:
+            raise DataError(f"SentencePiece model {self.path} has no end-of-sequence piece; memtrain needs "
+                            "one to separate documents (train it with eos_id >= 0)")
+        self._threads = max(1, min(os.cpu_count() or 1, 16))
+
+    def encode(self, text: str) -> list[int]:
+        return self.sp.encode(text)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self.sp.encode(texts, num_threads=self._threads)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.sp.decode([int(i) for i in ids])
+
+    @classmethod
+    def train(cls, texts: Iterable[str], model_path: str | Path, vocab_size: int,
+              model_type: str = "unigram", seed: int = 0, byte_fallback: bool = False) -> "SentencePieceTokenizer":
+        """Train on ``texts`` and write ``model_path``.
+
+        Documents are split into lines (newlines become the user-defined piece ``"\\n"`` at encode
+        time, so text round-trips); the random generator is seeded so equal inputs give equal models.
+        """
+        import sentencepiece as spm
+
+        model_path = Path(model_path)
+        if model_path.suffix != ".model":
+            raise ValueError(f"model_path must end in .model, got {model_path}")
+        model_path.parent.mkdir(parents=True, exist_ok=True)
+        spm.set_random_generator_seed(seed)
+        sentences = list(_training_sentences(texts))
+        if not sentences:
+            raise DataError("no text to train the tokenizer on; add documents to data.sources")
+        # Write the model through a buffer rather than a model_prefix, which the model file would
+        # record: equal inputs then give byte-identical files wherever they are written.
+        buffer = io.BytesIO()
+        try:
+            spm.SentencePieceTrainer.train(
+                sentence_iterator=iter(sentences),
+                model_writer=buffer,
+                vocab_size=vocab_size,
+                model_type=model_type,
+                # Keep text as written: no NFKC folding or whitespace squeezing, so decode(encode(x)) == x.
+                normalization_rule_name="identity",
+                remove_extra_whitespaces=False,
+                allow_whitespace_only_pieces=True,
+                split_digits=True,
+                byte_fallback=byte_fallback,
+                # Without byte fallback an unseen character would become <unk>; keep all of them.
+                character_coverage=0.9995 if byte_fallback else 1.0,
+                user_defined_symbols=["\n"],
+                unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+                input_sentence_size=_MAX_TRAIN_SENTENCES,
+                shuffle_input_sentence=True,
+                max_sentence_length=_MAX_SENTENCE_BYTES,
+                num_threads=max(1, min(os.cpu_count() or 1, 16)),
+                minloglevel=2,
+            )
+        except RuntimeError as e:
+            m = re.search(r"Vocabulary size (?:is )?too high \((\d+)\)\. Please set it to a value <= (\d+)", str(e))
+            if m:
+                raise DataError(f"the corpus is too small to train a tokenizer with {m.group(1)} tokens (at most "
+                                f"{m.group(2)} are possible); set data.tokenizer.vocab_size to {m.group(2)} or "
+                                "less, or add more text to data.sources") from None
+            m = re.search(r"Vocabulary size is smaller than required_chars\. (\d+) vs (\d+)", str(e))
+            if m:
+                fix = ("raise data.tokenizer.vocab_size or set data.tokenizer.byte_fallback: false" if byte_fallback
+                       else "raise data.tokenizer.vocab_size")
+                raise DataError(f"data.tokenizer.vocab_size {m.group(1)} cannot hold the {m.group(2)} pieces the "
+                                "corpus needs (its characters, special tokens and, with byte fallback, 256 byte "
+                                f"pieces); {fix}") from None
+            raise DataError(f"training the SentencePiece tokenizer failed: {e}; check data.tokenizer "
+                            "settings") from None
+        model_path.write_bytes(buffer.getvalue())
+        return cls(model_path)
+
+
+def _training_sentences(texts: Iterable[str]) -> Iterable[str]:
+    for text in texts:
+        for line in text.split("\n"):
+            if not line.strip():
+                continue
+            data = line.encode("utf-8")
+            if len(data) <= _MAX_SENTENCE_BYTES:
+                yield line
+                continue
+            # cut at character boundaries (errors="ignore" drops a split character's partial bytes)
+            for start in range(0, len(data), _MAX_SENTENCE_BYTES):
+                piece = data[start:start + _MAX_SENTENCE_BYTES].decode("utf-8", errors="ignore")
+                if piece.strip():
+                    yield piece
+
+
+class HFTokenizer:
+    """A local Hugging Face tokenizer folder; ``eot_id`` is its ``eos_token_id``."""
+
+    def __init__(self, path: str | Path):
+        from transformers import AutoTokenizer
+
+        self.path = Path(path)
+        try:
+            self.tok = AutoTokenizer.from_pretrained(str(self.path), local_files_only=True)
+        except (OSError, ValueError) as e:
+            raise DataError(f"could not load a Hugging Face tokenizer from {self.path} ({e}); the folder must "
+                            "hold tokenizer.json or the files save_pretrained writes") from None
+        if self.tok.eos_token_id is None:
+            raise DataError(f"Hugging Face tokenizer {self.path} has no eos_token; memtrain needs one to "
+                            "separate documents (set eos_token in its tokenizer_config.json)")
+        self.eot_id: int = int(self.tok.eos_token_id)
+        self.vocab_size: int = len(self.tok)  # includes added tokens, unlike tok.vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self.tok(texts, add_special_tokens=False)["input_ids"]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode([int(i) for i in ids])
+
+
+def load_tokenizer(path: str | Path, base: Optional[str | Path] = None) -> Tokenizer:
+    """A ``.model`` file -> :class:`SentencePieceTokenizer`; a folder -> :class:`HFTokenizer`.
+
+    A relative ``path`` is taken relative to ``base`` when given (meta.json stores it that way).
+    """
+    p = Path(path).expanduser()
+    if base is not None and not p.is_absolute():
+        p = Path(base) / p
+    if p.is_dir():
+        return HFTokenizer(p)
+    if p.is_file():
+        if p.suffix == ".model":
+            return SentencePieceTokenizer(p)
+        raise DataError(f"tokenizer {str(p)!r} is neither a SentencePiece .model file nor a Hugging Face "
+                        "tokenizer folder; fix data.tokenizer.path")
+    raise DataError(f"tokenizer {str(p)!r} does not exist; set data.tokenizer.path to a SentencePiece .model "
+                    "file or a local Hugging Face tokenizer folder, or leave it unset to train one")
+
+
+__all__ = ["HFTokenizer", "SentencePieceTokenizer", "Tokenizer", "load_tokenizer"]

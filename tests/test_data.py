@@ -1,0 +1,483 @@
+"""Tests of the data path: built-in corpus, sources, tokenizers, prepare, packing and loaders (CPU, fast)."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from memtrain.config import Recipe, recipe_from_dict
+from memtrain.data.builtin import builtin_documents, country_facts, element_facts
+from memtrain.data.loader import Collate, LoaderIterator, build_loader, read_meta
+from memtrain.data.prepare import prepare, split_documents
+from memtrain.data.sources import ReadStats, read_documents
+from memtrain.data.tokenizer import SentencePieceTokenizer, load_tokenizer
+from memtrain.errors import DataError
+
+REPO = Path(__file__).resolve().parents[1]
+SEQ_LEN = 32
+GLOBAL_SEQS = 8  # sequences per optimizer step
+
+
+def make_recipe(data_dir: Path, sources: list[str], **data) -> Recipe:
+    tokenizer = data.pop("tokenizer", {"vocab_size": 300, "byte_fallback": False})
+    return recipe_from_dict({
+        "run": {"name": "t", "seed": 7},
+        "model": {"vocab_size": 512, "max_seq_len": 64, "d_model": 64, "n_heads": 2, "ffn_dim": 128},
+        "data": {"dir": str(data_dir), "sources": sources, "seq_len": SEQ_LEN, "val_fraction": 0.1,
+                 "tokenizer": tokenizer, "shard_size_limit": 4096, **data},
+        "train": {"global_batch_tokens": SEQ_LEN * GLOBAL_SEQS, "micro_batch_size": 2, "max_steps": 10},
+    })
+
+
+def write_jsonl(path: Path, texts: list) -> Path:
+    with open(path, "w", encoding="utf-8") as f:
+        for t in texts:
+            f.write(json.dumps({"text": t, "id": 0}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> list[str]:
+    docs = builtin_documents(0)
+    return docs[::100]  # ~116 documents of every kind, ~20 KB
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory, corpus):
+    """One prepared data folder shared by the loader tests (never modified by them)."""
+    root = tmp_path_factory.mktemp("prepared")
+    src = write_jsonl(root / "docs.jsonl", corpus)
+    recipe = make_recipe(root / "data", [str(src)])
+    meta = prepare(recipe)
+    return recipe, meta
+
+
+# --------------------------------------------------------------------------------------------------
+# built-in corpus
+
+
+def test_builtin_corpus_is_deterministic_and_factual():
+    docs = builtin_documents(0)
+    assert docs == builtin_documents(0)
+    assert docs != builtin_documents(1)
+    assert 5_000 < len(docs) < 20_000
+    assert 1_000_000 < sum(len(d.encode()) for d in docs) < 3_000_000
+
+    iron = next(e for e in element_facts() if e.name == "Iron")
+    assert iron.facts["symbol"] == "Fe" and iron.facts["number"] == 26
+    assert abs(iron.facts["mass"] - 55.845) < 0.01
+    iron_docs = [d for d in docs if re.search(r"\biron\b", d, re.I) and re.search(r"\bFe\b", d)]
+    assert len(iron_docs) == 2  # one entity, rendered twice
+    assert all("26" in d and "55.845" in d for d in iron_docs)
+
+    germany = next(e for e in country_facts() if e.name == "Germany")
+    assert (germany.facts["alpha_2"], germany.facts["alpha_3"], germany.facts["numeric"]) == ("DE", "DEU", "276")
+    germany_docs = [d for d in docs if "Germany" in d and "DEU" in d]
+    assert germany_docs and all("276" in d for d in germany_docs)
+
+
+# --------------------------------------------------------------------------------------------------
+# sources
+
+
+def test_read_documents_formats_and_empty_documents(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "a.txt").write_text("First file.\nIt has two lines.", encoding="utf-8")
+    (tmp_path / "b.txt").write_text("  \n\t", encoding="utf-8")  # whitespace only
+    write_jsonl(tmp_path / "c.jsonl", ["json one", "", "   ", None, "json two"])
+    pq.write_table(pa.table({"text": ["pq one", "", "pq two"]}), tmp_path / "d.parquet")
+
+    stats = ReadStats()
+    docs = list(read_documents([str(tmp_path / "*.txt"), str(tmp_path / "c.jsonl"), str(tmp_path / "d.parquet")],
+                               "text", stats))
+    assert docs == ["First file.\nIt has two lines.", "json one", "json two", "pq one", "pq two"]
+    assert stats.documents == 5 and stats.skipped_empty == 5
+    assert [Path(f).name for f in stats.files] == ["a.txt", "b.txt", "c.jsonl", "d.parquet"]
+
+    write_jsonl(tmp_path / "e.jsonl", [])
+    (tmp_path / "e.jsonl").write_text('{"body": "x"}\n', encoding="utf-8")
+    assert list(read_documents([str(tmp_path / "e.jsonl")], "body")) == ["x"]
+
+
+def test_read_documents_errors(tmp_path):
+    (tmp_path / "bad.txt").write_bytes(b"fine text \xff\xfe then garbage")
+    with pytest.raises(DataError, match=r"bad\.txt is not valid UTF-8"):
+        list(read_documents([str(tmp_path / "bad.txt")], "text"))
+    (tmp_path / "bad.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "bad \xff"}\n')
+    with pytest.raises(DataError, match=r"bad\.jsonl is not valid UTF-8"):
+        list(read_documents([str(tmp_path / "bad.jsonl")], "text"))
+    with pytest.raises(DataError, match=r"no files match .*nothing.*check data\.sources"):
+        list(read_documents([str(tmp_path / "nothing" / "*.jsonl")], "text"))
+    with pytest.raises(DataError, match="no files match"):
+        list(read_documents([str(tmp_path / "missing.txt")], "text"))
+    write_jsonl(tmp_path / "doc.jsonl", ["x"])
+    with pytest.raises(DataError, match=r"doc\.jsonl has a record without the field 'content'"):
+        list(read_documents([str(tmp_path / "doc.jsonl")], "content"))
+    (tmp_path / "t.csv").write_text("a,b\n")
+    with pytest.raises(DataError, match="unsupported extension"):
+        list(read_documents([str(tmp_path / "t.csv")], "text"))
+
+
+# --------------------------------------------------------------------------------------------------
+# tokenizers
+
+
+def test_sentencepiece_training_is_reproducible(tmp_path, corpus):
+    a = SentencePieceTokenizer.train(corpus, tmp_path / "a.model", 300, "unigram", seed=3, byte_fallback=False)
+    b = SentencePieceTokenizer.train(corpus, tmp_path / "sub" / "b.model", 300, "unigram", seed=3, byte_fallback=False)
+    assert (tmp_path / "a.model").read_bytes() == (tmp_path / "sub" / "b.model").read_bytes()
+    text = "Iron (Fe) has atomic number 26.\nSecond line."
+    assert a.decode(a.encode(text)) == text  # identity normalisation and a newline piece
+    assert a.encode_batch([text, "x"]) == [b.encode(text), b.encode("x")]
+    assert a.vocab_size == 300 and a.eot_id == 2
+    assert isinstance(load_tokenizer(tmp_path / "a.model"), SentencePieceTokenizer)
+    with pytest.raises(DataError, match=r"data\.tokenizer\.vocab_size"):
+        SentencePieceTokenizer.train(corpus[:5], tmp_path / "c.model", 5000, seed=3, byte_fallback=False)
+    with pytest.raises(DataError, match="byte_fallback: false"):  # 256 byte pieces do not fit in 300
+        SentencePieceTokenizer.train(corpus, tmp_path / "d.model", 300, seed=3, byte_fallback=True)
+    with pytest.raises(DataError, match="does not exist"):
+        load_tokenizer(tmp_path / "nope.model")
+
+
+def test_hf_tokenizer_folder(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "<eos>": 1, "hello": 2, "world": 3}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="<eos>").save_pretrained(tmp_path / "hf")
+    hf = load_tokenizer(tmp_path / "hf")
+    assert hf.eot_id == 1 and hf.vocab_size == 4
+    assert hf.encode("hello world") == [2, 3] and hf.encode_batch(["world", "hello"]) == [[3], [2]]
+
+
+# --------------------------------------------------------------------------------------------------
+# prepare
+
+
+def test_prepare_end_to_end_and_idempotent(tmp_path, corpus):
+    src = write_jsonl(tmp_path / "docs.jsonl", corpus + ["", "  "])
+    recipe = make_recipe(tmp_path / "data", [str(src)])
+    meta = prepare(recipe)
+    d = tmp_path / "data"
+    assert meta["status"] == "prepared" and meta["tokens_per_s"] > 0 and meta["documents_per_s"] > 0
+    assert (d / "meta.json").is_file() and (d / "tokenizer.model").is_file()
+    assert (d / "train" / "index.json").is_file() and (d / "val" / "index.json").is_file()
+    assert len(list((d / "train").glob("shard.*.mds"))) > 1  # shard_size_limit splits it
+    c = meta["counts"]
+    assert c["documents"] == len(corpus) and c["skipped_empty"] == 2
+    assert c["val_documents"] == round(len(corpus) * 0.1) and c["train_documents"] + c["val_documents"] == len(corpus)
+    assert c["train_samples"] * (SEQ_LEN + 1) + c["train_dropped_tokens"] == c["train_tokens"]
+    assert (meta["train_samples"], meta["val_samples"]) == (c["train_samples"], c["val_samples"])
+    assert meta["seq_len"] == SEQ_LEN and meta["sample_len"] == SEQ_LEN + 1 and meta["dtype"] == "uint16"
+    on_disk = read_meta(d, recipe)
+    run_only = ("status", "seconds", "documents_per_s", "tokens_per_s")
+    assert on_disk == {k: v for k, v in meta.items() if k not in run_only}
+    assert load_tokenizer(meta["tokenizer"], base=d).vocab_size == meta["vocab_size"] == 300
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".data.")]  # no temporary folders left
+
+    mtimes = {p: p.stat().st_mtime_ns for p in d.rglob("*")}
+    again = prepare(recipe)
+    assert again["status"] == "already prepared" and again["fingerprint"] == meta["fingerprint"]
+    assert {p: p.stat().st_mtime_ns for p in d.rglob("*")} == mtimes
+
+    changed = make_recipe(d, [str(src)], val_fraction=0.2)
+    with pytest.raises(DataError, match="--force"):
+        prepare(changed)
+    assert {p: p.stat().st_mtime_ns for p in d.rglob("*")} == mtimes
+    forced = prepare(changed, force=True)
+    assert forced["status"] == "prepared" and forced["fingerprint"] != meta["fingerprint"]
+    assert read_meta(d)["counts"]["val_documents"] == round(len(corpus) * 0.2)
+
+
+def test_prepare_failure_leaves_no_data_dir(tmp_path, corpus, monkeypatch):
+    import streaming
+
+    real = streaming.MDSWriter
+
+    class FailingWriter(real):
+        def write(self, sample):
+            if getattr(self, "_n", 0) >= 5:
+                raise OSError("disk full")
+            self._n = getattr(self, "_n", 0) + 1
+            super().write(sample)
+
+    src = write_jsonl(tmp_path / "docs.jsonl", corpus)
+    recipe = make_recipe(tmp_path / "data", [str(src)])
+    monkeypatch.setattr(streaming, "MDSWriter", FailingWriter)
+    with pytest.raises(OSError, match="disk full"):
+        prepare(recipe)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.jsonl"]
+
+    # a failed --force rebuild keeps the data that was there
+    monkeypatch.setattr(streaming, "MDSWriter", real)
+    meta = prepare(recipe)
+    monkeypatch.setattr(streaming, "MDSWriter", FailingWriter)
+    with pytest.raises(OSError):
+        prepare(make_recipe(tmp_path / "data", [str(src)], val_fraction=0.3), force=True)
+    assert read_meta(tmp_path / "data")["fingerprint"] == meta["fingerprint"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "docs.jsonl"]
+
+
+def test_prepare_user_errors(tmp_path, corpus, prepared):
+    recipe, meta = prepared
+    tokenizer = str(recipe.data_dir / meta["tokenizer"])  # a 300-token model
+    src = write_jsonl(tmp_path / "short.jsonl", ["tiny", "docs"])
+    with pytest.raises(DataError, match=r"only \d+ tokens.*data\.seq_len"):
+        prepare(make_recipe(tmp_path / "d1", [str(src)], val_fraction=0.0, tokenizer={"path": tokenizer}))
+    assert not (tmp_path / "d1").exists()
+
+    small = recipe_from_dict({**recipe.to_dict(), "model": {**recipe.to_dict()["model"], "vocab_size": 256},
+                              "data": {**recipe.to_dict()["data"], "dir": str(tmp_path / "d2"),
+                                       "tokenizer": {"path": tokenizer}}})
+    with pytest.raises(DataError, match=r"model\.vocab_size"):
+        prepare(small)
+
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    with pytest.raises(DataError, match="not a prepared memtrain data folder"):
+        prepare(make_recipe(tmp_path / "mine", [str(src)]), force=True)
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+
+
+def test_packing_preserves_documents_in_order(prepared, corpus):
+    from streaming import StreamingDataset
+
+    recipe, meta = prepared
+    tok = load_tokenizer(meta["tokenizer"], base=recipe.data_dir)
+    train_idx, val_idx = split_documents(len(corpus), recipe.data.val_fraction, recipe.run.seed)
+    for split, idx in (("train", train_idx), ("val", val_idx)):
+        expected = np.concatenate([np.array(tok.encode(corpus[i]) + [tok.eot_id]) for i in idx])
+        ds = StreamingDataset(local=str(recipe.data_dir / split), remote=None, shuffle=False, batch_size=1)
+        stored = np.concatenate([ds[i]["tokens"] for i in range(ds.num_samples)]).astype(np.int64)
+        n = meta["counts"][f"{split}_samples"]
+        assert ds.num_samples == n and len(stored) == n * (SEQ_LEN + 1)
+        assert len(expected) - len(stored) == meta["counts"][f"{split}_dropped_tokens"] < SEQ_LEN + 1
+        np.testing.assert_array_equal(stored, expected[:len(stored)])
+        assert tok.decode(stored.tolist()).startswith(tok.decode(tok.encode(corpus[idx[0]])))
+        del ds
+    assert sorted(train_idx + val_idx) == list(range(len(corpus))) and not set(train_idx) & set(val_idx)
+
+
+# --------------------------------------------------------------------------------------------------
+# collate and loaders
+
+
+def test_collate_on_hand_made_samples():
+    eot = 2
+    samples = [{"tokens": np.array([5, 6, 2, 7, 2, 2, 8, 9], np.uint16)},
+               {"tokens": np.array([2, 4, 4, 4, 4, 4, 4, 2], np.uint16)}]
+    batch = Collate(eot)(samples)
+    assert batch["input_ids"].dtype == torch.long and batch["input_ids"].shape == (2, 7)
+    assert batch["input_ids"].tolist() == [[5, 6, 2, 7, 2, 2, 8], [2, 4, 4, 4, 4, 4, 4]]
+    assert batch["labels"].tolist() == [[6, 2, 7, 2, 2, 8, 9], [4, 4, 4, 4, 4, 4, 2]]
+    assert batch["doc_ids"].tolist() == [[0, 0, 0, 1, 1, 2, 3], [0, 1, 1, 1, 1, 1, 1]]
+
+
+def test_read_meta_errors(tmp_path, prepared):
+    with pytest.raises(DataError, match="no prepared data in .*memtrain prepare"):
+        read_meta(tmp_path / "none")
+    recipe, _ = prepared
+    with pytest.raises(DataError, match=r"data\.seq_len"):
+        read_meta(recipe.data_dir, recipe_from_dict(recipe.to_dict(), ["data.seq_len=64"]))
+
+
+def rows(batch) -> list[tuple]:
+    return [tuple(r) for r in batch["input_ids"].tolist()]
+
+
+def take(it, n) -> list[list[tuple]]:
+    return [rows(next(it)) for _ in range(n)]
+
+
+def test_train_and_val_loaders_in_one_process(prepared):
+    recipe, meta = prepared
+    train = build_loader(recipe, "train", 2)
+    val = build_loader(recipe, "val", 3)
+    batch = next(iter(train))
+    assert set(batch) == {"input_ids", "labels", "doc_ids"} and batch["input_ids"].shape == (2, SEQ_LEN)
+    assert torch.equal(batch["input_ids"][:, 1:], batch["labels"][:, :-1])
+    val_batches = list(val)
+    assert sum(len(b["input_ids"]) for b in val_batches) == meta["counts"]["val_samples"]
+    assert [rows(b) for b in val] == [rows(b) for b in val_batches]  # validation order is fixed
+    # train epochs hold whole global batches; every micro-batch is full
+    epoch = list(train)
+    assert len(epoch) * 2 == meta["counts"]["train_samples"] // GLOBAL_SEQS * GLOBAL_SEQS
+    del train, val, batch, epoch
+
+
+@pytest.mark.parametrize("where", ["mid-epoch", "epoch end", "after epoch end"])
+def test_loader_resume_matches_uninterrupted(prepared, where):
+    recipe, meta = prepared
+    per_epoch = meta["counts"]["train_samples"] // GLOBAL_SEQS * GLOBAL_SEQS // 2  # micro-batches of 2
+    stop = {"mid-epoch": per_epoch // 2, "epoch end": per_epoch, "after epoch end": per_epoch + 1}[where]
+    it = LoaderIterator(build_loader(recipe, "train", 2))
+    reference = take(it, 2 * per_epoch + 5)
+    assert reference[:per_epoch] != reference[per_epoch:2 * per_epoch]  # epochs are reshuffled
+    del it
+    gc.collect()
+
+    it = LoaderIterator(build_loader(recipe, "train", 2))
+    assert take(it, stop) == reference[:stop]
+    state = json.loads(json.dumps(it.state_dict()))  # must survive a JSON checkpoint
+    del it
+    gc.collect()
+    resumed = LoaderIterator(build_loader(recipe, "train", 2))
+    resumed.load_state_dict(state)
+    assert take(resumed, len(reference) - stop) == reference[stop:]
+
+    # a resumed iterator's own state resumes correctly too
+    again = LoaderIterator(build_loader(recipe, "train", 2))
+    again.load_state_dict(resumed.state_dict())
+    assert take(again, 3) == take(resumed, 3)
+
+
+def test_loader_state_rejects_other_data(prepared):
+    recipe, _ = prepared
+    it = LoaderIterator(build_loader(recipe, "train", 2))
+    state = it.state_dict()
+    state["data_fingerprint"] = "0" * 16
+    with pytest.raises(DataError, match="different data"):
+        LoaderIterator(build_loader(recipe, "train", 2)).load_state_dict(state)
+    next(it)
+    with pytest.raises(RuntimeError):
+        it.load_state_dict(it.state_dict())
+
+
+@pytest.mark.parametrize("canonical_nodes", [1, 2])
+def test_global_batches_do_not_depend_on_world_size(prepared, canonical_nodes):
+    """Streaming's partition for simulated worlds: each step's global batch is the same sample set."""
+    from streaming.base.batching import generate_work
+    from streaming.base.world import World
+
+    base, _ = prepared
+    recipe = recipe_from_dict(base.to_dict(), [f"data.num_canonical_nodes={canonical_nodes}"])
+    loader = build_loader(recipe, "train", 2)
+    ds = loader.dataset
+    real = take(iter(LoaderIterator(loader)), 6)  # also sets Streaming's lazily chosen shuffle block size
+
+    def steps(nodes: int, ranks: int, micro: int, epoch: int, done: int = 0) -> list[list[int]]:
+        """Sorted sample ids of each optimizer step, resuming after ``done`` steps of the epoch."""
+        ds.batch_size = micro
+        ids = generate_work(ds.batching_method, ds, World(nodes, ranks, 1, 0), epoch, done * GLOBAL_SEQS)
+        accum = GLOBAL_SEQS // (nodes * ranks * micro)
+        micro_steps = [ids[:, :, 0, i, :] for i in range(ids.shape[3])]
+        for m in micro_steps:  # ranks get disjoint, full micro-batches
+            assert (m >= 0).all() and len(set(m.ravel().tolist())) == m.size
+        return [sorted(np.concatenate([m.ravel() for m in micro_steps[s * accum:(s + 1) * accum]]).tolist())
+                for s in range(len(micro_steps) // accum)]
+
+    for epoch in (0, 1):
+        reference = steps(1, 1, 2, epoch)
+        assert len(reference) * GLOBAL_SEQS == ds.epoch_size
+        for nodes, ranks, micro in [(1, 1, 4), (1, 2, 2), (1, 4, 2), (2, 2, 2), (1, 2, 4), (2, 1, 4)]:
+            if nodes * ranks * micro <= GLOBAL_SEQS and (nodes <= canonical_nodes or nodes % canonical_nodes == 0):
+                assert steps(nodes, ranks, micro, epoch) == reference, (nodes, ranks, micro)
+                # resuming mid-epoch (checkpoints store the global sample offset) in another world
+                assert steps(nodes, ranks, micro, epoch, done=3) == reference[3:], (nodes, ranks, micro)
+
+    # the simulation is what the real single-rank loader does
+    ds.batch_size = 2
+    ids = generate_work(ds.batching_method, ds, World(1, 1, 1, 0), 0, 0)[0, 0, 0]
+    assert real == [[tuple(ds[int(i)]["tokens"][:-1].tolist()) for i in b] for b in ids[:6]]
+
+
+_RANK_SCRIPT = textwrap.dedent("""
+    import json, sys
+    from memtrain.config import Recipe, recipe_from_dict
+    from memtrain.data.loader import LoaderIterator, build_loader
+    recipe = recipe_from_dict(json.loads(sys.argv[1]))
+    it = LoaderIterator(build_loader(recipe, "train", int(sys.argv[2])))
+    print(json.dumps([next(it)["input_ids"].tolist() for _ in range(int(sys.argv[3]))]))
+""")
+
+
+def test_two_real_ranks_split_the_single_rank_batches(prepared):
+    """Two processes with launcher variables vs one rank with twice the micro-batch: same global batches."""
+    recipe, _ = prepared
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+    it = LoaderIterator(build_loader(recipe, "train", 4))
+    single = [next(it)["input_ids"].tolist() for _ in range(8)]
+    # (launched only now: Streaming picks shared-memory names by scanning, which is not atomic across jobs)
+    args = [sys.executable, "-c", _RANK_SCRIPT, json.dumps(recipe.to_dict()), "2", "8"]
+    procs = [subprocess.Popen(args, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    for step in range(8):
+        r0, r1 = outs[0][step], outs[1][step]
+        assert not {tuple(x) for x in r0} & {tuple(x) for x in r1}
+        assert sorted(map(tuple, r0 + r1)) == sorted(map(tuple, single[step]))
+
+
+_KILLED_SCRIPT = textwrap.dedent("""
+    import json, os, signal, sys
+    from memtrain.config import Recipe, recipe_from_dict
+    from memtrain.data.loader import LoaderIterator, build_loader
+    it = LoaderIterator(build_loader(recipe_from_dict(json.loads(sys.argv[1])), "train", 2))
+    next(it)
+    os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+def test_loaders_survive_gc_and_a_killed_run(prepared):
+    recipe, _ = prepared
+    first = take(LoaderIterator(build_loader(recipe, "train", 2)), 3)
+    gc.collect()
+    assert take(LoaderIterator(build_loader(recipe, "train", 2)), 3) == first  # second run, same process
+
+    shm = Path("/dev/shm")
+    before = set(os.listdir(shm)) if shm.is_dir() else set()
+    p = subprocess.run([sys.executable, "-c", _KILLED_SCRIPT, json.dumps(recipe.to_dict())],
+                       env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
+    assert p.returncode == -signal.SIGKILL, p.stderr
+    leaked = (set(os.listdir(shm)) - before) if shm.is_dir() else set()
+    try:
+        assert take(LoaderIterator(build_loader(recipe, "train", 2)), 3) == first
+    finally:
+        for name in leaked:  # what the killed run left behind, and nothing else
+            (shm / name).unlink(missing_ok=True)
+
+
+_MANY_LOADERS_SCRIPT = textwrap.dedent("""
+    import json, sys
+    from memtrain.config import recipe_from_dict
+    from memtrain.data.loader import LoaderIterator, build_loader
+    recipe = recipe_from_dict(json.loads(sys.argv[1]))
+    keep = [LoaderIterator(build_loader(recipe, "train", 2)) for _ in range(10)]
+    print(sum(len(next(it)["input_ids"]) for it in keep))
+""")
+
+
+def test_concurrent_jobs_on_one_host_do_not_collide(prepared):
+    """Streaming's shared-memory prefix choice is not atomic; memtrain serialises it per host."""
+    recipe, _ = prepared
+    args = [sys.executable, "-c", _MANY_LOADERS_SCRIPT, json.dumps(recipe.to_dict())]
+    procs = [subprocess.Popen(args, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-3000:]
+        assert out.strip().splitlines()[-1] == "20"
