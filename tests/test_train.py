@@ -147,6 +147,21 @@ def test_incomplete_checkpoint_is_ignored(workdir, reference):
         assert again[step] == pytest.approx(reference[step], rel=0, abs=1e-6)
 
 
+def test_damaged_checkpoint_is_one_clear_error(workdir, reference):
+    train(workdir, "damaged")
+    tag8 = workdir / "runs" / "damaged" / "checkpoints" / "global_step8"
+    (shard,) = tag8.glob("*model_states.pt")
+    shard.write_bytes(shard.read_bytes()[:100])  # truncated by a full disk, say
+    listing = sorted(p.name for p in tag8.iterdir())
+    out = train(workdir, "damaged", "train.max_steps=10", check=False)
+    assert out.returncode == 2
+    assert "cannot load" in out.stderr and "Delete" in out.stderr and "Traceback" not in out.stderr
+    assert sorted(p.name for p in tag8.iterdir()) == listing
+    (tag8 / "COMPLETE.json").unlink()  # the fix the message suggests
+    out = train(workdir, "damaged")
+    assert "global_step4 (step 4" in out.stdout
+
+
 def test_existing_run_is_not_overwritten_without_resume(workdir, reference):
     before = sorted(p.name for p in (workdir / "runs" / "ref" / "checkpoints").iterdir())
     out = train(workdir, "ref", "checkpoint.resume=false", check=False)
@@ -184,12 +199,20 @@ def _spawn_two(workdir, run, overrides, env_for_rank, argv_for_rank=lambda r: []
 
 def test_two_ranks_under_slurm_environment_match_one_process(workdir, reference):
     port = str(_port())
-    out = _spawn_two(workdir, "slurm", ["parallel.zero_stage=1"], lambda r: {
+    out = _spawn_two(workdir, "slurm", ["parallel.zero_stage=1", "logging.peak_flops=1e12"], lambda r: {
         "SLURM_JOB_ID": "77", "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r), "SLURM_NODEID": "0",
         "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_STEP_NODELIST": "127.0.0.1",
         "MASTER_PORT": port})
     assert "2 rank(s) via slurm" in out
     _compare(workdir, "slurm", reference)
+    # With a known device peak the loop reports MFU: 6N + 12*L*H*T FLOPs per token over the peak.
+    rows = [json.loads(line) for line in (workdir / "runs" / "slurm" / "metrics.jsonl").read_text().splitlines()]
+    from memtrain.config import load_recipe
+    from memtrain.model import flops_per_token
+
+    fpt = flops_per_token(load_recipe(workdir / "tiny.yaml").model, 32)
+    for row in rows:
+        assert row["throughput/mfu"] == pytest.approx(fpt * row["throughput/device/tokens_per_sec"] / 1e12)
 
 
 def test_two_ranks_under_deepspeed_launcher_environment_match_one_process(workdir, reference):
@@ -200,3 +223,23 @@ def test_two_ranks_under_deepspeed_launcher_environment_match_one_process(workdi
         argv_for_rank=lambda r: [f"--local_rank={r}"])
     assert "2 rank(s) via deepspeed" in out
     _compare(workdir, "dslaunch", reference)
+
+
+def test_quickstart_recipe_runs_end_to_end(tmp_path):
+    """recipes/quickstart.yaml itself, through the CLI, for a handful of steps."""
+    recipe = str(REPO / "recipes" / "quickstart.yaml")
+    short = ["data.dir=data", "run.dir=run", "train.max_steps=4", "train.schedule.warmup=1 steps",
+             "checkpoint.every_steps=2", "train.eval.every_steps=2", "logging.every_steps=1"]
+    out = subprocess.run([sys.executable, "-m", "memtrain", "prepare", recipe, *short], cwd=tmp_path, env=_env(),
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("prepared data:") and "vocabulary 2048" in out.stdout
+    out = subprocess.run([sys.executable, "-m", "memtrain", "train", recipe, *short], cwd=tmp_path, env=_env(),
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-5000:]
+    assert "step 4/4" in out.stdout and "saved checkpoint run/checkpoints/global_step4" in out.stdout
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert rows[-1]["loss/train"] < rows[0]["loss/train"]
+    assert "loss/val" in rows[1] and "loss/val" in rows[3]
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["global_step2", "global_step4"]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -213,14 +214,23 @@ def check_compatible(info: CheckpointInfo, state: dict, recipe: Recipe, world_si
 def load(engine, info: CheckpointInfo, rank: int) -> dict:
     """Load engine and RNG state for this rank from ``info``; returns the trainer state."""
     state = read_trainer_state(info)
-    load_path, _ = engine.load_checkpoint(str(info.path.parent), tag=info.tag, load_optimizer_states=True,
-                                          load_lr_scheduler_states=True)
+    damaged = (f"; the folder is damaged. Delete {info.path / MARKER} to resume from the checkpoint before it, "
+               "or start a new run.dir")
+    try:
+        load_path, _ = engine.load_checkpoint(str(info.path.parent), tag=info.tag, load_optimizer_states=True,
+                                              load_lr_scheduler_states=True)
+    except (RuntimeError, OSError, EOFError, KeyError, ValueError, pickle.UnpicklingError) as e:
+        # A truncated or overwritten shard; DeepSpeed's own error names the file deep inside torch.load.
+        raise CheckpointError(f"cannot load {info.path} ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+                              + damaged) from None
     if load_path is None:
-        raise CheckpointError(f"DeepSpeed could not load {info.path}; the folder may be damaged. Delete its "
-                              f"{MARKER} to resume from an older checkpoint")
+        raise CheckpointError(f"DeepSpeed found no checkpoint in {info.path}" + damaged)
     rank_file = info.path / f"rank_state_{rank:05d}.pt"
     if rank_file.is_file():
-        set_rng_state(torch.load(rank_file, weights_only=True))
+        try:
+            set_rng_state(torch.load(rank_file, weights_only=True))
+        except (RuntimeError, OSError, EOFError, KeyError, pickle.UnpicklingError) as e:
+            raise CheckpointError(f"cannot load {rank_file} ({type(e).__name__})" + damaged) from None
     return state
 
 
