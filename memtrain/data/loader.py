@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     from streaming import StreamingDataLoader
 
 SPLITS = ("train", "val")
+IGNORE_INDEX = -100  # torch.nn.functional.cross_entropy's default
 
 
 def read_meta(data_dir: str | Path, recipe: Optional[Recipe] = None) -> dict[str, Any]:
@@ -77,6 +78,20 @@ def read_meta(data_dir: str | Path, recipe: Optional[Recipe] = None) -> dict[str
     return meta
 
 
+def check_clustering(meta: dict[str, Any], recipe: Recipe) -> None:
+    """The prepared tree must be the one the recipe describes (memories are sized by it)."""
+    cl, want = meta.get("clustering") or {}, recipe.data.clustering
+    if not cl:
+        if want.enabled:
+            raise DataError(f"{recipe.data_dir} was prepared without clustering but data.clustering.enabled is "
+                            "true; prepare it again (`memtrain prepare RECIPE --force`) or use another data.dir")
+        return
+    for key in ("branching", "depth"):
+        if want.enabled and cl[key] != getattr(want, key):
+            raise DataError(f"{recipe.data_dir} holds a cluster tree with {key} {cl[key]} but data.clustering.{key} "
+                            f"is {getattr(want, key)}; set it to {cl[key]}, or prepare the data again")
+
+
 class Collate:
     """Turns samples ``{"tokens": uint array [seq_len + 1]}`` into a training batch of LongTensors.
 
@@ -85,19 +100,41 @@ class Collate:
     belongs to the document it ends.
     """
 
-    def __init__(self, eot_id: int):
+    def __init__(self, eot_id: int, branching: Optional[int] = None, depth: Optional[int] = None):
         self.eot_id = eot_id
+        self.branching, self.depth = branching, depth
 
     def __call__(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         tokens = torch.from_numpy(np.stack([s["tokens"] for s in samples]).astype(np.int64))
-        input_ids, labels = tokens[:, :-1], tokens[:, 1:]
-        doc_ids = document_ids(input_ids, self.eot_id)
-        return {"input_ids": input_ids.contiguous(), "labels": labels.contiguous(), "doc_ids": doc_ids}
+        batch: dict[str, torch.Tensor] = {}
+        if self.depth is not None:
+            # Cluster-prefixed data: [leaf, t_0 .. t_seq_len]; every level's id follows from the leaf.
+            leaf, tokens = tokens[:, 0], tokens[:, 1:]
+            n_leaves = self.branching**self.depth
+            if int(leaf.min()) < 0 or int(leaf.max()) >= n_leaves:
+                bad = int(leaf[(leaf < 0) | (leaf >= n_leaves)][0])
+                raise DataError(f"a sample's cluster id {bad} lies outside [0, {n_leaves}) = [0, k^p) for "
+                                f"branching {self.branching} and depth {self.depth}; the shards do not belong to "
+                                "this clustering: prepare the data again")
+            batch["cluster_ids"] = levels_from_leaf(leaf, self.branching, self.depth)
+        input_ids, labels = tokens[:, :-1], tokens[:, 1:].clone()
+        # EOT -> EOT never occurs in text (empty documents are skipped): it is padding at a cluster's end.
+        labels[(input_ids == self.eot_id) & (labels == self.eot_id)] = IGNORE_INDEX
+        batch.update({"input_ids": input_ids.contiguous(), "labels": labels,
+                      "doc_ids": document_ids(input_ids, self.eot_id)})
+        return batch
 
 
-def collate(samples: list[dict[str, Any]], eot_id: int) -> dict[str, torch.Tensor]:
+def levels_from_leaf(leaf: torch.Tensor, branching: int, depth: int) -> torch.Tensor:
+    """Global cluster index at every level, ``[..., depth]``: ``id_l = leaf // k^(depth - l)``."""
+    powers = torch.tensor([branching ** (depth - 1 - level) for level in range(depth)], dtype=torch.long)
+    return leaf[..., None] // powers
+
+
+def collate(samples: list[dict[str, Any]], eot_id: int, branching: Optional[int] = None,
+            depth: Optional[int] = None) -> dict[str, torch.Tensor]:
     """Functional form of :class:`Collate`."""
-    return Collate(eot_id)(samples)
+    return Collate(eot_id, branching, depth)(samples)
 
 
 def train_epoch_size(num_samples: int, sequences_per_step: int, num_canonical_nodes: int) -> int:
@@ -116,7 +153,7 @@ def build_loader(recipe: Recipe, split: str, micro_batch_size: int,
     ``shuffle`` defaults to ``data.shuffle`` for ``"train"`` and False for ``"val"``. Training batches
     always hold ``micro_batch_size`` sequences; the last validation batch may be smaller.
     """
-    from streaming import StreamingDataLoader, StreamingDataset
+    from streaming import Stream, StreamingDataLoader, StreamingDataset
 
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
@@ -126,7 +163,7 @@ def build_loader(recipe: Recipe, split: str, micro_batch_size: int,
                         f"is {recipe.model.vocab_size}; set model.vocab_size to at least {meta['vocab_size']}")
     local = (recipe.data_dir / split).resolve()
     n = meta[f"{split}_samples"]
-    if n == 0 or not (local / "index.json").is_file():
+    if n == 0 or not ((local / "index.json").is_file() or meta.get("streams", {}).get(split)):
         hint = "data.val_fraction is 0" if split == "val" else "it is empty"
         raise DataError(f"{recipe.data_dir} has no {split} split ({hint}); prepare it again with "
                         f"{'data.val_fraction > 0' if split == 'val' else 'more data'}")
@@ -135,15 +172,25 @@ def build_loader(recipe: Recipe, split: str, micro_batch_size: int,
     epoch_size = None
     if split == "train":
         epoch_size = train_epoch_size(n, recipe.sequences_per_step, recipe.data.num_canonical_nodes)
+    clustering = meta.get("clustering")
+    if clustering:
+        check_clustering(meta, recipe)
+        # One stream per level-1 subtree; the global shuffle mixes them.
+        source = {"streams": [Stream(local=str((recipe.data_dir / s["dir"]).resolve()))
+                              for s in meta["streams"][split]]}
+        collate_fn = Collate(meta["eot_id"], clustering["branching"], clustering["depth"])
+    else:
+        source = {"local": str(local), "remote": None}
+        collate_fn = Collate(meta["eot_id"])
     with _host_prefix_lock():
         dataset = StreamingDataset(
-            local=str(local), remote=None, shuffle=shuffle, shuffle_seed=recipe.run.seed,
+            **source, shuffle=shuffle, shuffle_seed=recipe.run.seed,
             batch_size=micro_batch_size, num_canonical_nodes=recipe.data.num_canonical_nodes,
             replication=None, epoch_size=epoch_size,
         )
     loader = StreamingDataLoader(
         dataset, batch_size=micro_batch_size, num_workers=recipe.data.num_workers,
-        collate_fn=Collate(meta["eot_id"]), drop_last=split == "train",
+        collate_fn=collate_fn, drop_last=split == "train",
         persistent_workers=False, pin_memory=torch.cuda.is_available(),
     )
     loader.memtrain_meta = meta  # for LoaderIterator's consistency check
@@ -251,5 +298,5 @@ def clean_stale_shared_memory() -> None:
     clean()
 
 
-__all__ = ["Collate", "LoaderIterator", "build_loader", "clean_stale_shared_memory", "collate",
+__all__ = ["Collate", "IGNORE_INDEX", "LoaderIterator", "check_clustering", "levels_from_leaf", "build_loader", "clean_stale_shared_memory", "collate",
            "read_meta", "train_epoch_size"]

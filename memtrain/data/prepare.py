@@ -2,10 +2,15 @@
 
 Layout of a prepared data folder::
 
-    <data_dir>/meta.json        settings, counts, tokenizer and fingerprint (written last)
-    <data_dir>/tokenizer.model  the SentencePiece model, when memtrain trained it
-    <data_dir>/train/           MDS shards + index.json, column "tokens" of seq_len + 1 ids
-    <data_dir>/val/             the same for the validation documents (absent if there are none)
+    <data_dir>/meta.json            settings, counts, tokenizer and fingerprint (written last)
+    <data_dir>/prepare_report.json  document / sequence counts, cluster balance, throughput
+    <data_dir>/tokenizer.model      the SentencePiece model, when memtrain trained it
+    <data_dir>/train/               MDS shards + index.json, column "tokens" of seq_len + 1 ids
+    <data_dir>/val/                 the same for the validation documents (absent if there are none)
+
+With ``data.clustering.enabled`` the splits instead hold one MDS stream per level-1 subtree
+(``train/subtree-<i>/``), every sample carries its leaf cluster id in front (``seq_len + 2`` values),
+and ``tree.safetensors`` holds the cluster tree (:mod:`memtrain.data.clustered`).
 
 Everything is built in a temporary sibling folder and moved into place with ``os.replace`` at the
 end, so a failure or a kill never leaves a half-written data folder. The settings that determine the
@@ -15,6 +20,7 @@ prepared"); different settings need ``force=True`` (``--force``) or another ``da
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -33,6 +39,7 @@ from memtrain.errors import DataError
 
 FORMAT_VERSION = 1
 META = "meta.json"
+REPORT = "prepare_report.json"
 TOKENIZER_FILE = "tokenizer.model"
 _ENCODE_BATCH = 256
 
@@ -49,10 +56,16 @@ def data_settings(recipe: Recipe) -> dict[str, Any]:
         "format_version": FORMAT_VERSION, "sources": list(d.sources), "text_field": d.text_field,
         "seq_len": d.seq_len, "val_fraction": d.val_fraction, "tokenizer": tokenizer, "seed": recipe.run.seed,
     }
+    if d.clustering.enabled:
+        settings["clustering"] = dataclasses.asdict(d.clustering)
     if "builtin" in d.sources:
         from memtrain.data.builtin import BUILTIN_VERSION
 
         settings["builtin_version"] = BUILTIN_VERSION
+    if "builtin:longtail" in d.sources:
+        from memtrain.data.longtail import LONGTAIL_VERSION
+
+        settings["longtail_version"] = LONGTAIL_VERSION
     return settings
 
 
@@ -101,6 +114,10 @@ def prepare(recipe: Recipe, force: bool = False) -> dict[str, Any]:
     try:
         meta = _build(recipe, tmp, settings, fp)
         throughput = meta.pop("_throughput")
+        report = {"documents": meta["counts"]["documents"],
+                  "sequences": meta["counts"]["train_samples"] + meta["counts"]["val_samples"],
+                  **meta.pop("report", {"branching": None, "depth": None}), "throughput": throughput}
+        _write_json(tmp / REPORT, report)
         _write_json(tmp / META, meta)
         _swap_into_place(tmp, data_dir)
     finally:
@@ -145,29 +162,43 @@ def _build(recipe: Recipe, out: Path, settings: dict, fp: str) -> dict[str, Any]
     sample_len = d.seq_len + 1
 
     tok_start = time.perf_counter()
-    splits: dict[str, PackStats] = {}
-    for split, idx in (("train", train_idx), ("val", val_idx)):
-        if not idx:
-            continue
+    split_idx = {"train": train_idx, "val": val_idx}
+    tokens: dict[str, list[np.ndarray]] = {}
+    for split, idx in split_idx.items():
         with tqdm(total=len(idx), desc=f"tokenizing {split}", unit=" docs", disable=None) as bar:
-            tokens = []
+            tokens[split] = []
             for b in range(0, len(idx), _ENCODE_BATCH):
                 batch = [docs[i] for i in idx[b:b + _ENCODE_BATCH]]
-                tokens += [np.asarray(t, dtype=dtype) for t in tokenizer.encode_batch(batch)]
+                tokens[split] += [np.asarray(t, dtype=np.int64) for t in tokenizer.encode_batch(batch)]
                 bar.update(len(batch))
-        stats = PackStats()
-        n_samples = sum(len(t) + 1 for t in tokens) // sample_len
-        if n_samples == 0:
-            total = sum(len(t) + 1 for t in tokens)
+        if idx and sum(len(t) + 1 for t in tokens[split]) < sample_len:
+            total = sum(len(t) + 1 for t in tokens[split])
             what = "training" if split == "train" else "validation"
             hint = ("set data.seq_len below that or add documents" if split == "train" else
                     "raise data.val_fraction, lower data.seq_len, or set data.val_fraction to 0")
             raise DataError(f"the {what} split has only {total} tokens ({len(idx)} documents), fewer than one "
                             f"sample of data.seq_len + 1 = {sample_len} tokens; {hint}")
-        with tqdm(total=n_samples, desc=f"writing {split}", unit=" samples", disable=None) as bar:
-            write_mds(out / split, pack(tokens, tokenizer.eot_id, sample_len, dtype, stats), dtype,
-                      d.shard_size_limit, progress=bar)
-        splits[split] = stats
+
+    clustered: dict[str, Any] = {}
+    splits: dict[str, PackStats] = {}
+    if d.clustering.enabled:
+        from memtrain.data.clustered import build_clustered
+
+        clustered = build_clustered(recipe, out, docs, split_idx, tokens, tokenizer)
+        dtype = clustered["dtype"]
+        for split, c in clustered.pop("split_counts").items():
+            splits[split] = PackStats(documents=c["documents"], tokens=c["tokens"], samples=c["samples"],
+                                      padded_tokens=c["padded_tokens"])
+    else:
+        for split, idx in split_idx.items():
+            if not idx:
+                continue
+            stats = PackStats()
+            n_samples = sum(len(t) + 1 for t in tokens[split]) // sample_len
+            with tqdm(total=n_samples, desc=f"writing {split}", unit=" samples", disable=None) as bar:
+                write_mds(out / split, pack(tokens[split], tokenizer.eot_id, sample_len, dtype, stats), dtype,
+                          d.shard_size_limit, progress=bar)
+            splits[split] = stats
     elapsed = time.perf_counter() - start
     total_tokens = sum(s.tokens for s in splits.values())
 
@@ -196,6 +227,7 @@ def _build(recipe: Recipe, out: Path, settings: dict, fp: str) -> dict[str, Any]
             "train_dropped_tokens": train.dropped_tokens, "val_dropped_tokens": val.dropped_tokens,
             "dropped_tokens": train.dropped_tokens + val.dropped_tokens,
         },
+        **{key: clustered[key] for key in ("clustering", "streams", "report") if key in clustered},
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "_throughput": {  # popped before meta.json is written
             "seconds": round(elapsed, 3),

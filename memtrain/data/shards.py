@@ -28,12 +28,19 @@ class PackStats:
     documents: int = 0
     tokens: int = 0  # including one end-of-text token per document
     samples: int = 0
-    dropped_tokens: int = 0  # the final partial sample
+    dropped_tokens: int = 0  # the final partial sample (pad_last=False)
+    padded_tokens: int = 0  # end-of-text tokens appended to fill the final sample (pad_last=True)
 
 
 def pack(docs: Iterable[Sequence[int] | np.ndarray], eot_id: int, sample_len: int, dtype: str = "uint32",
-         stats: Optional[PackStats] = None) -> Iterator[np.ndarray]:
-    """Yield ``sample_len``-token arrays cut from ``doc0 EOT doc1 EOT ...``; ``stats`` is filled in."""
+         stats: Optional[PackStats] = None, pad_last: bool = False) -> Iterator[np.ndarray]:
+    """Yield ``sample_len``-token arrays cut from ``doc0 EOT doc1 EOT ...``; ``stats`` is filled in.
+
+    The final partial sample is dropped, or with ``pad_last`` filled up with end-of-text tokens (the
+    loader masks the loss of EOT -> EOT transitions, which real text never has since empty documents
+    are skipped), so that no document is lost: cluster-packed data has one such tail per cluster, and
+    the rare clusters are the ones that matter.
+    """
     stats = stats if stats is not None else PackStats()
     buf = np.empty(0, dtype=dtype)
     pending: list[np.ndarray] = []
@@ -55,7 +62,13 @@ def pack(docs: Iterable[Sequence[int] | np.ndarray], eot_id: int, sample_len: in
             stats.samples += 1
             yield buf[i * sample_len:(i + 1) * sample_len]
         buf = buf[n * sample_len:].copy()
-    stats.dropped_tokens = len(buf) + pending_len
+    rest = np.concatenate([buf] + pending) if pending else buf
+    if pad_last and len(rest):
+        stats.samples += 1
+        stats.padded_tokens = sample_len - len(rest)
+        yield np.concatenate([rest, np.full(sample_len - len(rest), eot_id, dtype=dtype)])
+    else:
+        stats.dropped_tokens = len(rest)
 
 
 def write_mds(out: str | Path, samples: Iterable[np.ndarray], dtype: str, size_limit: int,

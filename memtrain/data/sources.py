@@ -1,6 +1,7 @@
 """Reading raw documents from the recipe's ``data.sources``.
 
-A source is ``"builtin"`` (the generated corpus of :mod:`memtrain.data.builtin`) or a local path or
+A source is ``"builtin"`` (the generated corpus of :mod:`memtrain.data.builtin`), ``"builtin:longtail"``
+(the Zipf-frequency corpus of :mod:`memtrain.data.longtail`) or a local path or
 glob of files: ``.txt`` (one document per file), ``.jsonl`` / ``.json`` (one document per record, in
 the field ``data.text_field``) or ``.parquet`` (one document per row, same field). Files are read with
 Hugging Face ``datasets`` in streaming mode, one file at a time, so nothing is cached under
@@ -23,6 +24,7 @@ from typing import Iterator, Optional
 from memtrain.errors import DataError
 
 BUILTIN = "builtin"
+LONGTAIL = "builtin:longtail"
 # extension -> (datasets builder, extra builder arguments)
 _FORMATS: dict[str, tuple[str, dict]] = {
     ".txt": ("text", {"sample_by": "document", "encoding": "utf-8"}),
@@ -45,9 +47,11 @@ def resolve_sources(sources: list[str]) -> list[str]:
     """Expand each source into ``"builtin"`` or a sorted list of existing files, checking extensions."""
     out: list[str] = []
     for source in sources:
-        if source == BUILTIN:
-            out.append(BUILTIN)
+        if source in (BUILTIN, LONGTAIL):
+            out.append(source)
             continue
+        if source.startswith(BUILTIN + ":"):
+            raise DataError(f"unknown built-in corpus {source!r} in data.sources; use {BUILTIN!r} or {LONGTAIL!r}")
         pattern = os.path.expanduser(source)
         if glob.has_magic(pattern):
             matches = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
@@ -84,7 +88,7 @@ def read_documents(sources: list[str], text_field: str = "text", stats: Optional
     with tempfile.TemporaryDirectory(prefix="memtrain-datasets-") as scratch:
         for path in files:
             stats.files.append(path)
-            docs = _builtin() if path == BUILTIN else _read_file(path, text_field, cache_dir or scratch)
+            docs = _builtin(path) if path in (BUILTIN, LONGTAIL) else _read_file(path, text_field, cache_dir or scratch)
             for text in docs:
                 if text.strip():
                     stats.documents += 1
@@ -93,7 +97,12 @@ def read_documents(sources: list[str], text_field: str = "text", stats: Optional
                     stats.skipped_empty += 1
 
 
-def _builtin() -> Iterator[str]:
+def _builtin(name: str = BUILTIN) -> Iterator[str]:
+    if name == LONGTAIL:
+        from memtrain.data.longtail import longtail_documents
+
+        yield from longtail_documents(seed=0)
+        return
     from memtrain.data.builtin import builtin_documents
 
     yield from builtin_documents(seed=0)
