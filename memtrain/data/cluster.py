@@ -59,7 +59,7 @@ def num_internal_nodes(branching: int, depth: int) -> int:
     return level_offset(depth, branching)
 
 
-@dataclass
+@dataclass(eq=False)  # numpy fields: compare trees with np.array_equal on centroids
 class ClusterTree:
     """A trained tree: ``centroids[node, j]`` is the centroid of child ``j`` of internal ``node``."""
 

@@ -31,7 +31,6 @@ import numpy as np
 
 from memtrain.config import Recipe
 from memtrain.data.shards import COLUMN, PackStats, pack
-from memtrain.errors import DataError
 
 TREE_FILE = "tree.safetensors"
 
@@ -45,14 +44,19 @@ def prefixed_dtype(vocab_size: int, branching: int, depth: int) -> str:
     return "uint16" if max(vocab_size, branching**depth) <= 1 << 16 else "uint32"
 
 
-def mean_by_document(window_emb: np.ndarray, doc_index: np.ndarray, n_docs: int) -> np.ndarray:
-    """L2-normalised mean of each document's window embeddings, ``[n_docs, dim]``."""
-    out = np.zeros((n_docs, window_emb.shape[1]), dtype=np.float64)
-    np.add.at(out, doc_index, window_emb)
-    norms = np.linalg.norm(out, axis=1, keepdims=True)
-    if (norms == 0).any():
-        raise DataError("a document produced no embedding window; empty documents should have been skipped")
-    return (out / norms).astype(np.float32)
+def pack_by_leaf(docs: list[np.ndarray], leaves: np.ndarray, eot_id: int, sample_len: int, dtype: str,
+                 stats: PackStats | None = None) -> list[np.ndarray]:
+    """Pack each leaf's documents (in their given order) into ``[leaf] + sample_len`` token samples.
+
+    Samples come grouped by leaf, in increasing leaf order; each leaf's last sample is padded with EOT.
+    """
+    out: list[np.ndarray] = []
+    for leaf in np.unique(leaves):
+        prefix = np.array([leaf], dtype=dtype)
+        members = np.flatnonzero(leaves == leaf)
+        for sample in pack((docs[j] for j in members), eot_id, sample_len, dtype, stats, pad_last=True):
+            out.append(np.concatenate([prefix, sample]))
+    return out
 
 
 def build_clustered(recipe: Recipe, out: Path, docs: list[str], splits: dict[str, list[int]],
@@ -62,7 +66,7 @@ def build_clustered(recipe: Recipe, out: Path, docs: list[str], splits: dict[str
     from tqdm.auto import tqdm
 
     from memtrain.data.cluster import balance_report, check_enough, train_tree
-    from memtrain.data.embed import embed_windows, load_embedder
+    from memtrain.data.embed import embed_windows, load_embedder, mean_by_document
 
     cl, d = recipe.data.clustering, recipe.data
     k, p = cl.branching, cl.depth
@@ -85,8 +89,8 @@ def build_clustered(recipe: Recipe, out: Path, docs: list[str], splits: dict[str
 
     t = time.perf_counter()
     tree = train_tree(train_windows, k, p, steps=cl.kmeans_steps, samples=cl.kmeans_samples,
-                      balance_factor=cl.balance_factor, seed=recipe.run.seed, progress=progress)
-    tree.embedding_model = cl.embedding_model
+                      balance_factor=cl.balance_factor, seed=recipe.run.seed, progress=progress,
+                      embedding_model=cl.embedding_model)
     tree.save(out / TREE_FILE)
     timings["tree"] = time.perf_counter() - t
 
@@ -103,16 +107,8 @@ def build_clustered(recipe: Recipe, out: Path, docs: list[str], splits: dict[str
     for split, idx in splits.items():
         if not idx:
             continue
-        leaves = ids[split][:, -1]
-        samples: list[np.ndarray] = []
         stats = PackStats()
-        # Documents of one leaf, in the split's (seeded, shuffled) order.
-        for leaf in np.unique(leaves):
-            members = np.flatnonzero(leaves == leaf)
-            prefix = np.array([leaf], dtype=dtype)
-            for sample in pack((tokens[split][j] for j in members), tokenizer.eot_id, sample_len, dtype, stats,
-                               pad_last=True):
-                samples.append(np.concatenate([prefix, sample]))
+        samples = pack_by_leaf(tokens[split], ids[split][:, -1], tokenizer.eot_id, sample_len, dtype, stats)
         rng.shuffle(samples)  # global shuffle, before routing to the subtree streams
         writers: dict[int, Any] = {}
         per_stream: dict[int, int] = {}
@@ -157,4 +153,4 @@ def build_clustered(recipe: Recipe, out: Path, docs: list[str], splits: dict[str
     }
 
 
-__all__ = ["TREE_FILE", "build_clustered", "mean_by_document", "prefixed_dtype", "stream_name"]
+__all__ = ["TREE_FILE", "build_clustered", "pack_by_leaf", "prefixed_dtype", "stream_name"]
