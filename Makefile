@@ -28,6 +28,7 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/attention.py --quick
+	$(PY) benchmarks/prepare.py --quick
 
 clean:
 	rm -rf runs data/quickstart .pytest_cache

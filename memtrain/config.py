@@ -183,6 +183,9 @@ class DataConfig:
     num_workers: int = 0
     num_canonical_nodes: int = 1
     clustering: ClusteringConfig = field(default_factory=ClusteringConfig)
+    # global: every rank reads every subtree. affine: a rank (or a group of ranks) reads only the
+    # streams of the level-1 subtrees bin-packed onto it, so its memory blocks stay local.
+    placement: Literal["global", "affine"] = "global"
 
 
 @dataclass
@@ -503,6 +506,9 @@ def validate(recipe: Recipe) -> Recipe:
     positive("data.shard_size_limit", d.shard_size_limit)
     positive("data.num_canonical_nodes", d.num_canonical_nodes)
     cl = d.clustering
+    if d.placement == "affine" and not cl.enabled:
+        raise RecipeError("data.placement", "'affine' reads the streams of level-1 subtrees; it needs "
+                          "data.clustering.enabled: true")
     for key in ("branching", "depth", "embedding_batch_size", "kmeans_steps", "kmeans_samples"):
         positive(f"data.clustering.{key}", getattr(cl, key))
     if cl.enabled and cl.branching < 2:

@@ -173,32 +173,122 @@ def build_loader(recipe: Recipe, split: str, micro_batch_size: int,
     if split == "train":
         epoch_size = train_epoch_size(n, recipe.sequences_per_step, recipe.data.num_canonical_nodes)
     clustering = meta.get("clustering")
+    stripe = None
     if clustering:
         check_clustering(meta, recipe)
-        # One stream per level-1 subtree; the global shuffle mixes them.
-        source = {"streams": [Stream(local=str((recipe.data_dir / s["dir"]).resolve()))
-                              for s in meta["streams"][split]]}
+        streams = meta["streams"][split]
         collate_fn = Collate(meta["eot_id"], clustering["branching"], clustering["depth"])
+        if recipe.data.placement == "affine" and split == "train":
+            # This rank's group reads only its subtrees' streams, as a world of its own; the group's
+            # ranks take turns on its batches (rank j of s: rows j*B..(j+1)*B of every s*B batch).
+            world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+            groups, per_group = affine_groups({s["subtree"]: s["samples"] for s in streams}, world)
+            mine = set(groups[rank // per_group])
+            streams = [s for s in streams if s["subtree"] in mine]
+            stripe = (rank % per_group, per_group)
+            n = sum(s["samples"] for s in streams)
+            epoch_size = train_epoch_size(n, micro_batch_size * per_group * recipe.grad_accum_steps(world),
+                                          recipe.data.num_canonical_nodes)
+        # One stream per level-1 subtree; the shuffle mixes them.
+        source = {"streams": [Stream(local=str((recipe.data_dir / s["dir"]).resolve())) for s in streams]}
     else:
         source = {"local": str(local), "remote": None}
         collate_fn = Collate(meta["eot_id"])
-    with _host_prefix_lock():
-        dataset = StreamingDataset(
-            **source, shuffle=shuffle, shuffle_seed=recipe.run.seed,
-            batch_size=micro_batch_size, num_canonical_nodes=recipe.data.num_canonical_nodes,
-            replication=None, epoch_size=epoch_size,
-        )
+    batch_size = micro_batch_size * (stripe[1] if stripe else 1)
+    construct = dict(**source, shuffle=shuffle, shuffle_seed=recipe.run.seed, batch_size=batch_size,
+                     num_canonical_nodes=recipe.data.num_canonical_nodes, replication=None, epoch_size=epoch_size)
+    if stripe:
+        with _world_of_one(), _host_prefix_lock(every_rank=True):
+            dataset = StreamingDataset(**construct)
+        collate_fn = _Stripe(collate_fn, stripe[0], micro_batch_size)
+    else:
+        with _host_prefix_lock():
+            dataset = StreamingDataset(**construct)
     loader = StreamingDataLoader(
-        dataset, batch_size=micro_batch_size, num_workers=recipe.data.num_workers,
+        dataset, batch_size=batch_size, num_workers=recipe.data.num_workers,
         collate_fn=collate_fn, drop_last=split == "train",
         persistent_workers=False, pin_memory=torch.cuda.is_available(),
     )
     loader.memtrain_meta = meta  # for LoaderIterator's consistency check
+    loader.memtrain_subtrees = sorted(int(s["subtree"]) for s in streams) if clustering else None
+    loader.memtrain_world_of_one = stripe is not None  # Streaming re-reads the layout in state_dict()
     return loader
 
 
+def affine_groups(samples_per_subtree: dict[int, int], world_size: int) -> tuple[list[list[int]], int]:
+    """Level-1 subtrees bin-packed onto groups of ranks by sample count; returns (subtrees of each
+    group, ranks per group).
+
+    The number of groups is the largest divisor of the world size not above the number of subtrees,
+    so every group has the same number of ranks and at least one subtree. Subtrees go, largest first,
+    to the group with the fewest samples so far (ties: lowest group), which is deterministic.
+    """
+    subtrees = sorted(samples_per_subtree, key=lambda s: (-samples_per_subtree[s], s))
+    if not subtrees:
+        raise DataError("the prepared data has no level-1 subtree streams; prepare it again")
+    n_groups = max(g for g in range(1, min(world_size, len(subtrees)) + 1) if world_size % g == 0)
+    groups: list[list[int]] = [[] for _ in range(n_groups)]
+    load = [0] * n_groups
+    for s in subtrees:
+        g = min(range(n_groups), key=lambda i: (load[i], i))
+        groups[g].append(s)
+        load[g] += samples_per_subtree[s]
+    return [sorted(g) for g in groups], world_size // n_groups
+
+
+class _Stripe:
+    """Collate a group batch and keep this rank's rows."""
+
+    def __init__(self, collate_fn: "Collate", index: int, micro_batch_size: int):
+        self.collate_fn, self.index, self.micro = collate_fn, index, micro_batch_size
+
+    def __call__(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        rows = samples[self.index * self.micro:(self.index + 1) * self.micro]
+        return self.collate_fn(rows)
+
+
 @contextlib.contextmanager
-def _host_prefix_lock() -> Iterator[None]:
+def _world_of_one() -> Iterator[None]:
+    """Let StreamingDataset see a single-process world while it is constructed.
+
+    Streaming reads the layout from RANK / WORLD_SIZE / LOCAL_* once, in the constructor, and calls
+    ``torch.distributed.barrier()`` there whenever a process group exists. Affine groups read
+    different streams, so their datasets are built one at a time (host lock) and without barriers,
+    which would otherwise pair up with the construction of another group.
+    """
+    import streaming.base.dataset as sd
+    import streaming.base.shared.prefix as sp
+
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    saved_env = {k: os.environ.get(k) for k in keys}
+    saved_dist = (sd.dist, sp.dist)
+    os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
+    sd.dist = sp.dist = _NoProcessGroup()
+    try:
+        yield
+    finally:
+        sd.dist, sp.dist = saved_dist
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+class _NoProcessGroup:
+    """Stands in for ``torch.distributed`` inside Streaming while an affine dataset is built."""
+
+    @staticmethod
+    def is_available() -> bool:
+        return True
+
+    @staticmethod
+    def is_initialized() -> bool:
+        return False
+
+
+@contextlib.contextmanager
+def _host_prefix_lock(every_rank: bool = False) -> Iterator[None]:
     """Serialise StreamingDataset construction among the jobs of one host.
 
     Streaming picks a free shared-memory prefix by looking at ``/dev/shm`` and then creates it; two
@@ -212,12 +302,14 @@ def _host_prefix_lock() -> Iterator[None]:
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if world != local_world:
+    if world != local_world and not every_rank:
         yield
         return
-    synced = dist.is_available() and dist.is_initialized() and world > 1
+    # With every_rank (affine groups built as worlds of one, no barriers inside) each rank takes the
+    # lock for its own construction; that is safe across nodes too, since no rank waits for another.
+    synced = dist.is_available() and dist.is_initialized() and world > 1 and not every_rank
     handle = None
-    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+    if every_rank or int(os.environ.get("LOCAL_RANK", "0")) == 0:
         handle = open(Path(tempfile.gettempdir()) / "memtrain-streaming-prefix.lock", "a")
         fcntl.flock(handle, fcntl.LOCK_EX)
     try:
@@ -269,8 +361,14 @@ class LoaderIterator:
             "version": self.STATE_VERSION,
             "data_fingerprint": meta.get("fingerprint"),
             "epoch_size": self.loader.dataset.epoch_size,
-            "streaming": self.loader.state_dict(),
+            "streaming": self._streaming(self.loader.state_dict),
         }
+
+    def _streaming(self, call, *args):
+        if getattr(self.loader, "memtrain_world_of_one", False):
+            with _world_of_one():
+                return call(*args)
+        return call(*args)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self._started:
@@ -284,7 +382,7 @@ class LoaderIterator:
             raise DataError("the checkpoint was trained on different data than data.dir now holds (data "
                             f"fingerprint {state.get('data_fingerprint')} vs {meta.get('fingerprint')}); restore the "
                             "original data, or start a new run (run.dir) instead of resuming")
-        self.loader.load_state_dict(state["streaming"])
+        self._streaming(self.loader.load_state_dict, state["streaming"])
 
 
 def clean_stale_shared_memory() -> None:
@@ -298,5 +396,5 @@ def clean_stale_shared_memory() -> None:
     clean()
 
 
-__all__ = ["Collate", "IGNORE_INDEX", "LoaderIterator", "check_clustering", "levels_from_leaf", "build_loader", "clean_stale_shared_memory", "collate",
+__all__ = ["Collate", "IGNORE_INDEX", "affine_groups", "LoaderIterator", "check_clustering", "levels_from_leaf", "build_loader", "clean_stale_shared_memory", "collate",
            "read_meta", "train_epoch_size"]

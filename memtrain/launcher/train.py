@@ -152,9 +152,11 @@ def train(recipe: Recipe) -> dict:
         _, incomplete = ckpt.list_checkpoints(run_dir)
         for p in incomplete:
             _log(f"ignoring incomplete checkpoint {p} (no {ckpt.MARKER})", rank)
-        state = ckpt.load(engine, latest, rank)
+        state, rank_state = ckpt.load(engine, latest, rank)
         step, tokens_seen = int(state["step"]), int(state["tokens_seen"])
-        train_batches.load_state_dict(state["loader"])
+        # Global placement: one position for all ranks. Affine: each rank's own, in its subtrees.
+        affine = recipe.data.placement == "affine"
+        train_batches.load_state_dict(rank_state["loader"] if affine else state["loader"])
         _log(f"resuming from {latest.path} (step {step}, {tokens_seen} tokens seen)", rank)
 
     max_steps = recipe.max_steps
@@ -173,9 +175,11 @@ def train(recipe: Recipe) -> dict:
         _log(f"TensorBoard logs in {writer.log_dir} (tensorboard --logdir {run_dir / 'tensorboard'})", rank)
 
     def save(at_step: int) -> None:
+        loader_state = train_batches.state_dict()
         path = ckpt.save(engine, recipe, step=at_step, rank=rank, world_size=world,
                          trainer_state={"step": at_step, "tokens_seen": tokens_seen,
-                                        "loader": train_batches.state_dict(), "world_size": world})
+                                        "loader": loader_state, "world_size": world},
+                         rank_extra={"loader": loader_state})
         _log(f"saved checkpoint {path}", rank)
 
     if step >= max_steps:

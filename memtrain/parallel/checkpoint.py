@@ -4,8 +4,8 @@ Layout under ``<run.dir>/checkpoints/global_step<N>/``:
 
 - DeepSpeed's files (model states, ZeRO-partitioned optimizer states, the LR scheduler);
 - ``trainer_state.json`` (rank 0): step, tokens seen, data-loader position, the resolved recipe;
-- ``rank_state_<rank>.pt`` (every rank): that rank's torch / numpy / Python RNG states, loaded back
-  with ``weights_only=True``;
+- ``rank_state_<rank>.pt`` (every rank): that rank's torch / numpy / Python RNG states and its
+  data-loader position (ranks differ under cluster-affine placement), loaded with ``weights_only=True``;
 - ``COMPLETE.json``: written by rank 0 after a global barrier once every rank has finished writing.
   A tag without it is incomplete (a run killed mid-save) and is never resumed from; DeepSpeed's own
   ``latest`` file is not written, since it can point at an unfinished tag.
@@ -130,7 +130,8 @@ def set_rng_state(state: dict) -> None:
 # Save / load
 
 
-def save(engine, recipe: Recipe, *, step: int, trainer_state: dict, rank: int, world_size: int) -> Path:
+def save(engine, recipe: Recipe, *, step: int, trainer_state: dict, rank: int, world_size: int,
+         rank_extra: Optional[dict] = None) -> Path:
     """Write checkpoint ``global_step<step>`` on every rank; rank 0 marks it complete and prunes."""
     import torch.distributed as dist
 
@@ -143,7 +144,7 @@ def save(engine, recipe: Recipe, *, step: int, trainer_state: dict, rank: int, w
         dist.barrier()
     engine.save_checkpoint(str(root), tag=tag, client_state={"memtrain_step": step}, save_latest=False)
     path.mkdir(parents=True, exist_ok=True)
-    torch.save(rng_state(), path / f"rank_state_{rank:05d}.pt")
+    torch.save({"rng": rng_state(), **(rank_extra or {})}, path / f"rank_state_{rank:05d}.pt")
     if rank == 0:
         _write_json_atomic(path / TRAINER_STATE, {**trainer_state, "recipe": recipe.to_dict()})
     if dist.is_initialized():
@@ -203,6 +204,10 @@ def check_compatible(info: CheckpointInfo, state: dict, recipe: Recipe, world_si
         elif now != then:
             raise CheckpointError(f"checkpoint {info.path} was written with {section}={then!r} but the recipe "
                                   f"has {now!r}; restore the recipe value or choose a new run.dir")
+    if info.world_size != world_size and recipe.data.placement == "affine":
+        raise CheckpointError(
+            f"checkpoint {info.path} was written by {info.world_size} ranks with data.placement affine; each rank's "
+            f"position in its own subtrees is only meaningful for that layout. Resume on {info.world_size} ranks.")
     stage = (saved.get("parallel") or {}).get("zero_stage", 0)
     if info.world_size != world_size and stage > 0:
         raise CheckpointError(
@@ -211,8 +216,9 @@ def check_compatible(info: CheckpointInfo, state: dict, recipe: Recipe, world_si
             f"{world_size}).")
 
 
-def load(engine, info: CheckpointInfo, rank: int) -> dict:
-    """Load engine and RNG state for this rank from ``info``; returns the trainer state."""
+def load(engine, info: CheckpointInfo, rank: int) -> tuple[dict, dict]:
+    """Load engine and RNG state for this rank from ``info``; returns (trainer state, this rank's
+    extra state such as its data-loader position)."""
     state = read_trainer_state(info)
     damaged = (f"; the folder is damaged. Delete {info.path / MARKER} to resume from the checkpoint before it, "
                "or start a new run.dir")
@@ -226,12 +232,14 @@ def load(engine, info: CheckpointInfo, rank: int) -> dict:
     if load_path is None:
         raise CheckpointError(f"DeepSpeed found no checkpoint in {info.path}" + damaged)
     rank_file = info.path / f"rank_state_{rank:05d}.pt"
+    extra: dict = {}
     if rank_file.is_file():
         try:
-            set_rng_state(torch.load(rank_file, weights_only=True))
+            extra = torch.load(rank_file, weights_only=True)
+            set_rng_state(extra.pop("rng"))
         except (RuntimeError, OSError, EOFError, KeyError, pickle.UnpicklingError) as e:
             raise CheckpointError(f"cannot load {rank_file} ({type(e).__name__})" + damaged) from None
-    return state
+    return state, extra
 
 
 def summarize(info: CheckpointInfo) -> dict[str, Any]:
