@@ -186,6 +186,10 @@ class DataConfig:
     # global: every rank reads every subtree. affine: a rank (or a group of ranks) reads only the
     # streams of the level-1 subtrees bin-packed onto it, so its memory blocks stay local.
     placement: Literal["global", "affine"] = "global"
+    # Prepared data somewhere else (s3://, gs://, ..., or a shared filesystem path): training streams it
+    # into cache_dir (default <run.dir>/data-cache), one cache per run so concurrent jobs never collide.
+    remote: Optional[str] = None
+    cache_dir: Optional[str] = None
 
 
 @dataclass

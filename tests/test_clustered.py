@@ -273,3 +273,13 @@ def test_two_rank_affine_training_resumes_exactly(prepared, tmp_path):
     assert len(full) == 6
     (tmp_path / "run" / "checkpoints" / "global_step6" / "COMPLETE.json").unlink()
     assert run() == full
+
+
+def test_clustered_streams_from_a_remote_location(prepared, tmp_path):
+    recipe, _ = prepared
+    local = [next(it)["cluster_ids"].tolist() for it in [LoaderIterator(build_loader(recipe, "train", 2))] * 6]
+    remote = recipe_from_dict(recipe.to_dict(), [f"data.remote={recipe.data_dir}", f"run.dir={tmp_path / 'run'}"])
+    it = LoaderIterator(build_loader(remote, "train", 2))
+    assert [next(it)["cluster_ids"].tolist() for _ in range(6)] == local
+    assert sorted(p.name for p in (tmp_path / "run" / "data-cache" / "train").iterdir()) == [f"subtree-{i}"
+                                                                                           for i in range(K)]

@@ -497,3 +497,22 @@ def test_concurrent_jobs_on_one_host_do_not_collide(prepared):
         out, err = p.communicate(timeout=300)
         assert p.returncode == 0, err[-3000:]
         assert out.strip().splitlines()[-1] == "20"
+
+
+def test_remote_data_streams_into_a_cache_per_run(prepared, tmp_path):
+    """data.remote: shards prepared elsewhere (here a path; s3:// etc. go through the same Streaming
+    downloader) are cached under each run's own folder, and yield the same batches as local reading."""
+    recipe, _ = prepared
+    local = take(LoaderIterator(build_loader(recipe, "train", 2)), 4)
+    runs = []
+    for name in ("a", "b"):
+        r = recipe_from_dict(recipe.to_dict(), [f"data.remote={recipe.data_dir}", f"data.dir={tmp_path / 'unused'}",
+                                                f"run.dir={tmp_path / name}"])
+        assert take(LoaderIterator(build_loader(r, "train", 2)), 4) == local
+        runs.append(tmp_path / name / "data-cache")
+    for cache in runs:
+        assert (cache / "meta.json").is_file() and list((cache / "train").glob("shard.*.mds"))
+    assert not (tmp_path / "unused").exists()
+    bad = recipe_from_dict(recipe.to_dict(), [f"data.remote={tmp_path / 'nowhere'}", f"run.dir={tmp_path / 'c'}"])
+    with pytest.raises(DataError, match="cannot fetch .*nowhere/meta.json"):
+        build_loader(bad, "train", 2)

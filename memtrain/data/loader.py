@@ -56,6 +56,38 @@ SPLITS = ("train", "val")
 IGNORE_INDEX = -100  # torch.nn.functional.cross_entropy's default
 
 
+def data_location(recipe: Recipe) -> tuple[Path, Optional[str]]:
+    """(local folder with meta.json and the shard folders or their cache, remote root or None).
+
+    Without ``data.remote`` the shards are read in place from ``data.dir``. With it, meta.json is
+    fetched from the remote into this run's cache folder (``data.cache_dir``, default
+    ``<run.dir>/data-cache``) and Streaming downloads shards there on demand; a cache per run keeps
+    concurrent jobs on one host from sharing (and corrupting) a Streaming cache.
+    """
+    if not recipe.data.remote:
+        return recipe.data_dir, None
+    from streaming.base.storage.download import CloudDownloader
+
+    remote = recipe.data.remote.rstrip("/")
+    cache = Path(recipe.data.cache_dir) if recipe.data.cache_dir else recipe.run_dir / "data-cache"
+    cache.mkdir(parents=True, exist_ok=True)
+    # Fetched afresh every start (it is small), through a private name, so a changed remote is seen
+    # and concurrent ranks never read a half-written file.
+    tmp = cache / f".{META}.{os.getpid()}"
+    try:
+        CloudDownloader.direct_download(f"{remote}/{META}", str(tmp))
+    except Exception as e:  # each storage backend raises its own types
+        raise DataError(f"cannot fetch {remote}/{META} ({type(e).__name__}: {e}); check data.remote and "
+                        "credentials, or prepare the data there with `memtrain prepare`") from None
+    os.replace(tmp, cache / META)
+    return cache, remote
+
+
+def recipe_meta(recipe: Recipe) -> dict[str, Any]:
+    """meta.json of the recipe's prepared data, wherever it lives (see :func:`data_location`)."""
+    return read_meta(data_location(recipe)[0], recipe)
+
+
 def read_meta(data_dir: str | Path, recipe: Optional[Recipe] = None) -> dict[str, Any]:
     """meta.json of a prepared data folder; checks it against ``recipe.data.seq_len`` when given."""
     data_dir = Path(data_dir)
@@ -157,13 +189,14 @@ def build_loader(recipe: Recipe, split: str, micro_batch_size: int,
 
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    meta = read_meta(recipe.data_dir, recipe)
+    root, remote = data_location(recipe)
+    meta = read_meta(root, recipe)
     if meta["vocab_size"] > recipe.model.vocab_size:
         raise DataError(f"the data in {recipe.data_dir} uses {meta['vocab_size']} token ids but model.vocab_size "
                         f"is {recipe.model.vocab_size}; set model.vocab_size to at least {meta['vocab_size']}")
-    local = (recipe.data_dir / split).resolve()
+    local = (root / split).resolve()
     n = meta[f"{split}_samples"]
-    if n == 0 or not ((local / "index.json").is_file() or meta.get("streams", {}).get(split)):
+    if n == 0 or not (remote or (local / "index.json").is_file() or meta.get("streams", {}).get(split)):
         hint = "data.val_fraction is 0" if split == "val" else "it is empty"
         raise DataError(f"{recipe.data_dir} has no {split} split ({hint}); prepare it again with "
                         f"{'data.val_fraction > 0' if split == 'val' else 'more data'}")
@@ -190,9 +223,10 @@ def build_loader(recipe: Recipe, split: str, micro_batch_size: int,
             epoch_size = train_epoch_size(n, micro_batch_size * per_group * recipe.grad_accum_steps(world),
                                           recipe.data.num_canonical_nodes)
         # One stream per level-1 subtree; the shuffle mixes them.
-        source = {"streams": [Stream(local=str((recipe.data_dir / s["dir"]).resolve())) for s in streams]}
+        source = {"streams": [Stream(local=str((root / s["dir"]).resolve()),
+                                     remote=f"{remote}/{s['dir']}" if remote else None) for s in streams]}
     else:
-        source = {"local": str(local), "remote": None}
+        source = {"local": str(local), "remote": f"{remote}/{split}" if remote else None}
         collate_fn = Collate(meta["eot_id"])
     batch_size = micro_batch_size * (stripe[1] if stripe else 1)
     construct = dict(**source, shuffle=shuffle, shuffle_seed=recipe.run.seed, batch_size=batch_size,
@@ -396,5 +430,5 @@ def clean_stale_shared_memory() -> None:
     clean()
 
 
-__all__ = ["Collate", "IGNORE_INDEX", "affine_groups", "LoaderIterator", "check_clustering", "levels_from_leaf", "build_loader", "clean_stale_shared_memory", "collate",
+__all__ = ["Collate", "IGNORE_INDEX", "affine_groups", "LoaderIterator", "check_clustering", "data_location", "levels_from_leaf", "recipe_meta", "build_loader", "clean_stale_shared_memory", "collate",
            "read_meta", "train_epoch_size"]

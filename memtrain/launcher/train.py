@@ -98,7 +98,7 @@ def _log(msg: str, rank: int) -> None:
 
 def train(recipe: Recipe) -> dict:
     """Run (or resume) training to ``train.max_steps``; returns a summary of the last step."""
-    from memtrain.data.loader import build_loader, read_meta, LoaderIterator
+    from memtrain.data.loader import LoaderIterator, build_loader, recipe_meta
     from memtrain.model import build, flops_per_token, peak_flops, count_parameters
     from memtrain.parallel import checkpoint as ckpt
     from memtrain.parallel.engine import global_grad_norm, initialize, lr_at, precision
@@ -107,7 +107,7 @@ def train(recipe: Recipe) -> dict:
     device = dist.resolve_device(recipe.run.device, dist_env)
     prec = precision(recipe, device)
     accum = recipe.grad_accum_steps(dist_env.world_size)  # RecipeError before anything is written
-    meta = read_meta(recipe.data_dir, recipe)  # DataError when `memtrain prepare` has not run
+    meta = recipe_meta(recipe)  # DataError when `memtrain prepare` has not run
     if meta["vocab_size"] > recipe.model.vocab_size:
         raise RecipeError("model.vocab_size", f"{recipe.model.vocab_size} is smaller than the tokenizer's "
                           f"{meta['vocab_size']} tokens in {recipe.data_dir}")
