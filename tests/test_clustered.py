@@ -223,10 +223,11 @@ def test_affine_groups_of_ranks_split_their_subtrees_rows(prepared):
         assert not rows_a & rows_b
 
 
-def test_affine_loader_resumes_exactly(prepared):
+@pytest.mark.parametrize("placement", ["global", "affine"])
+def test_clustered_loader_resumes_exactly(prepared, placement):
     recipe, _ = prepared
     affine = make_recipe(recipe.data_dir, recipe.data.sources)
-    affine.data.placement = "affine"
+    affine.data.placement = placement
     whole = LoaderIterator(build_loader(affine, "train", 2))
     first = [next(whole)["input_ids"].tolist() for _ in range(40)]  # crosses an epoch boundary
     part = LoaderIterator(build_loader(affine, "train", 2))
