@@ -1,0 +1,155 @@
+"""Titans neural memory: forward+backward throughput of the chunked inner loop vs the per-token
+sequential reference (and titans-pytorch's ``NeuralMemory`` when importable).
+
+Prints one JSON line per configuration: the settings, forward+backward tokens/s of
+``NeuralMemory(..., algorithm="chunked")`` and ``algorithm="sequential"`` (same module, same width,
+heads, depth and chunk size, so the same math), ``speedup_chunked_vs_sequential``, and
+``titans_pytorch`` (tokens/s of titans-pytorch's layer at the closest settings, or
+``"not installed"``). Each timing is the median over repeats after a short warm-up; the loss is the
+mean square of the layer output. Not part of the test suite.
+
+    python benchmarks/titans.py --quick        # CPU, T = 2048, a few minutes
+    python benchmarks/titans.py                # larger sizes (GPU)
+    python benchmarks/titans.py --quick --titans-pytorch-path DIR   # DIR: a pip --target holding it
+
+titans-pytorch (PyPI ``titans-pytorch``, checked at 0.5.5) is optional and never a dependency of
+memtrain: ``pip install --dry-run titans-pytorch`` keeps torch but pulls ~12 packages (tensordict,
+x-transformers, einx, assoc-scan, ...), so it is best installed into a separate folder
+(``pip install --target DIR --no-deps titans-pytorch <its deps>``) and passed with
+``--titans-pytorch-path``. Its ``NeuralMemory`` is benchmarked with ``chunk_size = batch_size = C``
+(``batch_size`` makes every chunk take its gradients at the weights after the previous chunk, as in
+the paper; with the default ``batch_size=None`` every chunk of a call takes them at the call's
+initial weights -- reported separately as ``titans_pytorch_no_ttt_batch``) and a depth/expansion-
+matched ``MemoryMLP``. How its semantics differ from the paper (and from memtrain's layer):
+
+- retrieval timing: it reads per *chunk*, not per token: queries are shifted by one and token t
+  reads the weights after the last chunk completed at or before t (the initial weights before the
+  first chunk completes), so only a chunk's last token sees that chunk's update; the others see
+  neither their own nor their chunk-mates' updates. memtrain (paper eq. 15) reads
+  ``y_t = M_t(q_t)`` with the weights after token t's own update;
+- momentum and forgetting are per chunk: eta and alpha come from the chunk's *mean-pooled* input
+  (``AveragePool``) and the momentum / decay scans run over chunks (summed, lr-weighted chunk
+  gradients), not over tokens; only the learning rate is per token. memtrain keeps the per-token
+  recurrence of eqs. 13-14 inside the chunk (or, with ``gate_mode="chunk"``, takes a chunk's gates
+  from its first token -- a causal choice, unlike a mean);
+- partial chunks: trailing tokens that do not fill a chunk are cached and only stored once the chunk
+  is complete; memtrain updates at every token and carries the mid-chunk state exactly;
+- loss and gates: the inner loss is the mean over features (the paper's / memtrain's is the sum, a
+  factor d on the gradient), the default learning rate is ``sigmoid(.) * 1.0``;
+- memory model: ``MemoryMLP`` with GELU (paper: SiLU) and default expansion 4, wrapped in a
+  LayerNorm + residual (``x + LN(MLP(x))``, from TTT); memtrain's memory is the bare MLP;
+- projections: pre-RMSNorm on the input, no depthwise convolutions, no SiLU on q/k/v and no
+  L2-normalised q/k by default (Section 4.4 asks for all three); output is a per-head scalar sigmoid
+  gate and a linear head merge without an output norm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from memtrain.model.titans import NeuralMemory  # noqa: E402
+
+FULL = [  # (batch, seq_len, dim, heads, depth, chunk_size)
+    (4, 2048, 512, 8, 2, 64),
+    (4, 8192, 512, 8, 2, 64),
+    (2, 2048, 768, 12, 2, 16),
+]
+QUICK = [
+    (1, 2048, 256, 4, 2, 64),
+    (1, 2048, 256, 4, 2, 16),
+]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_fwd_bwd(step, x: torch.Tensor, repeats: int, warmup_x: torch.Tensor) -> float:
+    """Median seconds of one forward+backward of ``step(x)`` (a scalar loss)."""
+    device = x.device
+    step(warmup_x).backward()  # warm-up on a short sequence (allocator, kernels)
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step(x).backward()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def titans_pytorch_class(path: str | None):
+    if path:
+        sys.path.insert(0, path)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from titans_pytorch import NeuralMemory as TPNeuralMemory
+        return TPNeuralMemory, None
+    except Exception as e:  # ImportError, or a broken install
+        return None, f"{type(e).__name__}: {e}"
+
+
+def run(cfg, device: torch.device, repeats: int, seq_repeats: int, tp_cls, tp_error: str | None) -> dict:
+    B, T, dim, H, depth, C = cfg
+    torch.manual_seed(0)
+    mem = NeuralMemory(dim, heads=H, depth=depth, chunk_size=C).to(device)
+    x = torch.randn(B, T, dim, device=device)
+    warm = x[:, : 2 * C + 3]
+    out = {"device": str(device), "threads": torch.get_num_threads(), "batch": B, "seq_len": T, "dim": dim,
+           "heads": H, "head_dim": dim // H, "depth": depth, "expansion": 2.0, "chunk_size": C,
+           "gate_mode": mem.gate_mode, "conv_kernel": mem.conv_kernel}
+    secs = {}
+    for algorithm, reps in (("chunked", repeats), ("sequential", seq_repeats)):
+        secs[algorithm] = time_fwd_bwd(lambda inp: mem(inp, algorithm=algorithm)[0].square().mean(), x, reps, warm)
+        out[f"{algorithm}_tokens_per_s"] = round(B * T / secs[algorithm], 1)
+        out[f"{algorithm}_s"] = round(secs[algorithm], 4)
+    out["speedup_chunked_vs_sequential"] = round(secs["sequential"] / secs["chunked"], 2)
+    if tp_cls is None:
+        out["titans_pytorch"] = "not installed"
+        out["titans_pytorch_error"] = tp_error
+        return out
+    for key, batch_size in (("titans_pytorch", C), ("titans_pytorch_no_ttt_batch", None)):
+        try:
+            torch.manual_seed(0)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                tp = tp_cls(dim, chunk_size=C, batch_size=batch_size, dim_head=dim // H, heads=H,
+                            default_model_kwargs=dict(depth=depth, expansion_factor=2.0)).to(device)
+                s = time_fwd_bwd(lambda inp: tp(inp)[0].square().mean(), x, repeats, x[:, : 2 * C])
+            out[f"{key}_tokens_per_s"] = round(B * T / s, 1)
+            out[f"chunked_vs_{key}"] = round(s / secs["chunked"], 2)
+        except Exception as e:  # an incompatible version: report, do not fail the benchmark
+            out[key] = f"failed: {type(e).__name__}: {e}"
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small CPU sizes (T = 2048)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--repeats", type=int, default=None, help="timed repeats of the chunked path")
+    ap.add_argument("--seq-repeats", type=int, default=1, help="timed repeats of the sequential reference")
+    ap.add_argument("--titans-pytorch-path", default=None,
+                    help="folder to prepend to sys.path for titans_pytorch (e.g. a pip --target folder)")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    repeats = args.repeats or (3 if args.quick else 5)
+    tp_cls, tp_error = titans_pytorch_class(args.titans_pytorch_path)
+    for cfg in QUICK if args.quick else FULL:
+        print(json.dumps(run(cfg, device, repeats, args.seq_repeats, tp_cls, tp_error)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

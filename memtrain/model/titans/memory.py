@@ -1,0 +1,241 @@
+"""The Titans neural long-term memory layer (LMM): :class:`NeuralMemory`.
+
+Titans (Behrouz, Zhong, Mirrokni 2025), Sections 3.1-3.2 and 4.4. Per token x_t ``[dim]``:
+
+1. projections ``q, k, v = x W_Q, x W_K, x W_V`` (``heads * head_dim`` wide, bias-free), each followed
+   by a causal depthwise 1D convolution (kernel ``conv_kernel``; Section 4.4), then SiLU; q and k are
+   L2-normalised per head;
+2. gates per head from x (linear + sigmoid): learning rate ``theta = max_lr * sigmoid(.)``, momentum
+   decay ``eta = sigmoid(.)``, forgetting ``alpha = sigmoid(.)``. With ``gate_mode="chunk"`` every
+   token of a chunk uses the gates of the chunk's *first* token (Section 3.2, "parameters as the
+   function of chunks"). The chunk's first token is used rather than e.g. the mean over the chunk
+   because a mean would let token t's output depend on later tokens of its chunk (a causality leak
+   in a language model);
+3. the inner loop (:mod:`memtrain.model.titans.inner_loop`): the memory MLP (depth ``depth``, hidden
+   width ``expansion * head_dim``; the paper does not give a width, 2 is our default) is trained on
+   ``||M(k_t) - v_t||^2`` with momentum and forgetting, chunk-wise mini-batch gradient descent with
+   chunk size ``chunk_size``, and read as ``y_t = M_t(q_t)`` -- with the weights *after* token t's
+   update (see the inner-loop docstring);
+4. output: RMSNorm per head (learned gain), times a learned sigmoid gate ``sigmoid(x W_G)``, then the
+   output projection W_O back to ``dim`` (Section 4.4: normalisation and gating before the output
+   projection). No residual connection here -- the surrounding block adds it.
+
+The learnable initial memory weights (``init_weights``, one ``[heads, d_out, d_in]`` per layer) are
+outer-loop parameters trained by back-propagation through the inner loop; the initial momentum is 0.
+The inner loop runs in float32 with autocast off (float64 if the parameters are float64), whatever
+the activation dtype. Within a chunk the per-token gradients are *summed* at the chunk-start weights
+(eq. 16), so the effective step grows with the chunk size: keep ``theta * chunk_size / (1 - eta)``
+moderate (the defaults start at theta = 0.01) or the inner loop can diverge. Document boundaries of
+packed sequences do not reset the memory (not implemented here).
+
+API (what MAC / MAG / MAL use)::
+
+    mem = NeuralMemory(dim, heads=4, depth=2, chunk_size=16)
+    y, state = mem(x)                       # x [B, T, dim] -> y [B, T, dim]; fresh state
+    y2, state = mem(x2, state)              # continue the same sequence (any split point)
+    y_t, state = mem(x_t, state)            # token-by-token generation, x_t [B, 1, dim]
+    h = mem.retrieve(x, state)              # read only: M_state(q(x)), state unchanged
+    state = state.detach()                  # truncate BPTT between segments
+
+- MAG / MAL / LMM: ``y, state = mem(x, state)``; for MAG combine ``y`` with the sliding-window
+  attention output by a gate, for MAL feed ``y`` to the attention.
+- MAC, per segment S: ``h = mem.retrieve(S, state)`` queries the memory as it was before the segment
+  (eq. 21); attention runs over ``[persistent | h | S]`` giving ``y_seg``; then
+  ``o_mem, state = mem(y_seg, state)`` writes the segment to the memory (eq. 24) and returns
+  ``M_t(q(y_t))`` per token for the output gating ``o = y_seg * o_mem`` (eq. 25).
+
+``retrieve`` applies the query convolution to ``x`` alone (zero left padding) rather than to the
+state's convolution cache, which holds the *update* stream (e.g. MAC's attention outputs); so
+``retrieve`` depends only on ``x`` and the memory weights. For incremental MAC decoding pass the
+segment prefix and take the last row.
+
+``forward(..., algorithm="sequential")`` runs the per-token reference loop (for tests and
+benchmarks); it returns the same result as ``"chunked"``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from memtrain.model.titans.inner_loop import ALGORITHMS, memory_scan, mlp_forward
+from memtrain.model.titans.state import MemoryState
+
+GATE_MODES = ("token", "chunk")
+
+
+class NeuralMemory(nn.Module):
+    """Titans' neural long-term memory layer; see the module docstring for the math and the API.
+
+    Args:
+        dim: model width (input and output).
+        heads, head_dim: memory heads and their width (default ``dim // heads``); one memory MLP per head.
+        depth: L_M, layers of the memory MLP (1: a matrix memory ``M(k) = W k``).
+        expansion: hidden width of the memory MLP in units of ``head_dim`` (depth >= 2).
+        chunk_size: mini-batch size b of the inner loop (1: fully online gradient descent).
+        gate_mode: ``"token"`` (per-token gates) or ``"chunk"`` (a chunk's first token's gates).
+        conv_kernel: width of the causal depthwise convolutions after the q/k/v projections.
+        max_lr: upper bound of the inner learning rate theta.
+        init_lr, init_momentum, init_forget: theta, eta and alpha at initialisation (gate biases).
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        heads: int = 4,
+        head_dim: Optional[int] = None,
+        depth: int = 2,
+        expansion: float = 2.0,
+        chunk_size: int = 16,
+        gate_mode: str = "token",
+        conv_kernel: int = 4,
+        max_lr: float = 0.1,
+        init_lr: float = 0.01,
+        init_momentum: float = 0.9,
+        init_forget: float = 0.01,
+    ) -> None:
+        super().__init__()
+        if gate_mode not in GATE_MODES:
+            raise ValueError(f"unknown gate_mode {gate_mode!r}; expected one of {', '.join(GATE_MODES)}")
+        if depth < 1 or chunk_size < 1 or conv_kernel < 1:
+            raise ValueError("depth, chunk_size and conv_kernel must be >= 1")
+        if not (0 < init_lr < max_lr and 0 < init_momentum < 1 and 0 < init_forget < 1):
+            raise ValueError("need 0 < init_lr < max_lr and init_momentum, init_forget in (0, 1)")
+        head_dim = head_dim or dim // heads
+        self.dim, self.heads, self.head_dim, self.depth = dim, heads, head_dim, depth
+        self.chunk_size, self.gate_mode, self.conv_kernel, self.max_lr = chunk_size, gate_mode, conv_kernel, max_lr
+        inner = heads * head_dim
+        self.inner = inner
+        hidden = max(1, int(round(expansion * head_dim)))
+        sizes = [head_dim] + [hidden] * (depth - 1) + [head_dim]
+
+        self.to_qkv = nn.Linear(dim, 3 * inner, bias=False)
+        self.conv = nn.Conv1d(3 * inner, 3 * inner, conv_kernel, groups=3 * inner, bias=True)
+        self.to_gates = nn.Linear(dim, 3 * heads)  # [lr | eta | alpha] pre-activations, one per head
+        self.init_weights = nn.ParameterList(
+            [nn.Parameter(torch.empty(heads, d_out, d_in)) for d_in, d_out in zip(sizes[:-1], sizes[1:])])
+        self.out_norm = nn.Parameter(torch.ones(heads, head_dim))
+        self.to_out_gate = nn.Linear(dim, inner, bias=False)
+        self.to_out = nn.Linear(inner, dim, bias=False)
+        self._init_gates = (init_lr / max_lr, init_momentum, init_forget)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for w in self.init_weights:
+            nn.init.normal_(w, std=1.0 / math.sqrt(w.shape[-1]))
+        with torch.no_grad():
+            nn.init.normal_(self.to_gates.weight, std=0.02)
+            b = self.to_gates.bias.view(3, self.heads)
+            for row, p in zip(b, self._init_gates):  # sigmoid(bias) = init_lr / max_lr, eta, alpha
+                row.fill_(math.log(p / (1 - p)))
+
+    # ---------------------------------------------------------------------------------------------
+    # State
+
+    def init_state(self, batch_size: int, device: Optional[torch.device] = None) -> MemoryState:
+        """A fresh state: the learnable initial weights (in the graph), zero momentum, empty conv cache."""
+        device = device or self.init_weights[0].device
+        weights = tuple(w.to(device, self.inner_dtype).unsqueeze(0).expand(batch_size, *w.shape)
+                        for w in self.init_weights)
+        cache = torch.zeros(batch_size, self.conv_kernel - 1, 3 * self.inner, device=device,
+                            dtype=self.to_qkv.weight.dtype)
+        return MemoryState(weights=weights, momentum=tuple(torch.zeros_like(w) for w in weights),
+                           chunk_weights=weights, pos=0, chunk_gates=None, conv_cache=cache)
+
+    # ---------------------------------------------------------------------------------------------
+    # Pieces
+
+    @property
+    def inner_dtype(self) -> torch.dtype:
+        """The inner loop's dtype: float32, or float64 when the parameters are float64."""
+        return torch.promote_types(self.init_weights[0].dtype, torch.float32)
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, H*d] -> [B, H, T, d]
+        return x.unflatten(-1, (self.heads, self.head_dim)).transpose(1, 2)
+
+    def _conv(self, x: torch.Tensor, cache: torch.Tensor, channels: slice) -> torch.Tensor:
+        """Causal depthwise convolution of ``x`` [B, T, C] with ``cache`` [B, kernel-1, C] on the left."""
+        xp = torch.cat([cache.to(x.dtype), x], dim=1).transpose(1, 2)
+        return F.conv1d(xp, self.conv.weight[channels], self.conv.bias[channels], groups=xp.shape[1]).transpose(1, 2)
+
+    def _queries(self, q: torch.Tensor) -> torch.Tensor:
+        return F.normalize(F.silu(self._heads(q)).to(self.inner_dtype), dim=-1)
+
+    def _output(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """[B, H, T, d] retrievals -> per-head RMSNorm, sigmoid gate from x, output projection."""
+        y = F.rms_norm(y.transpose(1, 2), (self.head_dim,)) * self.out_norm.to(y.dtype)
+        y = y.flatten(2).to(x.dtype) * torch.sigmoid(self.to_out_gate(x))
+        return self.to_out(y)
+
+    def _gates(self, x: torch.Tensor, state: MemoryState):
+        """Per-token ``(lr, log_eta, log_keep)`` ``[B, H, T]`` and the state's new ``chunk_gates``."""
+        B, T, _ = x.shape
+        g = self.to_gates(x).to(self.inner_dtype).view(B, T, 3, self.heads).permute(0, 3, 1, 2)  # [B, H, T, 3]
+        chunk_gates = None
+        if self.gate_mode == "chunk":
+            C, pos = self.chunk_size, state.pos
+            first = (pos + torch.arange(T, device=x.device)) // C * C - pos  # chunk start, relative
+            if pos % C:
+                if state.chunk_gates is None:
+                    raise ValueError("gate_mode 'chunk' continuing a partial chunk needs state.chunk_gates")
+                g = torch.cat([state.chunk_gates.unsqueeze(2).to(g.dtype), g], dim=2)
+                first = first + 1  # index 0 is now the stored gates (first < 0 -> 0)
+            g = g[:, :, first.clamp_min(0)]
+            if (pos + T) % C:
+                chunk_gates = g[:, :, -1]
+        lr = self.max_lr * torch.sigmoid(g[..., 0])
+        return lr, F.logsigmoid(g[..., 1]), F.logsigmoid(-g[..., 2]), chunk_gates
+
+    # ---------------------------------------------------------------------------------------------
+    # Forward / retrieve
+
+    def forward(self, x: torch.Tensor, state: Optional[MemoryState] = None,
+                algorithm: str = "chunked") -> tuple[torch.Tensor, MemoryState]:
+        """Write ``x`` [B, T, dim] into the memory token by token and read ``y_t = M_t(q_t)``.
+
+        Returns ``(y [B, T, dim], new_state)``; ``state=None`` starts from the initial weights.
+        """
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"unknown algorithm {algorithm!r}; expected one of {', '.join(ALGORITHMS)}")
+        B, T, _ = x.shape
+        if state is None:
+            state = self.init_state(B, x.device)
+        qkv = self.to_qkv(x)
+        conv_in = torch.cat([state.conv_cache.to(qkv.dtype), qkv], dim=1)
+        qkv = self._conv(qkv, state.conv_cache, slice(None))
+        conv_cache = conv_in[:, conv_in.shape[1] - (self.conv_kernel - 1):]
+        q, k, v = qkv.chunk(3, dim=-1)
+        q, k = self._queries(q), self._queries(k)
+        v = F.silu(self._heads(v)).to(self.inner_dtype)
+        lr, log_eta, log_keep, chunk_gates = self._gates(x, state)
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            y, new_state = memory_scan(q, k, v, lr, log_eta, log_keep, state, self.chunk_size, algorithm)
+        new_state = replace(new_state, chunk_gates=chunk_gates, conv_cache=conv_cache)
+        return self._output(y, x), new_state
+
+    def retrieve(self, x: torch.Tensor, state: Optional[MemoryState] = None) -> torch.Tensor:
+        """Read the memory without updating it: ``M(q(x))`` with the state's current weights.
+
+        ``x`` [B, T, dim] is projected to queries (its own causal convolution, zero left padding);
+        every row reads the same weights (those after the state's last token, or the initial
+        weights when ``state`` is None). Returns ``[B, T, dim]``; the state is not modified.
+        """
+        B, T, _ = x.shape
+        q = F.linear(x, self.to_qkv.weight[: self.inner])
+        q = self._conv(q, q.new_zeros(B, self.conv_kernel - 1, self.inner), slice(0, self.inner))
+        q = self._queries(q)
+        if state is not None:
+            weights = state.weights
+        else:
+            weights = [w.to(self.inner_dtype).unsqueeze(0) for w in self.init_weights]
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            y = mlp_forward(weights, q)
+        return self._output(y, x)
+
+
+__all__ = ["GATE_MODES", "NeuralMemory"]
