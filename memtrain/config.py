@@ -117,10 +117,34 @@ class RunConfig:
 
 
 @dataclass
-class ModelConfig:
-    """A decoder-only LM (OpenLM-style by default; Llama-style with norm=rmsnorm, qk_norm=false)."""
+class TitansConfig:
+    """Titans blocks (Behrouz, Zhong, Mirrokni 2025) for ``model.type: titans``; see
+    :mod:`memtrain.model.titans.arch`. The other ``model.*`` keys keep their meaning (``n_heads``,
+    ``head_dim``, ``n_kv_heads``, ``qk_norm``, ``rope_theta`` describe the attention branch)."""
 
-    type: Literal["decoder"] = "decoder"
+    variant: Literal["lmm", "mac", "mag", "mal"] = "mac"
+    memory_depth: int = 2  # L_M, layers of the memory MLP (1: a matrix memory)
+    memory_heads: int = 4  # memory heads, one memory MLP each
+    memory_head_dim: Optional[int] = None  # default d_model // memory_heads
+    memory_chunk_size: int = 16  # inner-loop mini-batch (Section 3.2)
+    gate_mode: Literal["token", "chunk"] = "token"  # per-token gates or one set per chunk (Section 3.2)
+    expansion: float = 2.0  # hidden width of the memory MLP in units of memory_head_dim (L_M >= 2)
+    conv_kernel: int = 4  # causal depthwise conv after the memory's q/k/v projections (Section 4.4)
+    # Inner learning rate theta: upper bound and value at initialisation. Lower than NeuralMemory's own
+    # defaults (0.1 / 0.01), with which the inner loop diverged after ~100 outer steps at lr 3e-3.
+    memory_max_lr: float = 0.003
+    memory_init_lr: float = 0.001
+    persistent_tokens: int = 4  # N_p learnable tokens prepended in every block (Section 3.3); 0: none
+    segment_len: int = 128  # MAC: segment length C (attention is segment-local)
+    window: int = 128  # MAG / MAL: sliding-window length (keys per query, itself included)
+
+
+@dataclass
+class ModelConfig:
+    """A decoder-only LM (OpenLM-style by default; Llama-style with norm=rmsnorm, qk_norm=false).
+    ``type: titans`` replaces the transformer blocks by Titans blocks configured in ``titans``."""
+
+    type: Literal["decoder", "titans"] = "decoder"
     vocab_size: int = 50432
     d_model: int = 512
     n_layers: int = 8
@@ -137,6 +161,8 @@ class ModelConfig:
     attention: Literal["auto", "sdpa", "flex"] = "auto"
     reset_positions: bool = True  # RoPE positions restart at every document in a packed sequence
     init_std: Optional[float] = None  # default 1/sqrt(d_model)
+    # model.type titans only; None (the default, and what a decoder recipe keeps) means the defaults.
+    titans: Optional[TitansConfig] = None
 
 
 @dataclass
@@ -439,6 +465,15 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, value
 
 
+def _optional_section(tp: Any) -> Any:
+    """``Optional[SomeConfig]`` -> ``SomeConfig`` (an optional section such as ``model.titans``)."""
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1 and dataclasses.is_dataclass(args[0]):
+            return args[0]
+    return tp
+
+
 def apply_override(data: dict, key: str, value: Any) -> None:
     """Set ``data[a][b][c] = value`` for ``key = "a.b.c"``, checking each step against the schema."""
     parts = key.split(".")
@@ -452,7 +487,7 @@ def apply_override(data: dict, key: str, value: Any) -> None:
         if i == len(parts) - 1:
             node[part] = value
             return
-        tp = typing.get_type_hints(cls)[part]
+        tp = _optional_section(typing.get_type_hints(cls)[part])
         if not dataclasses.is_dataclass(tp) or tp is Duration:
             raise RecipeError(here, f"is a value, not a section; cannot set {key}")
         child = node.get(part)
@@ -494,6 +529,8 @@ def validate(recipe: Recipe) -> Recipe:
     positive("model.norm_eps", m.norm_eps)
     if m.init_std is not None:
         positive("model.init_std", m.init_std)
+
+    _validate_titans(m)
 
     positive("data.seq_len", d.seq_len)
     if d.seq_len > m.max_seq_len:
@@ -561,6 +598,31 @@ def validate(recipe: Recipe) -> Recipe:
     if not re.fullmatch(r"(\d+-)?\d{1,3}(:\d{2}){0,2}", s.time):
         raise RecipeError("slurm.time", f"expected a Slurm time like 24:00:00 or 2-00:00:00, got {s.time!r}")
     return recipe
+
+
+def _validate_titans(m: ModelConfig) -> None:
+    if m.type != "titans":
+        if m.titans is not None:
+            raise RecipeError("model.titans", f"is only used with model.type 'titans' (model.type is {m.type!r})")
+        return
+    if m.titans is None:
+        m.titans = TitansConfig()
+    t = m.titans
+    for key in ("memory_depth", "memory_heads", "memory_chunk_size", "expansion", "conv_kernel", "segment_len",
+                "window", "memory_max_lr", "memory_init_lr"):
+        if not getattr(t, key) > 0:
+            raise RecipeError(f"model.titans.{key}", f"must be positive, got {getattr(t, key)}")
+    if t.persistent_tokens < 0:
+        raise RecipeError("model.titans.persistent_tokens", f"must be >= 0, got {t.persistent_tokens}")
+    if t.memory_head_dim is not None:
+        if t.memory_head_dim <= 0:
+            raise RecipeError("model.titans.memory_head_dim", f"must be positive, got {t.memory_head_dim}")
+    elif m.d_model % t.memory_heads:
+        raise RecipeError("model.titans.memory_heads", f"model.d_model {m.d_model} is not divisible by "
+                          f"model.titans.memory_heads {t.memory_heads}; set model.titans.memory_head_dim")
+    if not t.memory_init_lr < t.memory_max_lr:
+        raise RecipeError("model.titans.memory_init_lr", f"{t.memory_init_lr} must be below "
+                          f"model.titans.memory_max_lr {t.memory_max_lr}")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -18,21 +18,118 @@ Hierarchical-memories paper, Section 2.1, Appendix A.2 and Appendix C. Given tok
 
 It returns the ``clustering`` and ``streams`` entries of ``meta.json`` and the figures of
 ``prepare_report.json``.
+
+Distributed preparation (``memtrain prepare`` under torchrun, srun or the deepspeed launcher with W
+processes; ``dist`` argument, see :class:`DistPart`). Rank ``r`` holds the documents ``idx[r::W]``
+of each split (``idx`` in the seeded split order) and:
+
+1. embeds its documents' windows;
+2. sends its training windows' embeddings (each tagged with its document's position in the split,
+   ``r + W * j`` for its ``j``-th document) to rank 0, at most ``ceil(tree_windows / W)`` of them,
+   drawn uniformly without replacement (seeded by ``(run.seed, r)``) when it has more. Rank 0 sorts
+   them back into document order (a stable sort on the tag: windows of one document keep their
+   order) and trains the tree; so when no rank hits the cap, rank 0 trains on exactly the array the
+   single process trains on, and the tree is identical whenever the window embeddings are. (They are
+   when each window's embedding does not depend on which other windows share its batch: the encoder
+   pads a batch to its longest window, which changes float rounding in the last bits, ~1e-7; with
+   ``embedding_batch_size: 1``, same hardware and thread count, the trees are bit-identical, else
+   equal to float tolerance.) The cap bounds rank 0's memory on very large corpora; the paper's EM
+   visits only ``kmeans_steps * kmeans_samples`` examples per node anyway (Appendix C), so a few
+   million windows suffice. When the cap bites, the tree depends on W.
+3. every rank loads ``tree.safetensors`` (written by rank 0 into the shared build folder), assigns
+   its own documents, packs them per leaf (each rank pads its own last sample of a leaf), shuffles
+   its samples with a seed derived from ``(run.seed, r)`` and writes one MDS part per subtree stream:
+   ``<split>/subtree-<i>/part-<r:05d>/``. Rank 0 then merges each stream's parts into
+   ``<split>/subtree-<i>/index.json`` (:func:`memtrain.data.shards.merge_parts`).
+
+Counts are summed over ranks; the cluster balance report comes from the summed per-leaf counts.
 """
 
 from __future__ import annotations
 
+import math
+import os
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional
 
 import numpy as np
 
 from memtrain.config import Recipe
-from memtrain.data.shards import COLUMN, PackStats, pack
+from memtrain.data.shards import COLUMN, PackStats, merge_parts, pack, part_name
 
 TREE_FILE = "tree.safetensors"
+# Distributed preparation: at most this many training windows (summed over ranks, each rank sending
+# at most ceil(cap / W)) are gathered on rank 0 to train the tree; 4M x 384 float32 is 6 GB.
+# MEMTRAIN_PREPARE_TREE_WINDOWS overrides it; so does prepare(..., tree_windows=N).
+TREE_WINDOWS = 4_000_000
+TREE_WINDOWS_ENV = "MEMTRAIN_PREPARE_TREE_WINDOWS"
+
+
+@dataclass
+class DistPart:
+    """This rank's share of a distributed preparation (see the module docstring).
+
+    ``comm`` is the collective helper of :mod:`memtrain.data.prepare` (``rank``, ``world``, ``run``,
+    ``all_gather``, ``gather_rows``); ``sizes`` the number of documents of each split over all ranks.
+    """
+
+    comm: Any
+    sizes: dict[str, int]
+    tree_windows: int = TREE_WINDOWS
+    device: Optional[str] = None  # the embedding model's device; None: cuda when visible, else cpu
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """A seed derived from ``(run.seed, rank)`` for one rank's sampling and shuffling."""
+    return int(np.random.SeedSequence([seed, rank]).generate_state(1, np.uint64)[0])
+
+
+def tree_windows_cap(requested: Optional[int] = None) -> int:
+    """The tree's window cap: ``requested``, else $MEMTRAIN_PREPARE_TREE_WINDOWS, else TREE_WINDOWS."""
+    if requested is None:
+        raw = os.environ.get(TREE_WINDOWS_ENV)
+        if raw is None:
+            return TREE_WINDOWS
+        try:
+            requested = int(raw)
+        except ValueError:
+            requested = 0
+        if requested < 1:
+            from memtrain.errors import DataError
+
+            raise DataError(f"{TREE_WINDOWS_ENV}={raw!r} must be a positive number of windows")
+    if requested < 1:
+        raise ValueError(f"tree_windows must be positive, got {requested}")
+    return int(requested)
+
+
+def sample_windows(n: int, cap: int, seed: int, rank: int) -> np.ndarray:
+    """Indices (sorted) of the windows one rank sends to rank 0: all ``n``, or ``cap`` of them drawn
+    uniformly without replacement with a generator seeded by ``(seed, rank)``."""
+    if n <= cap:
+        return np.arange(n)
+    rng = np.random.default_rng([seed, rank, 0x74726565])  # "tree"
+    return np.sort(rng.choice(n, size=cap, replace=False))
+
+
+def balance_from_leaf_counts(leaf_counts: np.ndarray, branching: int, depth: int) -> dict[str, list]:
+    """:func:`memtrain.data.cluster.balance_report` computed from the number of documents in every
+    leaf (``[k^depth]``) instead of every document's ids; the figures are the same."""
+    leaf_counts = np.asarray(leaf_counts, np.int64)
+    n = int(leaf_counts.sum())
+    fractions: list[float] = []
+    nonempty: list[int] = []
+    previous = None
+    for level in range(depth):
+        counts = leaf_counts.reshape(branching ** (level + 1), -1).sum(axis=1)
+        parent = np.full_like(counts, n) if level == 0 else np.repeat(previous, branching)
+        fractions.append(float(np.max(counts / np.maximum(parent, 1))) if n else 0.0)
+        nonempty.append(int(np.count_nonzero(counts)))
+        previous = counts
+    return {"max_cluster_fraction": fractions, "clusters_per_level": nonempty}
 
 
 def stream_name(subtree: int, branching: int) -> str:
@@ -60,11 +157,15 @@ def pack_by_leaf(docs: list[np.ndarray], leaves: np.ndarray, eot_id: int, sample
 
 
 def build_clustered(recipe: Recipe, out: Path, docs: list[str], splits: dict[str, list[int]],
-                    tokens: dict[str, list[np.ndarray]], tokenizer, progress: bool = True) -> dict[str, Any]:
-    """Embed, cluster, pack and write ``splits`` (name -> document indices, with ``tokens`` aligned)."""
-    from streaming import MDSWriter
-    from tqdm.auto import tqdm
+                    tokens: dict[str, list[np.ndarray]], tokenizer, progress: bool = True,
+                    dist: Optional[DistPart] = None) -> dict[str, Any]:
+    """Embed, cluster, pack and write ``splits`` (name -> document indices, with ``tokens`` aligned).
 
+    With ``dist``, ``splits`` holds this rank's documents only and the work is shared as the module
+    docstring describes; the return value is the same on every rank.
+    """
+    if dist is not None:
+        return _build_distributed(recipe, out, docs, splits, tokens, tokenizer, progress, dist)
     from memtrain.data.cluster import balance_report, check_enough, train_tree
     from memtrain.data.embed import embed_windows, load_embedder, mean_by_document
 
@@ -110,19 +211,8 @@ def build_clustered(recipe: Recipe, out: Path, docs: list[str], splits: dict[str
         stats = PackStats()
         samples = pack_by_leaf(tokens[split], ids[split][:, -1], tokenizer.eot_id, sample_len, dtype, stats)
         rng.shuffle(samples)  # global shuffle, before routing to the subtree streams
-        writers: dict[int, Any] = {}
-        per_stream: dict[int, int] = {}
-        try:
-            for sample in tqdm(samples, desc=f"writing {split}", unit=" samples", disable=None if progress else True):
-                subtree = int(sample[0]) // k ** (p - 1)
-                if subtree not in writers:
-                    writers[subtree] = MDSWriter(out=str(out / split / stream_name(subtree, k)),
-                                                 columns={COLUMN: f"ndarray:{dtype}"}, size_limit=d.shard_size_limit)
-                writers[subtree].write({COLUMN: sample})
-                per_stream[subtree] = per_stream.get(subtree, 0) + 1
-        finally:
-            for writer in writers.values():
-                writer.finish()
+        per_stream = write_subtree_streams(samples, lambda s: out / split / stream_name(s, k), k, p, dtype,
+                                           d.shard_size_limit, f"writing {split}", progress)
         streams[split] = [{"subtree": s, "dir": f"{split}/{stream_name(s, k)}", "samples": n}
                           for s, n in sorted(per_stream.items())]
         counts[split] = {"documents": len(idx), "samples": len(samples), "tokens": stats.tokens,
@@ -130,7 +220,37 @@ def build_clustered(recipe: Recipe, out: Path, docs: list[str], splits: dict[str
     timings["packing_writing"] = time.perf_counter() - t
 
     report = balance_report(ids["train"], k)
-    n_train = len(splits["train"])
+    return _result(cl, dtype, streams, counts, report, timings, {split: len(idx) for split, idx in splits.items()})
+
+
+def write_subtree_streams(samples: list[np.ndarray], folder: Callable[[int], Path], branching: int, depth: int,
+                          dtype: str, size_limit: int, desc: str, progress: bool) -> dict[int, int]:
+    """Write prefixed ``samples`` (in their order) into one MDS dataset per level-1 subtree, in
+    ``folder(subtree)``; returns the number of samples of each subtree."""
+    from streaming import MDSWriter
+    from tqdm.auto import tqdm
+
+    k, p = branching, depth
+    writers: dict[int, Any] = {}
+    per_stream: dict[int, int] = {}
+    try:
+        for sample in tqdm(samples, desc=desc, unit=" samples", disable=None if progress else True):
+            subtree = int(sample[0]) // k ** (p - 1)
+            if subtree not in writers:
+                writers[subtree] = MDSWriter(out=str(folder(subtree)), columns={COLUMN: f"ndarray:{dtype}"},
+                                             size_limit=size_limit)
+            writers[subtree].write({COLUMN: sample})
+            per_stream[subtree] = per_stream.get(subtree, 0) + 1
+    finally:
+        for writer in writers.values():
+            writer.finish()
+    return per_stream
+
+
+def _result(cl, dtype: str, streams: dict[str, list[dict]], counts: dict[str, dict], report: dict[str, list],
+            timings: dict[str, float], sizes: dict[str, int]) -> dict[str, Any]:
+    k, p = cl.branching, cl.depth
+    n_docs = sum(sizes.values())
     return {
         "dtype": dtype,
         "clustering": {"branching": k, "depth": p, "tree": TREE_FILE, "embedding_model": cl.embedding_model,
@@ -143,14 +263,142 @@ def build_clustered(recipe: Recipe, out: Path, docs: list[str], splits: dict[str
             "max_cluster_fraction": report["max_cluster_fraction"],
             "seconds": {key: round(v, 3) for key, v in timings.items()},
             "documents_per_s": {
-                "embedding": round(sum(len(i) for i in splits.values()) / max(timings["embedding"], 1e-9), 1),
-                "tree": round(n_train / max(timings["tree"], 1e-9), 1),
-                "assignment": round(sum(len(i) for i in splits.values()) / max(timings["assignment"], 1e-9), 1),
-                "packing_writing": round(sum(len(i) for i in splits.values())
-                                         / max(timings["packing_writing"], 1e-9), 1),
+                "embedding": round(n_docs / max(timings["embedding"], 1e-9), 1),
+                "tree": round(sizes["train"] / max(timings["tree"], 1e-9), 1),
+                "assignment": round(n_docs / max(timings["assignment"], 1e-9), 1),
+                "packing_writing": round(n_docs / max(timings["packing_writing"], 1e-9), 1),
             },
         },
     }
 
 
-__all__ = ["TREE_FILE", "build_clustered", "pack_by_leaf", "prefixed_dtype", "stream_name"]
+def _build_distributed(recipe: Recipe, out: Path, docs: list[str], splits: dict[str, list[int]],
+                       tokens: dict[str, list[np.ndarray]], tokenizer, progress: bool,
+                       dist: DistPart) -> dict[str, Any]:
+    """:func:`build_clustered` for one rank of W (module docstring). Every step that may fail runs
+    through ``comm.run``, which makes all ranks fail together instead of leaving some waiting."""
+    from memtrain.data.cluster import ClusterTree, check_enough, train_tree
+    from memtrain.data.embed import embed_windows, load_embedder, mean_by_document
+
+    comm = dist.comm
+    rank, world = comm.rank, comm.world
+    cl, d = recipe.data.clustering, recipe.data
+    k, p = cl.branching, cl.depth
+    seed = recipe.run.seed
+    comm.run(lambda: check_enough(dist.sizes["train"], k))
+    timings: dict[str, float] = {}
+
+    def embed() -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
+        model = load_embedder(cl.embedding_model, device=dist.device)
+        doc_emb: dict[str, np.ndarray] = {}
+        windows = owners = None
+        for split, idx in splits.items():
+            if not idx and split != "train":
+                continue
+            win_emb, win_doc = embed_windows([docs[i] for i in idx], tokenizer, d.seq_len, model,
+                                             cl.embedding_batch_size, progress=progress)
+            if idx:
+                doc_emb[split] = mean_by_document(win_emb, win_doc, len(idx))
+            if split == "train":
+                windows, owners = win_emb, win_doc
+        return doc_emb, windows, owners
+
+    t = time.perf_counter()
+    doc_emb, windows, owners = comm.run(embed)
+    timings["embedding"] = time.perf_counter() - t
+
+    # Training windows to rank 0, tagged with their document's position in the split's order.
+    keep = sample_windows(len(windows), math.ceil(dist.tree_windows / world), seed, rank)
+    t = time.perf_counter()
+    all_windows = comm.gather_rows(np.ascontiguousarray(windows[keep]))
+    all_keys = comm.gather_rows((rank + world * owners[keep]).astype(np.int64)[:, None])
+    del windows, keep
+
+    def tree_on_rank0() -> None:
+        if rank != 0:
+            return
+        order = np.argsort(all_keys[:, 0], kind="stable")  # back to the split's document order
+        tree = train_tree(all_windows[order], k, p, steps=cl.kmeans_steps, samples=cl.kmeans_samples,
+                          balance_factor=cl.balance_factor, seed=seed, progress=progress,
+                          embedding_model=cl.embedding_model)
+        tree.save(out / TREE_FILE)
+
+    comm.run(tree_on_rank0)
+    del all_windows, all_keys
+    timings["tree"] = time.perf_counter() - t
+
+    dtype = prefixed_dtype(tokenizer.vocab_size, k, p)
+    sample_len = d.seq_len + 1
+
+    def assign_pack_write() -> dict[str, Any]:
+        t = time.perf_counter()
+        tree = ClusterTree.load(out / TREE_FILE, expect_branching=k, expect_depth=p)
+        ids = {split: tree.assign(emb) for split, emb in doc_emb.items()}
+        mine: dict[str, Any] = {"seconds": {"assignment": time.perf_counter() - t}}
+        t = time.perf_counter()
+        leaf_counts = np.zeros(k**p, np.int64)
+        if "train" in ids:
+            leaf_counts += np.bincount(ids["train"][:, -1], minlength=k**p)
+        rng = random.Random(rank_seed(seed, rank))
+        per_split: dict[str, dict] = {}
+        for split, idx in splits.items():
+            if not idx:
+                continue
+            stats = PackStats()
+            samples = pack_by_leaf(tokens[split], ids[split][:, -1], tokenizer.eot_id, sample_len, dtype, stats)
+            rng.shuffle(samples)
+            per_stream = write_subtree_streams(
+                samples, lambda s: out / split / stream_name(s, k) / part_name(rank), k, p, dtype,
+                d.shard_size_limit, f"writing {split}", progress)
+            per_split[split] = {"streams": per_stream, "samples": len(samples), "tokens": stats.tokens,
+                                "padded_tokens": stats.padded_tokens}
+        mine["seconds"]["packing_writing"] = time.perf_counter() - t
+        mine["splits"] = per_split
+        mine["leaf_counts"] = leaf_counts.tolist()
+        return mine
+
+    everyone = comm.all_gather(comm.run(assign_pack_write))
+    for stage in ("assignment", "packing_writing"):
+        timings[stage] = max(r["seconds"][stage] for r in everyone)  # the slowest rank
+
+    streams: dict[str, list[dict]] = {}
+    counts: dict[str, dict] = {}
+    for split, n_docs in dist.sizes.items():
+        if not n_docs:
+            continue
+        per_stream: dict[int, int] = {}
+        total = {"documents": n_docs, "samples": 0, "tokens": 0, "padded_tokens": 0}
+        for r in everyone:
+            got = r["splits"].get(split)
+            if got is None:
+                continue
+            for key in ("samples", "tokens", "padded_tokens"):
+                total[key] += got[key]
+            for s, n in got["streams"].items():
+                per_stream[int(s)] = per_stream.get(int(s), 0) + n
+        streams[split] = [{"subtree": s, "dir": f"{split}/{stream_name(s, k)}", "samples": n}
+                          for s, n in sorted(per_stream.items())]
+        counts[split] = total
+
+    def merge_on_rank0() -> None:
+        if rank != 0:
+            return
+        for split, entries in streams.items():
+            for entry in entries:
+                merged = merge_parts(out / entry["dir"])
+                if merged != entry["samples"]:
+                    from memtrain.errors import DataError
+
+                    raise DataError(f"{out / entry['dir']} lists {merged} samples in its parts but the ranks wrote "
+                                    f"{entry['samples']}; is the parent of data.dir on a filesystem shared by all "
+                                    "nodes?")
+
+    comm.run(merge_on_rank0)
+    leaf_counts = np.sum([np.asarray(r["leaf_counts"], np.int64) for r in everyone], axis=0)
+    report = balance_from_leaf_counts(leaf_counts, k, p)
+    return _result(cl, dtype, streams, counts, report, timings, dist.sizes)
+
+
+__all__ = ["TREE_FILE", "TREE_WINDOWS", "DistPart", "balance_from_leaf_counts", "build_clustered", "pack_by_leaf",
+           "prefixed_dtype", "rank_seed", "sample_windows", "stream_name", "tree_windows_cap",
+           "write_subtree_streams"]

@@ -234,6 +234,13 @@ def build_loader(recipe: Recipe, split: str, micro_batch_size: int,
     if stripe:
         with _world_of_one(), _host_prefix_lock(every_rank=True):
             dataset = StreamingDataset(**construct)
+        # Every rank must be past its turn at the host lock before any rank builds another dataset:
+        # a global one holds the lock through Streaming's barriers, which would wait for a rank still
+        # queued for the lock here.
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()
         collate_fn = _Stripe(collate_fn, stripe[0], micro_batch_size)
     else:
         with _host_prefix_lock():

@@ -16,11 +16,33 @@ Everything is built in a temporary sibling folder and moved into place with ``os
 end, so a failure or a kill never leaves a half-written data folder. The settings that determine the
 data are hashed into a fingerprint: preparing again with the same settings is a no-op ("already
 prepared"); different settings need ``force=True`` (``--force``) or another ``data.dir``.
+
+Distributed preparation. Started by torchrun, srun or the deepspeed launcher with W > 1 processes
+(:func:`memtrain.launcher.dist.discover`), ``prepare`` starts a gloo process group and shares the
+work: every rank reads the documents and computes the same seeded split; rank ``r`` takes the
+documents ``idx[r::W]`` of each split. Rank 0 trains (or loads) the tokenizer on all training
+documents, as a single process does, and the other ranks load it. Each rank tokenizes, embeds,
+assigns, packs and writes its documents (clustering: :mod:`memtrain.data.clustered`); each stream
+folder then holds one MDS part per rank that wrote samples, and rank 0 merges their indexes::
+
+    <data_dir>/train/index.json, train/part-00000/ .. part-<W-1>/      without clustering
+    <data_dir>/train/subtree-<i>/index.json, subtree-<i>/part-<r>/     with clustering
+
+Every rank drops (plain) or pads (clustered, per leaf) its own last partial sample, so the counts of
+samples and dropped or padded tokens depend on W; the documents' tokens, the tokenizer and (when the
+tree's window cap does not bite and the window embeddings agree, see :mod:`memtrain.data.clustered`)
+the tree and every document's cluster do not. Rank 0 sums the counts, writes meta.json and
+prepare_report.json (which records ``world_size``) and moves the build into place; every rank
+returns the same report. The build folder is a sibling of ``data.dir`` named by rank 0, so on several
+nodes ``data.dir``'s parent must be on a filesystem all of them share (checked). A failure on any
+rank makes every rank raise, and rank 0 deletes the build folder. The fingerprint does not depend on
+W: data prepared by any number of ranks counts as prepared. W == 1 is the single-process path.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import hashlib
 import json
 import os
@@ -30,18 +52,23 @@ import socket
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional
 
 import numpy as np
 
 from memtrain.config import Recipe
-from memtrain.errors import DataError
+from memtrain.errors import DataError, MemtrainError
 
 FORMAT_VERSION = 1
 META = "meta.json"
 REPORT = "prepare_report.json"
 TOKENIZER_FILE = "tokenizer.model"
 _ENCODE_BATCH = 256
+# Distributed preparation: how long a rank waits in one collective (rank 0 training the tokenizer or
+# the tree, the slowest rank embedding) before giving up. A rank that dies closes its connections,
+# which the others notice at once; this only bounds waiting on a live but stuck rank.
+COLLECTIVE_TIMEOUT = datetime.timedelta(hours=24)
+_GATHER_BYTES = 1 << 26  # rows are gathered to rank 0 in pieces of about this size
 
 
 def data_settings(recipe: Recipe) -> dict[str, Any]:
@@ -86,19 +113,48 @@ def split_documents(n: int, val_fraction: float, seed: int) -> tuple[list[int], 
     return order[n_val:], order[:n_val]
 
 
-def prepare(recipe: Recipe, force: bool = False) -> dict[str, Any]:
+def prepare(recipe: Recipe, force: bool = False, dist_env: Any = None,
+            tree_windows: Optional[int] = None) -> dict[str, Any]:
     """Prepare ``recipe.data_dir``; returns meta.json's contents plus ``status`` and throughput figures.
 
     ``status`` is ``"prepared"`` or ``"already prepared"`` (same fingerprint: nothing is read or written).
+    ``dist_env`` (a :class:`memtrain.launcher.dist.DistEnv`) defaults to what the launcher's
+    environment says; with a world size above one the ranks share the work (module docstring) and all
+    return the same report. ``tree_windows`` caps the training windows gathered on rank 0 for the
+    cluster tree in distributed runs (default :data:`memtrain.data.clustered.TREE_WINDOWS`, or
+    $MEMTRAIN_PREPARE_TREE_WINDOWS).
     """
+    if dist_env is None:
+        from memtrain.launcher.dist import discover
+
+        dist_env = discover()
+    if dist_env.world_size > 1:
+        return _prepare_distributed(recipe, force, dist_env, tree_windows)
     data_dir = recipe.data_dir
     settings = data_settings(recipe)
     fp = fingerprint(settings)
+    existing = _existing(data_dir, fp, force)
+    if existing is not None:
+        return {**existing, "status": "already prepared"}
+
+    tmp = _new_build_folder(data_dir)
+    try:
+        meta = _build(recipe, tmp, settings, fp)
+        result = _finish(meta, tmp, data_dir, world_size=1)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return result
+
+
+def _existing(data_dir: Path, fp: str, force: bool) -> Optional[dict[str, Any]]:
+    """meta.json of a folder already prepared with these settings, else None (build it); DataError when
+    ``data_dir`` holds other data."""
     meta_path = data_dir / META
     if meta_path.is_file() and not force:
         existing = _read_json(meta_path)
         if existing.get("fingerprint") == fp:
-            return {**existing, "status": "already prepared"}
+            return existing
         raise DataError(f"{data_dir} already holds data prepared with different settings (sources, "
                         "text_field, seq_len, val_fraction, tokenizer or seed); pass --force to replace "
                         "it or choose another data.dir")
@@ -106,23 +162,27 @@ def prepare(recipe: Recipe, force: bool = False) -> dict[str, Any]:
         # Not ours (no meta.json): never delete it, even with --force.
         raise DataError(f"{data_dir} exists and is not a prepared memtrain data folder; remove it or "
                         "choose another data.dir")
+    return None
 
+
+def _new_build_folder(data_dir: Path) -> Path:
     data_dir.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_builds(data_dir)
     tmp = data_dir.parent / f".{data_dir.name}.tmp-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
-    try:
-        meta = _build(recipe, tmp, settings, fp)
-        throughput = meta.pop("_throughput")
-        report = {"documents": meta["counts"]["documents"],
-                  "sequences": meta["counts"]["train_samples"] + meta["counts"]["val_samples"],
-                  **meta.pop("report", {"branching": None, "depth": None}), "throughput": throughput}
-        _write_json(tmp / REPORT, report)
-        _write_json(tmp / META, meta)
-        _swap_into_place(tmp, data_dir)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+    return tmp
+
+
+def _finish(meta: dict[str, Any], tmp: Path, data_dir: Path, world_size: int) -> dict[str, Any]:
+    """Write prepare_report.json and meta.json into the build and move it into place."""
+    throughput = meta.pop("_throughput")
+    report = {"documents": meta["counts"]["documents"],
+              "sequences": meta["counts"]["train_samples"] + meta["counts"]["val_samples"],
+              **meta.pop("report", {"branching": None, "depth": None}), "throughput": throughput,
+              "world_size": world_size}
+    _write_json(tmp / REPORT, report)
+    _write_json(tmp / META, meta)
+    _swap_into_place(tmp, data_dir)
     return meta | {"status": "prepared"} | throughput
 
 
@@ -171,13 +231,8 @@ def _build(recipe: Recipe, out: Path, settings: dict, fp: str) -> dict[str, Any]
                 batch = [docs[i] for i in idx[b:b + _ENCODE_BATCH]]
                 tokens[split] += [np.asarray(t, dtype=np.int64) for t in tokenizer.encode_batch(batch)]
                 bar.update(len(batch))
-        if idx and sum(len(t) + 1 for t in tokens[split]) < sample_len:
-            total = sum(len(t) + 1 for t in tokens[split])
-            what = "training" if split == "train" else "validation"
-            hint = ("set data.seq_len below that or add documents" if split == "train" else
-                    "raise data.val_fraction, lower data.seq_len, or set data.val_fraction to 0")
-            raise DataError(f"the {what} split has only {total} tokens ({len(idx)} documents), fewer than one "
-                            f"sample of data.seq_len + 1 = {sample_len} tokens; {hint}")
+        if idx:
+            _check_split_tokens(split, sum(len(t) + 1 for t in tokens[split]), len(idx), sample_len)
 
     clustered: dict[str, Any] = {}
     splits: dict[str, PackStats] = {}
@@ -199,6 +254,18 @@ def _build(recipe: Recipe, out: Path, settings: dict, fp: str) -> dict[str, Any]
                 write_mds(out / split, pack(tokens[split], tokenizer.eot_id, sample_len, dtype, stats), dtype,
                           d.shard_size_limit, progress=bar)
             splits[split] = stats
+    return _meta(recipe, settings, fp, tokenizer, tokenizer_ref, dtype, read, len(docs),
+                 {split: len(idx) for split, idx in split_idx.items()}, splits, clustered, start, tok_start)
+
+
+def _meta(recipe: Recipe, settings: dict, fp: str, tokenizer, tokenizer_ref: str, dtype: str, read,
+          n_docs: int, sizes: dict[str, int], splits: dict, clustered: dict, start: float,
+          tok_start: float) -> dict[str, Any]:
+    """meta.json's contents (plus the "_throughput" and "report" entries :func:`_finish` pops)."""
+    from memtrain.data.shards import PackStats
+
+    d = recipe.data
+    sample_len = d.seq_len + 1
     elapsed = time.perf_counter() - start
     total_tokens = sum(s.tokens for s in splits.values())
 
@@ -220,8 +287,8 @@ def _build(recipe: Recipe, out: Path, settings: dict, fp: str) -> dict[str, Any]
         "sources": list(d.sources),
         "files": list(read.files),
         "counts": {
-            "documents": len(docs), "skipped_empty": read.skipped_empty,
-            "train_documents": len(train_idx), "val_documents": len(val_idx),
+            "documents": n_docs, "skipped_empty": read.skipped_empty,
+            "train_documents": sizes["train"], "val_documents": sizes["val"],
             "train_samples": train.samples, "val_samples": val.samples,
             "train_tokens": train.tokens, "val_tokens": val.tokens, "tokens": total_tokens,
             "train_dropped_tokens": train.dropped_tokens, "val_dropped_tokens": val.dropped_tokens,
@@ -231,10 +298,352 @@ def _build(recipe: Recipe, out: Path, settings: dict, fp: str) -> dict[str, Any]
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "_throughput": {  # popped before meta.json is written
             "seconds": round(elapsed, 3),
-            "documents_per_s": round(len(docs) / elapsed, 1),
+            "documents_per_s": round(n_docs / elapsed, 1),
             "tokens_per_s": round(total_tokens / max(time.perf_counter() - tok_start, 1e-9), 1),
         },
     }
+
+
+def _check_split_tokens(split: str, total: int, n_docs: int, sample_len: int) -> None:
+    if total < sample_len:
+        what = "training" if split == "train" else "validation"
+        hint = ("set data.seq_len below that or add documents" if split == "train" else
+                "raise data.val_fraction, lower data.seq_len, or set data.val_fraction to 0")
+        raise DataError(f"the {what} split has only {total} tokens ({n_docs} documents), fewer than one "
+                        f"sample of data.seq_len + 1 = {sample_len} tokens; {hint}")
+
+
+# --------------------------------------------------------------------------------------------------
+# distributed preparation
+
+
+class _Comm:
+    """Collectives of one distributed ``prepare`` over a gloo group of its own (with a long timeout).
+
+    :meth:`run` is the failure protocol: every step that can fail runs locally inside it and the ranks
+    then exchange their outcome, so when one rank fails all of them raise at the same point and none is
+    left waiting in a later collective.
+    """
+
+    def __init__(self, rank: int, world: int):
+        import torch.distributed as tdist
+
+        self.rank, self.world = rank, world
+        self.group = tdist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
+        self.failed_together = False  # set when run() raised: every rank is alive at the same point
+
+    def wait_for(self, seconds: float = 300.0) -> None:
+        """Best-effort barrier after a failure agreed by :meth:`run` (never raises): the other ranks
+        wait until rank 0 has cleaned up, so a launcher that kills the job once a rank exits cannot
+        cut rank 0's cleanup short."""
+        import torch.distributed as tdist
+
+        try:
+            tdist.monitored_barrier(group=self.group, timeout=datetime.timedelta(seconds=seconds))
+        except Exception:
+            pass
+
+    def close(self) -> None:
+        import torch.distributed as tdist
+
+        if tdist.is_initialized():
+            tdist.destroy_process_group(self.group)
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        import torch.distributed as tdist
+
+        out: list[Any] = [None] * self.world
+        tdist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        import torch.distributed as tdist
+
+        box = [obj]
+        tdist.broadcast_object_list(box, src=src, group=self.group)
+        return box[0]
+
+    def sum(self, values: list[int]) -> list[int]:
+        import torch
+        import torch.distributed as tdist
+
+        t = torch.tensor(values, dtype=torch.int64)
+        tdist.all_reduce(t, group=self.group)
+        return [int(v) for v in t.tolist()]
+
+    def run(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` on this rank, then agree: raises on every rank if it raised on any."""
+        try:
+            result, failure = fn(), None
+        except Exception as e:  # re-raised below, after the other ranks have heard of it
+            result, failure = None, e
+        status = None if failure is None else (isinstance(failure, MemtrainError), str(failure),
+                                               type(failure).__name__)
+        statuses = self.all_gather(status)
+        self.failed_together = any(st is not None for st in statuses)
+        if failure is not None:
+            raise failure
+        for r, st in enumerate(statuses):
+            if st is not None:
+                user, message, kind = st
+                if user:
+                    raise DataError(f"{message} (on rank {r})")
+                raise RuntimeError(f"memtrain prepare failed on rank {r} with {kind}: {message}; see that rank's "
+                                   "output")
+        return result
+
+    def on_root(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` on rank 0 only; every rank returns its result (or raises with it)."""
+        return self.broadcast(self.run(fn if self.rank == 0 else lambda: None))
+
+    def gather_rows(self, rows: np.ndarray) -> Optional[np.ndarray]:
+        """Concatenate every rank's ``rows [n_r, c]`` on rank 0, in rank order (None elsewhere), in
+        pieces of about 64 MB."""
+        import torch
+        import torch.distributed as tdist
+
+        shapes = self.all_gather((rows.shape, rows.dtype.str))
+        if len({(shape[1:], dt) for shape, dt in shapes}) != 1:
+            raise RuntimeError(f"ranks gather rows of different shapes or types: {shapes}")
+        counts = [shape[0] for shape, _ in shapes]
+        width = rows.shape[1]
+        step = max(1, _GATHER_BYTES // max(1, width * rows.itemsize))
+        parts: list[list[np.ndarray]] = [[] for _ in range(self.world)]
+        for start in range(0, max(counts), step):
+            piece = np.zeros((step, width), rows.dtype)
+            mine = rows[start:start + step]
+            piece[:len(mine)] = mine
+            tensor = torch.from_numpy(piece)
+            into = [torch.empty_like(tensor) for _ in range(self.world)] if self.rank == 0 else None
+            tdist.gather(tensor, gather_list=into, dst=0, group=self.group)
+            if into is not None:
+                for r, got in enumerate(into):
+                    take = min(step, max(0, counts[r] - start))
+                    if take:
+                        parts[r].append(got[:take].numpy().copy())
+        if self.rank != 0:
+            return None
+        flat = [a for rank_parts in parts for a in rank_parts]
+        return np.concatenate(flat) if flat else np.zeros((0, width), rows.dtype)
+
+
+def _prepare_distributed(recipe: Recipe, force: bool, dist_env: Any, tree_windows: Optional[int]) -> dict[str, Any]:
+    import torch
+    import torch.distributed as tdist
+
+    from memtrain.launcher import dist
+
+    started = not tdist.is_initialized()
+    dist.init(dist_env, torch.device("cpu"), "gloo")
+    comm = _Comm(dist_env.rank, dist_env.world_size)
+    try:
+        return _run_distributed(recipe, force, comm, dist_env, tree_windows)
+    finally:
+        comm.close()
+        if started:
+            dist.shutdown()
+
+
+def _run_distributed(recipe: Recipe, force: bool, comm: _Comm, dist_env: Any,
+                     tree_windows: Optional[int]) -> dict[str, Any]:
+    from memtrain.data.clustered import tree_windows_cap
+
+    data_dir = recipe.data_dir
+    settings = data_settings(recipe)
+    fp = fingerprint(settings)
+    cap = comm.run(lambda: tree_windows_cap(tree_windows))
+
+    def decide() -> tuple[str, Any]:
+        existing = _existing(data_dir, fp, force)
+        if existing is not None:
+            return "already prepared", existing
+        return "build", str(_new_build_folder(data_dir).resolve())
+
+    status, value = comm.on_root(decide)
+    if status == "already prepared":
+        return {**value, "status": status}
+    tmp = Path(value)
+    try:
+        def shared() -> None:
+            if not tmp.is_dir():
+                raise DataError(f"rank {comm.rank} on {socket.gethostname()} does not see the build folder {tmp} "
+                                "that rank 0 created; with several nodes the parent of data.dir must be on a "
+                                "filesystem they all share")
+
+        comm.run(shared)
+        meta = _build_distributed(recipe, tmp, settings, fp, comm, dist_env, cap)
+        return comm.on_root(lambda: _finish(meta, tmp, data_dir, world_size=comm.world))
+    except BaseException:
+        # After a failure agreed through comm.run every rank has stopped writing; rank 0 deletes the
+        # build, and the others wait for that before they exit.
+        if comm.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if comm.failed_together:
+            comm.wait_for()
+        raise
+    finally:
+        if comm.rank == 0 and tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _build_distributed(recipe: Recipe, out: Path, settings: dict, fp: str, comm: _Comm, dist_env: Any,
+                       cap: int) -> dict[str, Any]:
+    """:func:`_build` for one rank of W (module docstring)."""
+    import streaming  # noqa: F401
+    from tqdm.auto import tqdm
+
+    from memtrain.data.shards import PackStats, merge_parts, pack, part_name, token_dtype, write_mds
+    from memtrain.data.sources import ReadStats, read_documents
+    from memtrain.data.tokenizer import SentencePieceTokenizer, load_tokenizer
+
+    d = recipe.data
+    rank, world = comm.rank, comm.world
+    quiet = None if rank == 0 else True  # tqdm: progress on rank 0 only
+    start = time.perf_counter()
+
+    def given_tokenizer():
+        if not d.tokenizer.path:
+            return None
+        tokenizer = load_tokenizer(d.tokenizer.path)
+        _check_vocab(tokenizer.vocab_size, recipe)
+        return tokenizer
+
+    tokenizer = comm.run(given_tokenizer)
+
+    def read_all() -> tuple[list[str], Any]:
+        read = ReadStats()
+        cache = out / f".cache-{part_name(rank)}"
+        docs = list(tqdm(read_documents(d.sources, d.text_field, read, cache_dir=cache),
+                         desc="reading", unit=" docs", disable=quiet))
+        shutil.rmtree(cache, ignore_errors=True)
+        if not docs:
+            raise DataError(f"data.sources {d.sources} hold no non-empty documents ({read.skipped_empty} empty "
+                            "ones skipped); add text to them")
+        return docs, read
+
+    docs, read = comm.run(read_all)
+    seen = comm.all_gather((len(docs), read.skipped_empty, list(read.files)))
+
+    def same_corpus() -> None:
+        if any(s != seen[0] for s in seen):
+            raise DataError("the ranks read different corpora (documents and empty documents per rank: "
+                            f"{[s[:2] for s in seen]}); data.sources must name the same files, with the same "
+                            "contents, on every node")
+
+    comm.run(same_corpus)
+    n_docs = len(docs)
+    train_idx, val_idx = split_documents(n_docs, d.val_fraction, recipe.run.seed)
+    sizes = {"train": len(train_idx), "val": len(val_idx)}
+
+    def tokenizer_on_rank0() -> None:
+        if rank == 0 and tokenizer is None:
+            trained = SentencePieceTokenizer.train(
+                (docs[i] for i in train_idx), out / TOKENIZER_FILE, d.tokenizer.vocab_size,
+                d.tokenizer.model_type, seed=recipe.run.seed, byte_fallback=d.tokenizer.byte_fallback)
+            _check_vocab(trained.vocab_size, recipe)
+
+    comm.run(tokenizer_on_rank0)
+    if tokenizer is None:
+        tokenizer = comm.run(lambda: load_tokenizer(out / TOKENIZER_FILE))
+        tokenizer_ref = TOKENIZER_FILE
+    else:
+        tokenizer_ref = str(Path(d.tokenizer.path).expanduser().resolve())
+    dtype = token_dtype(tokenizer.vocab_size)
+    sample_len = d.seq_len + 1
+
+    # This rank's documents: idx[r::W] of each split, in split order; the rest of the corpus is let go.
+    mine = {split: idx[rank::world] for split, idx in (("train", train_idx), ("val", val_idx))}
+    local_docs = [docs[i] for idx in mine.values() for i in idx]
+    n_train = len(mine["train"])
+    local_split = {"train": list(range(n_train)), "val": list(range(n_train, len(local_docs)))}
+    del docs
+
+    tok_start = time.perf_counter()
+
+    def tokenize() -> dict[str, list[np.ndarray]]:
+        tokens: dict[str, list[np.ndarray]] = {}
+        for split, idx in local_split.items():
+            tokens[split] = []
+            with tqdm(total=len(idx), desc=f"tokenizing {split}", unit=" docs", disable=quiet) as bar:
+                for b in range(0, len(idx), _ENCODE_BATCH):
+                    batch = [local_docs[i] for i in idx[b:b + _ENCODE_BATCH]]
+                    tokens[split] += [np.asarray(t, dtype=np.int64) for t in tokenizer.encode_batch(batch)]
+                    bar.update(len(batch))
+        return tokens
+
+    tokens = comm.run(tokenize)
+    totals = comm.sum([sum(len(t) + 1 for t in tokens[split]) for split in ("train", "val")])
+
+    def enough_tokens() -> None:
+        for split, total in zip(("train", "val"), totals):
+            if sizes[split]:
+                _check_split_tokens(split, total, sizes[split], sample_len)
+
+    comm.run(enough_tokens)
+
+    clustered: dict[str, Any] = {}
+    splits: dict[str, PackStats] = {}
+    if d.clustering.enabled:
+        from memtrain.data.clustered import DistPart, build_clustered
+
+        device = None
+        if _cuda_available():
+            import torch
+
+            device = f"cuda:{dist_env.local_rank % torch.cuda.device_count()}"
+        clustered = build_clustered(recipe, out, local_docs, local_split, tokens, tokenizer, progress=rank == 0,
+                                    dist=DistPart(comm=comm, sizes=sizes, tree_windows=cap, device=device))
+        dtype = clustered["dtype"]
+        for split, c in clustered.pop("split_counts").items():
+            splits[split] = PackStats(documents=c["documents"], tokens=c["tokens"], samples=c["samples"],
+                                      padded_tokens=c["padded_tokens"])
+    else:
+        def write_part() -> dict[str, dict]:
+            written: dict[str, dict] = {}
+            for split, idx in local_split.items():
+                if not sizes[split]:
+                    continue
+                stats = PackStats()
+                n_samples = sum(len(t) + 1 for t in tokens[split]) // sample_len
+                samples = pack(tokens[split], tokenizer.eot_id, sample_len, dtype, stats)
+                if n_samples:
+                    with tqdm(total=n_samples, desc=f"writing {split}", unit=" samples", disable=quiet) as bar:
+                        write_mds(out / split / part_name(rank), samples, dtype, d.shard_size_limit, progress=bar)
+                else:
+                    for _ in samples:  # counts the dropped tokens
+                        pass
+                written[split] = dataclasses.asdict(stats)
+            return written
+
+        everyone = comm.all_gather(comm.run(write_part))
+        for split, n in sizes.items():
+            if n:
+                stats = PackStats()
+                for part in everyone:
+                    for key, value in part[split].items():
+                        setattr(stats, key, getattr(stats, key) + value)
+                splits[split] = stats
+
+        def merge_on_rank0() -> None:
+            if rank != 0:
+                return
+            for split, stats in splits.items():
+                if stats.samples:
+                    merged = merge_parts(out / split)
+                    if merged != stats.samples:
+                        raise DataError(f"{out / split} lists {merged} samples in its parts but the ranks wrote "
+                                        f"{stats.samples}; is the parent of data.dir on a filesystem shared by all "
+                                        "nodes?")
+
+        comm.run(merge_on_rank0)
+    return _meta(recipe, settings, fp, tokenizer, tokenizer_ref, dtype, read, n_docs, sizes, splits, clustered,
+                 start, tok_start)
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.device_count() > 0
 
 
 def _check_vocab(vocab_size: int, recipe: Recipe) -> None:

@@ -5,10 +5,16 @@ given order and cut into samples of ``sample_len = seq_len + 1`` tokens (a model
 ``seq_len`` and predicts the last ``seq_len``). The final partial sample is dropped and counted.
 Samples are stored in one MDS column, ``tokens``, as ``uint16`` (or ``uint32`` for vocabularies
 of more than 65,536 ids).
+
+Distributed preparation writes one MDS dataset per rank into ``<stream>/part-<rank:05d>/`` and then
+merges their ``index.json`` files into ``<stream>/index.json`` (:func:`merge_parts`, with
+mosaicml-streaming's own ``merge_index``), so ``StreamingDataset(local=<stream>)`` reads every part.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Optional, Sequence
@@ -16,6 +22,7 @@ from typing import Iterable, Iterator, Optional, Sequence
 import numpy as np
 
 COLUMN = "tokens"
+PART_PREFIX = "part-"
 
 
 def token_dtype(vocab_size: int) -> str:
@@ -89,4 +96,36 @@ def write_mds(out: str | Path, samples: Iterable[np.ndarray], dtype: str, size_l
     return count
 
 
-__all__ = ["COLUMN", "PackStats", "pack", "token_dtype", "write_mds"]
+def part_name(rank: int) -> str:
+    """The folder of one rank's MDS part inside a stream folder: ``part-00003``."""
+    return f"{PART_PREFIX}{rank:05d}"
+
+
+def merge_parts(folder: str | Path) -> int:
+    """Merge the ``index.json`` of every ``part-*`` folder of ``folder`` into ``folder/index.json``.
+
+    Uses ``streaming.base.util.merge_index``, which prefixes every shard's file names with its part
+    folder (``part-00001/shard.00000.mds``); ``StreamingDataset(local=folder)`` then reads all parts,
+    in part (rank) order. Returns the number of samples the merged index lists.
+    """
+    from streaming.base.util import merge_index
+
+    folder = Path(folder)
+    indexes = sorted(folder.glob(f"{PART_PREFIX}*/index.json"))
+    if not indexes:
+        raise FileNotFoundError(f"no {PART_PREFIX}*/index.json in {folder}")
+    if (folder / "index.json").exists():
+        raise FileExistsError(f"{folder / 'index.json'} exists already")
+    # merge_index announces its temporary folder with logging.warning on the root logger: hush it
+    manager = logging.root.manager
+    previous = manager.disable
+    logging.disable(max(previous, logging.WARNING))
+    try:
+        merge_index([str(p) for p in indexes], str(folder), keep_local=True)
+    finally:
+        logging.disable(previous)
+    merged = json.loads((folder / "index.json").read_text(encoding="utf-8"))
+    return sum(int(shard["samples"]) for shard in merged["shards"])
+
+
+__all__ = ["COLUMN", "PART_PREFIX", "PackStats", "merge_parts", "pack", "part_name", "token_dtype", "write_mds"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Optional
 
@@ -90,7 +91,8 @@ def run(argv: Optional[list[str]] = None) -> int:
         from memtrain.data.prepare import prepare
 
         report = prepare(recipe, force=args.force)
-        print(prepare_summary(recipe, report))
+        if os.environ.get("RANK", "0") == "0":  # distributed prepare: every rank returns the same report
+            print(prepare_summary(recipe, report))
     elif args.command == "recipe":
         world = args.world_size
         if world is None and recipe.parallel.precision == "bf16":

@@ -1,5 +1,6 @@
-"""Models: the anchor decoder (:mod:`.anchor`), its attention paths (:mod:`.attention`) and FLOP
-accounting (:mod:`.flops`). Memory modules attach here later.
+"""Models: the anchor decoder (:mod:`.anchor`), its attention paths (:mod:`.attention`), FLOP
+accounting (:mod:`.flops`) and the Titans models (:mod:`.titans.arch`, ``model.type: titans``).
+Memory modules attach here later.
 
 Imports torch only (never DeepSpeed, streaming or transformers), so models can be built and
 benchmarked alone. :func:`build` works under ``with torch.device("meta"):`` for parameter counts.
@@ -14,18 +15,22 @@ from torch import nn
 from memtrain.config import MemoryConfig, ModelConfig
 from memtrain.model.anchor import DecoderLM, ModelOutput, document_ids, position_ids_from_doc_ids
 from memtrain.model.flops import count_parameters, flops_per_token, peak_flops
+from memtrain.model.titans.arch import TitansLM, TitansOutput
 
 
 def build(model_cfg: ModelConfig, memory_cfg: Optional[MemoryConfig] = None) -> nn.Module:
-    """The model a recipe describes: the anchor decoder, with memory modules once they exist."""
-    if model_cfg.type != "decoder":
-        raise ValueError(f"unknown model.type {model_cfg.type!r}; expected 'decoder'")
+    """The model a recipe describes: the anchor decoder (``model.type: decoder``) or a Titans model
+    (``model.type: titans``), with memory modules once they exist."""
+    if model_cfg.type not in ("decoder", "titans"):
+        raise ValueError(f"unknown model.type {model_cfg.type!r}; expected 'decoder' or 'titans'")
     if memory_cfg is not None and memory_cfg.type != "none":
         raise ValueError(f"unknown memory.type {memory_cfg.type!r}; only 'none' is available")
+    if model_cfg.type == "titans":
+        return TitansLM(model_cfg)
     return DecoderLM(model_cfg)
 
 
 __all__ = [
-    "DecoderLM", "ModelOutput", "build", "count_parameters", "document_ids", "flops_per_token", "peak_flops",
-    "position_ids_from_doc_ids",
+    "DecoderLM", "ModelOutput", "TitansLM", "TitansOutput", "build", "count_parameters", "document_ids",
+    "flops_per_token", "peak_flops", "position_ids_from_doc_ids",
 ]

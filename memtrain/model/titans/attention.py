@@ -1,0 +1,154 @@
+"""Attention for the Titans blocks: causal attention with a persistent prefix, sliding-window or
+segment-local, document-masked.
+
+Every Titans attention call has keys ``[prefix | context]``:
+
+- the **prefix** is the block's N_p persistent tokens (Titans Section 3.3), visible to every query and
+  never rotated by RoPE (as in titans-pytorch, whose persistent keys/values join after the rotary
+  embedding); for MAC the retrieved long-term-memory tokens ``h_t`` follow the persistent tokens;
+- the **context** keys are rotated with their positions and masked causally, by document (a query sees
+  a key only inside its own document, as the anchor's attention does) and, for MAG / MAL, by a
+  sliding window: query i sees context key j iff ``i - window < j <= i`` (``window`` keys, itself
+  included).
+
+Mask building reuses :mod:`memtrain.model.attention`: the backend is resolved by
+:func:`~memtrain.model.attention.resolve_backend` (``auto``: flex on CUDA, sdpa elsewhere; flex on CPU
+with gradients falls back to sdpa) and the call is :func:`~memtrain.model.attention.attend`, so the
+same dense-mask sdpa reference and block-sparse flex paths serve both models. MAC's per-segment masks
+are small (``segment_len x (N_p + 2 segment_len)``) and always dense.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Optional
+
+import torch
+from torch import nn
+
+from memtrain.config import ModelConfig
+from memtrain.model.anchor import apply_rope, make_norm
+from memtrain.model.attention import AttentionMask, attend, resolve_backend
+
+try:
+    from torch.nn.attention.flex_attention import create_block_mask
+except ImportError:  # pragma: no cover - resolve_backend never picks flex then
+    create_block_mask = None  # type: ignore[assignment]
+
+
+# --------------------------------------------------------------------------------------------------
+# Masks
+
+
+def window_allowed(doc_ids: Optional[torch.Tensor], seq_len: int, window: Optional[int],
+                   device: torch.device) -> torch.Tensor:
+    """Boolean ``[B or 1, T, T]``: query i may see context key j (causal, same document, within the
+    window when ``window`` is not None)."""
+    i = torch.arange(seq_len, device=device)
+    allowed = i[None, :] <= i[:, None]
+    if window is not None:
+        allowed = allowed & (i[:, None] - i[None, :] < window)
+    allowed = allowed[None]
+    if doc_ids is not None:
+        allowed = allowed & (doc_ids[:, :, None] == doc_ids[:, None, :])
+    return allowed
+
+
+def with_prefix(allowed: torch.Tensor, prefix: int) -> torch.Tensor:
+    """Prepend ``prefix`` always-visible key columns: ``[B, Tq, Tk]`` -> dense sdpa mask
+    ``[B, 1, Tq, prefix + Tk]``."""
+    if prefix:
+        ones = allowed.new_ones(*allowed.shape[:-1], prefix)
+        allowed = torch.cat([ones, allowed], dim=-1)
+    return allowed[:, None]
+
+
+@functools.lru_cache(maxsize=None)
+def _create_block_mask_accepts_compile() -> bool:
+    return "_compile" in inspect.signature(create_block_mask).parameters
+
+
+def sliding_window_mask(doc_ids: Optional[torch.Tensor], seq_len: int, prefix: int, window: int,
+                        backend: str, device: torch.device) -> AttentionMask:
+    """The MAG / MAL mask for queries ``[0, T)`` over keys ``[prefix | 0..T)`` (module docstring).
+
+    ``backend`` is ``model.attention``; built once per forward and shared by all layers.
+    """
+    resolved = resolve_backend(backend, device)
+    if doc_ids is not None and doc_ids.shape[-1] != seq_len:
+        raise ValueError(f"doc_ids has length {doc_ids.shape[-1]}, expected {seq_len}")
+    if resolved == "sdpa":
+        return AttentionMask("sdpa", dense=with_prefix(window_allowed(doc_ids, seq_len, window, device), prefix))
+
+    def context(b, q_idx, kv_idx):
+        j = (kv_idx - prefix).clamp(min=0)
+        ok = (j <= q_idx) & (q_idx - j < window)
+        if doc_ids is not None:
+            ok = ok & (doc_ids[b, q_idx] == doc_ids[b, j])
+        return ok
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx < prefix) | context(b, q_idx, kv_idx)
+
+    batch = None if doc_ids is None else doc_ids.shape[0]
+    kwargs = {"_compile": True} if device.type == "cuda" and _create_block_mask_accepts_compile() else {}
+    block_mask = create_block_mask(mask_mod, batch, None, seq_len, prefix + seq_len, device=device, **kwargs)
+    return AttentionMask("flex", block_mask=block_mask)
+
+
+def segment_mask(doc_ids: Optional[torch.Tensor], seg_len: int, prefix: int, device: torch.device) -> AttentionMask:
+    """The MAC mask of one segment: queries = the segment's tokens, keys ``[prefix | h | S]`` where
+    ``h`` (retrieved memory tokens) and ``S`` (the segment) are both causal and document-masked
+    (``h_j`` is computed from token j, so a later ``h_j`` would leak the future). ``doc_ids`` is the
+    segment's slice ``[B, seg_len]`` or None. Always dense sdpa."""
+    allowed = window_allowed(doc_ids, seg_len, None, device)
+    return AttentionMask("sdpa", dense=with_prefix(torch.cat([allowed, allowed], dim=-1), prefix))
+
+
+# --------------------------------------------------------------------------------------------------
+# The attention module
+
+
+class PrefixAttention(nn.Module):
+    """Multi-head attention of the anchor's layout (bias-free ``wq``/``wk``/``wv``/``wo``, optional
+    grouped-query heads, qk-norm over the full projection width, RoPE) with an unrotated key prefix.
+
+    ``forward(x_q, x_kv, cos_q, sin_q, cos_kv, sin_kv, n_unrotated, mask)``: queries from ``x_q``
+    ``[B, Tq, d]`` rotated by ``cos_q``/``sin_q`` ``[B, Tq, 1, hd]``; keys/values from ``x_kv``
+    ``[B, Tk, d]`` whose first ``n_unrotated`` rows keep no rotation and the rest are rotated by
+    ``cos_kv``/``sin_kv`` ``[B, Tk - n_unrotated, 1, hd]``. Returns ``[B, Tq, d]``.
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_index: int):
+        super().__init__()
+        self.layer_index = layer_index
+        self.n_heads = cfg.n_heads
+        self.n_kv_heads = cfg.n_kv_heads or cfg.n_heads
+        self.head_dim = cfg.head_dim or cfg.d_model // cfg.n_heads
+        q_width, kv_width = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        self.wq = nn.Linear(cfg.d_model, q_width, bias=False)
+        self.wk = nn.Linear(cfg.d_model, kv_width, bias=False)
+        self.wv = nn.Linear(cfg.d_model, kv_width, bias=False)
+        self.wo = nn.Linear(q_width, cfg.d_model, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = make_norm(cfg.norm, q_width, cfg.norm_eps)
+            self.k_norm = make_norm(cfg.norm, kv_width, cfg.norm_eps)
+        else:
+            self.q_norm = self.k_norm = nn.Identity()
+
+    def forward(self, x_q: torch.Tensor, x_kv: torch.Tensor, cos_q: torch.Tensor, sin_q: torch.Tensor,
+                cos_kv: torch.Tensor, sin_kv: torch.Tensor, n_unrotated: int, mask: AttentionMask) -> torch.Tensor:
+        B, Tq, _ = x_q.shape
+        Tk = x_kv.shape[1]
+        q = self.q_norm(self.wq(x_q)).view(B, Tq, self.n_heads, self.head_dim)
+        k = self.k_norm(self.wk(x_kv)).view(B, Tk, self.n_kv_heads, self.head_dim)
+        v = self.wv(x_kv).view(B, Tk, self.n_kv_heads, self.head_dim)
+        q = apply_rope(q, cos_q, sin_q).to(v.dtype)
+        rotated = apply_rope(k[:, n_unrotated:], cos_kv, sin_kv)
+        k = torch.cat([k[:, :n_unrotated], rotated], dim=1).to(v.dtype) if n_unrotated else rotated.to(v.dtype)
+        out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
+        return self.wo(out.transpose(1, 2).reshape(B, Tq, self.n_heads * self.head_dim))
+
+
+__all__ = ["PrefixAttention", "segment_mask", "sliding_window_mask", "window_allowed", "with_prefix"]

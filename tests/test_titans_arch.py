@@ -1,0 +1,384 @@
+"""Titans architectures (LMM, MAC, MAG, MAL): config and build, the paper-scale recipes' parameter
+counts (meta device), shapes, causality (MAC inside a segment and across segments), MAC's
+pre-segment retrieval, carried memory, attention masks (window, segment, documents), activation
+checkpointing, a few training steps per variant, and one end-to-end CLI run. CPU, tiny sizes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from memtrain.config import ModelConfig, RecipeError, TitansConfig, load_recipe, recipe_from_dict
+from memtrain.model import DecoderLM, ModelOutput, TitansLM, build, count_parameters, document_ids
+from memtrain.model.attention import flex_available
+from memtrain.model.titans.arch import segment_bounds
+from memtrain.model.titans.attention import segment_mask, sliding_window_mask, window_allowed
+
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+ROOT = Path(__file__).resolve().parents[1]
+VARIANTS = ("lmm", "mac", "mag", "mal")
+EOT = 0
+VOCAB = 61
+SEG, WINDOW, NP = 8, 6, 3  # tiny MAC segment, MAG/MAL window, persistent tokens
+TIGHT = dict(rtol=0, atol=1e-10)
+
+
+def tiny(variant: str, titans: dict | None = None, **model) -> ModelConfig:
+    t = dict(variant=variant, memory_heads=2, memory_chunk_size=4, segment_len=SEG, window=WINDOW,
+             persistent_tokens=NP, memory_max_lr=0.1, memory_init_lr=0.02)
+    t.update(titans or {})
+    base = dict(type="titans", vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, ffn_dim=64, max_seq_len=64,
+                attention="sdpa", tie_embeddings=False, titans=TitansConfig(**t))
+    base.update(model)
+    return ModelConfig(**base)
+
+
+def exact(variant: str, seed: int = 0, **kw) -> TitansLM:
+    """A float64 model in eval mode: equalities then hold to ~1e-12."""
+    torch.manual_seed(seed)
+    return build(tiny(variant, **kw)).double().eval()
+
+
+def tokens(B: int = 2, T: int = 40, seed: int = 1, eots: tuple[int, ...] = ()) -> torch.Tensor:
+    ids = torch.randint(1, VOCAB, (B, T), generator=torch.Generator().manual_seed(seed))
+    for p in eots:
+        ids[:, p] = EOT
+    return ids
+
+
+def logits(model, ids, docs: bool = False, **kw) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids, document_ids(ids, EOT) if docs else None, **kw).logits
+
+
+def changed(ids: torch.Tensor, p: int) -> torch.Tensor:
+    out = ids.clone()
+    out[:, p] = ids[:, p] % (VOCAB - 1) + 1  # another non-EOT token
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Config and build
+
+
+def test_build_dispatch_and_block_structure():
+    assert isinstance(build(ModelConfig(d_model=32, n_layers=1, n_heads=4, ffn_dim=64, vocab_size=50)), DecoderLM)
+    for v in VARIANTS:
+        m = build(tiny(v))
+        assert isinstance(m, TitansLM) and len(m.blocks) == 2
+        b = m.blocks[0]
+        assert (b.attn is None) == (v == "lmm")
+        assert (b.gate is not None) == (v in ("mac", "mag"))
+        assert (b.norm3 is not None) == (v == "mal")
+        assert b.persistent.shape == (NP, 32)
+        assert b.memory.depth == 2 and b.memory.chunk_size == 4 and b.memory.heads == 2
+    assert build(tiny("mag", {"persistent_tokens": 0})).blocks[0].persistent is None
+
+
+def test_recipe_titans_section_defaults_and_validation():
+    r = recipe_from_dict({"model": {"type": "titans"}})
+    assert r.model.titans == TitansConfig()  # defaults filled in
+    r = recipe_from_dict({}, ["model.type=titans", "model.titans.variant=mal", "model.titans.window=64"])
+    assert r.model.titans.variant == "mal" and r.model.titans.window == 64
+    # A decoder recipe keeps titans None, so checkpoints written before the field existed still match.
+    assert recipe_from_dict({}).model.titans is None
+    assert "titans" in recipe_from_dict({}).to_dict()["model"]
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["model.type=titans", "model.titans.variant=mag2"], "model.titans.variant"),
+    (["model.type=titans", "model.titans.gate_mode=segment"], "model.titans.gate_mode"),
+    (["model.type=titans", "model.titans.memory_heads=3"], "model.titans.memory_heads"),  # 512 % 3
+    (["model.type=titans", "model.titans.memory_depth=0"], "model.titans.memory_depth"),
+    (["model.type=titans", "model.titans.memory_chunk_size=0"], "model.titans.memory_chunk_size"),
+    (["model.type=titans", "model.titans.segment_len=0"], "model.titans.segment_len"),
+    (["model.type=titans", "model.titans.window=0"], "model.titans.window"),
+    (["model.type=titans", "model.titans.persistent_tokens=-1"], "model.titans.persistent_tokens"),
+    (["model.type=titans", "model.titans.memory_init_lr=0.5"], "model.titans.memory_init_lr"),  # >= max_lr
+    (["model.type=titans", "model.titans.windw=4"], "model.titans.windw"),  # unknown key
+    (["model.titans.variant=mac"], "model.titans"),  # titans settings on a decoder
+    (["model.type=mamba"], "model.type"),
+])
+def test_bad_titans_values_name_the_key(overrides, key):
+    with pytest.raises(RecipeError) as err:
+        recipe_from_dict({}, overrides)
+    assert err.value.key == key
+
+
+# Paper sizes (Section 5.1) and the accepted band around each (the paper gives no shapes).
+BIG = {
+    "titans-170m-mac.yaml": ("mac", 170e6, 160e6, 190e6),
+    "titans-340m-mac.yaml": ("mac", 340e6, 320e6, 360e6),
+    "titans-400m-mag.yaml": ("mag", 400e6, 380e6, 420e6),
+    "titans-760m-mal.yaml": ("mal", 760e6, 720e6, 800e6),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BIG))
+def test_paper_scale_recipes(name):
+    variant, target, lo, hi = BIG[name]
+    r = load_recipe(ROOT / "recipes" / name)
+    with torch.device("meta"):
+        model = build(r.model, r.memory)
+    n = count_parameters(model)
+    print(f"{name}: {n:,} parameters (paper: {target / 1e6:.0f}M)")
+    assert isinstance(model, TitansLM) and r.model.titans.variant == variant
+    assert lo <= n <= hi
+    assert all(p.is_meta for p in model.parameters())
+    # Section 5.1: 32K vocabulary, 4K training length, AdamW 4e-4 cosine, 0.5M-token batches, wd 0.1.
+    assert r.model.vocab_size == 32000 and r.data.seq_len == 4096 and r.tokens_per_step == 2**19
+    assert r.train.optimizer.name == "adamw" and r.train.optimizer.lr == 4e-4
+    assert r.train.schedule.kind == "cosine" and r.train.optimizer.weight_decay == 0.1
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_cpu_recipes_reuse_quickstart_data(variant):
+    r = load_recipe(ROOT / "recipes" / f"titans-cpu-{variant}.yaml")
+    q = load_recipe(ROOT / "recipes" / "quickstart.yaml")
+    assert r.model.type == "titans" and r.model.titans.variant == variant
+    assert r.to_dict()["data"] == q.to_dict()["data"] and r.run.seed == q.run.seed
+    assert r.data.seq_len == 128 and r.model.vocab_size == 2048
+    model = build(r.model)
+    print(f"titans-cpu-{variant}: {count_parameters(model):,} parameters")
+
+
+# --------------------------------------------------------------------------------------------------
+# Forward contract
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("docs", [False, True])
+def test_forward_shapes_and_memory_states(variant, docs):
+    m = exact(variant)
+    ids = tokens(B=3, T=37, eots=(5, 20))  # not a multiple of the segment length
+    out = m(ids, document_ids(ids, EOT) if docs else None)
+    assert isinstance(out, ModelOutput) and out.aux_loss is None
+    assert out.logits.shape == (3, 37, VOCAB) and out.logits.dtype == torch.float64
+    assert torch.isfinite(out.logits).all()
+    assert len(out.memory) == 2
+    # MAC writes the attention outputs (37 tokens); the others write P || x (3 + 37).
+    assert all(s.pos == (37 if variant == "mac" else 37 + NP) for s in out.memory)
+
+
+def test_bad_inputs_are_rejected():
+    m = exact("mac")
+    with pytest.raises(ValueError, match="max_seq_len"):
+        m(tokens(T=65))
+    with pytest.raises(ValueError, match="doc_ids shape"):
+        m(tokens(), torch.zeros(2, 39, dtype=torch.long))
+    with pytest.raises(ValueError, match="memory must be"):
+        m(tokens(), memory=[None])
+
+
+# --------------------------------------------------------------------------------------------------
+# Causality
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("docs", [False, True])
+def test_causal(variant, docs):
+    """A changed token leaves every earlier logit unchanged and changes its own. For MAC, 13 lies
+    inside segment [8, 16) (a leak through the segment's retrieved tokens h_t or attention would show
+    at 8..12), 16 starts a segment and 29 lies in a later segment."""
+    m = exact(variant)
+    ids = tokens(eots=(5, 18) if docs else ())
+    base = logits(m, ids, docs)
+    for p in (1, 13, 16, 29):
+        new = logits(m, changed(ids, p), docs)
+        torch.testing.assert_close(new[:, :p], base[:, :p], **TIGHT)
+        assert not torch.allclose(new[:, p], base[:, p], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("variant", ["mac", "mag", "mal"])
+def test_attention_is_segment_local_or_windowed_and_memory_reaches_beyond(variant):
+    """Token 2 reaches position 39 (past every segment / window, two layers) only through the
+    neural memory: with the memories' outputs zeroed, it no longer does."""
+    m = exact(variant)
+    ids = tokens()
+    far = lambda model: (logits(model, changed(ids, 2))[:, 39] - logits(model, ids)[:, 39]).abs().max()  # noqa: E731
+    assert far(m) > 1e-6
+    with torch.no_grad():
+        for b in m.blocks:
+            b.memory.to_out.weight.zero_()
+    assert far(m) < 1e-12
+    near = (logits(m, changed(ids, 36))[:, 39] - logits(m, ids)[:, 39]).abs().max()
+    assert near > 1e-6  # attention still works within the segment / window
+
+
+@pytest.mark.parametrize("variant", ["mac", "mag", "mal"])
+def test_attention_never_crosses_documents(variant):
+    """With the memories silenced (they are not reset at document boundaries), a change in document 0
+    leaves documents 1 and 2 untouched; without documents it would reach them."""
+    m = exact(variant)
+    with torch.no_grad():
+        for b in m.blocks:
+            b.memory.to_out.weight.zero_()
+    ids = tokens(eots=(9, 12))
+    new, base = logits(m, changed(ids, 8), docs=True), logits(m, ids, docs=True)
+    torch.testing.assert_close(new[:, 10:], base[:, 10:], **TIGHT)
+    assert not torch.allclose(logits(m, changed(ids, 8))[:, 10:13], logits(m, ids)[:, 10:13], rtol=0, atol=1e-6)
+
+
+def test_memory_is_not_reset_at_document_boundaries():
+    """Documented behaviour: the neural memory carries information from one document into the next."""
+    m = exact("lmm")
+    ids = tokens(eots=(9,))
+    new, base = logits(m, changed(ids, 3), docs=True), logits(m, ids, docs=True)
+    assert not torch.allclose(new[:, 20:], base[:, 20:], rtol=0, atol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------------
+# MAC: retrieval before the segment, update with the attention output, carried state
+
+
+def test_mac_retrieves_with_the_memory_before_each_segment():
+    m = exact("mac")
+    mem = m.blocks[0].memory
+    retrieve, forward = mem.retrieve, mem.forward
+    reads, writes = [], []
+
+    def spy_retrieve(x, state=None):
+        out = retrieve(x, state)
+        reads.append((x, state, out))
+        return out
+
+    def spy_forward(x, state=None, algorithm="chunked"):
+        out, new = forward(x, state, algorithm)
+        writes.append((x, state, new))
+        return out, new
+
+    mem.retrieve, mem.forward = spy_retrieve, spy_forward
+    ids = tokens(T=37)
+    with torch.no_grad():
+        m(ids)
+        n = len(segment_bounds(37, SEG))
+        assert len(reads) == len(writes) == n == 5
+        # Segment 0 reads the initial memory (the learned initial weights).
+        x0, s0, h0 = reads[0]
+        assert s0 is None
+        torch.testing.assert_close(h0, retrieve(x0, mem.init_state(2)), **TIGHT)
+        for t in range(1, n):
+            x, state, h = reads[t]
+            # ...segment t reads the memory after segment t-1's write, i.e. before its own write.
+            assert state is writes[t - 1][2] and writes[t][1] is state
+            assert state.pos == sum(b - a for a, b in segment_bounds(37, SEG)[:t])
+            torch.testing.assert_close(h, retrieve(x, state), **TIGHT)
+            assert not torch.allclose(h, retrieve(x, None), rtol=0, atol=1e-6)  # the memory did learn
+        # The memory is written with the attention outputs (d_model rows, one per segment token).
+        assert [w[0].shape[1] for w in writes] == [b - a for a, b in segment_bounds(37, SEG)]
+        assert writes[0][1] is None
+
+
+@pytest.mark.parametrize("variant, split", [("mac", 16), ("mac", 24), ("lmm", 13)])
+def test_carried_memory_continues_the_sequence(variant, split):
+    """MAC split on a segment boundary (and LMM anywhere) with the memory states carried equals one pass."""
+    m = exact(variant)
+    ids = tokens()
+    full = logits(m, ids)
+    with torch.no_grad():
+        first = m(ids[:, :split])
+        second = m(ids[:, split:], memory=first.memory)
+    torch.testing.assert_close(torch.cat([first.logits, second.logits], 1), full, rtol=0, atol=1e-9)
+
+
+# --------------------------------------------------------------------------------------------------
+# Masks
+
+
+def test_mask_builders_against_brute_force():
+    T, W, P = 11, 4, 2
+    doc = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 2, 2, 2]])
+    allowed = window_allowed(doc, T, W, torch.device("cpu"))[0]
+    for i in range(T):
+        for j in range(T):
+            assert bool(allowed[i, j]) == (j <= i and i - j < W and doc[0, i] == doc[0, j])
+    dense = sliding_window_mask(doc, T, P, W, "sdpa", torch.device("cpu")).dense
+    assert dense.shape == (1, 1, T, P + T) and dense[..., :P].all()
+    assert torch.equal(dense[0, 0, :, P:], allowed)
+    seg = segment_mask(doc[:, :6], 6, P, torch.device("cpu")).dense[0, 0]
+    causal_doc = window_allowed(doc[:, :6], 6, None, torch.device("cpu"))[0]
+    assert seg.shape == (6, P + 12) and seg[:, :P].all()
+    assert torch.equal(seg[:, P:P + 6], causal_doc) and torch.equal(seg[:, P + 6:], causal_doc)
+
+
+@pytest.mark.skipif(not flex_available(), reason="no flex attention in this torch build")
+@pytest.mark.parametrize("variant", ["mag", "mal"])
+def test_sdpa_and_flex_agree(variant):
+    ids = tokens(eots=(7, 30))
+    ref = logits(exact(variant), ids, docs=True)
+    with torch.no_grad():  # eager flex on CPU runs without gradients only
+        out = logits(exact(variant, attention="flex"), ids, docs=True)
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------------
+# Training
+
+
+def test_activation_checkpointing_same_loss_and_grads():
+    ids = tokens(T=24)
+    grads = []
+    for ckpt in (False, True):
+        m = exact("mac").train()
+        m.set_activation_checkpointing(ckpt)
+        loss = F.cross_entropy(m(ids[:, :-1]).logits.flatten(0, 1), ids[:, 1:].flatten())
+        loss.backward()
+        grads.append((loss.detach(), [p.grad.clone() for p in m.parameters()]))
+    torch.testing.assert_close(grads[0][0], grads[1][0], rtol=0, atol=1e-12)
+    for a, b in zip(grads[0][1], grads[1][1]):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_each_variant_trains(variant):
+    """A plain AdamW loop on a fixed batch of periodic sequences: the loss must fall well below its start."""
+    torch.manual_seed(0)
+    m = build(tiny(variant)).train()
+    g = torch.Generator().manual_seed(3)
+    pattern = torch.randint(1, VOCAB, (4, 7), generator=g)
+    ids = pattern.repeat(1, 6)[:, :41]
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
+    losses = []
+    for _ in range(25):
+        loss = F.cross_entropy(m(ids[:, :-1]).logits.flatten(0, 1), ids[:, 1:].flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("RANK", "LOCAL_", "WORLD_SIZE", "MASTER_", "SLURM_", "TORCHELASTIC"))}
+    env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
+    return env
+
+
+@pytest.mark.slow
+def test_titans_cpu_mac_recipe_end_to_end(tmp_path):
+    """recipes/titans-cpu-mac.yaml through the real CLI (prepare + train, DeepSpeed) for 4 steps."""
+    recipe = str(ROOT / "recipes" / "titans-cpu-mac.yaml")
+    short = ["data.dir=data", "run.dir=run", "train.max_steps=4", "train.schedule.warmup=1 steps",
+             "checkpoint.every_steps=4", "train.eval.every_steps=4", "logging.every_steps=1"]
+    out = subprocess.run([sys.executable, "-m", "memtrain", "prepare", recipe, *short], cwd=tmp_path, env=_env(),
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    out = subprocess.run([sys.executable, "-m", "memtrain", "train", recipe, *short], cwd=tmp_path, env=_env(),
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    assert "1,789,104 parameters" in out.stdout and "step 4/4" in out.stdout
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert rows[-1]["loss/train"] < rows[0]["loss/train"], [r["loss/train"] for r in rows]
+    assert "loss/val" in rows[-1]
+    assert (tmp_path / "run" / "checkpoints" / "global_step4").is_dir()
