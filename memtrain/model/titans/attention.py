@@ -27,8 +27,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from memtrain.config import ModelConfig
-from memtrain.model.anchor import apply_rope, make_norm
+from memtrain.model.anchor import Attention, apply_rope
 from memtrain.model.attention import AttentionMask, attend, resolve_backend
 
 try:
@@ -110,7 +109,7 @@ def segment_mask(doc_ids: Optional[torch.Tensor], seg_len: int, prefix: int, dev
 # The attention module
 
 
-class PrefixAttention(nn.Module):
+class PrefixAttention(Attention):
     """Multi-head attention of the anchor's layout (bias-free ``wq``/``wk``/``wv``/``wo``, optional
     grouped-query heads, qk-norm over the full projection width, RoPE) with an unrotated key prefix.
 
@@ -119,23 +118,6 @@ class PrefixAttention(nn.Module):
     ``[B, Tk, d]`` whose first ``n_unrotated`` rows keep no rotation and the rest are rotated by
     ``cos_kv``/``sin_kv`` ``[B, Tk - n_unrotated, 1, hd]``. Returns ``[B, Tq, d]``.
     """
-
-    def __init__(self, cfg: ModelConfig, layer_index: int):
-        super().__init__()
-        self.layer_index = layer_index
-        self.n_heads = cfg.n_heads
-        self.n_kv_heads = cfg.n_kv_heads or cfg.n_heads
-        self.head_dim = cfg.head_dim or cfg.d_model // cfg.n_heads
-        q_width, kv_width = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        self.wq = nn.Linear(cfg.d_model, q_width, bias=False)
-        self.wk = nn.Linear(cfg.d_model, kv_width, bias=False)
-        self.wv = nn.Linear(cfg.d_model, kv_width, bias=False)
-        self.wo = nn.Linear(q_width, cfg.d_model, bias=False)
-        if cfg.qk_norm:
-            self.q_norm = make_norm(cfg.norm, q_width, cfg.norm_eps)
-            self.k_norm = make_norm(cfg.norm, kv_width, cfg.norm_eps)
-        else:
-            self.q_norm = self.k_norm = nn.Identity()
 
     def forward(self, x_q: torch.Tensor, x_kv: torch.Tensor, cos_q: torch.Tensor, sin_q: torch.Tensor,
                 cos_kv: torch.Tensor, sin_kv: torch.Tensor, n_unrotated: int, mask: AttentionMask) -> torch.Tensor:
