@@ -207,24 +207,30 @@ def _trunc_normal_(weight: torch.Tensor, std: float) -> None:
 # The model
 
 
+def build_lm_shell(model: nn.Module, cfg: ModelConfig, blocks: nn.ModuleList) -> None:
+    """Give ``model`` what every decoder LM here shares around its ``blocks``: ``embed``, the final
+    ``norm``, ``lm_head`` (tied or separate), ``rope``, ``head_dim`` and the checkpointing flag."""
+    model.head_dim = cfg.head_dim or cfg.d_model // cfg.n_heads
+    model.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+    model.blocks = blocks
+    model.norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
+    if cfg.tie_embeddings:
+        # Built on meta so that no V x d matrix is allocated only to be replaced by the embedding.
+        model.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False, device="meta")
+        model.lm_head.weight = model.embed.weight
+    else:
+        model.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+    model.rope = RotaryEmbedding(model.head_dim, cfg.rope_theta)
+    model.activation_checkpointing = False
+
+
 class DecoderLM(nn.Module):
     """OpenLM decoder-only language model (see the module docstring for architecture and init)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.head_dim = cfg.head_dim or cfg.d_model // cfg.n_heads
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
-        self.norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
-        if cfg.tie_embeddings:
-            # Built on meta so that no V x d matrix is allocated only to be replaced by the embedding.
-            self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False, device="meta")
-            self.lm_head.weight = self.embed.weight
-        else:
-            self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        self.rope = RotaryEmbedding(self.head_dim, cfg.rope_theta)
-        self.activation_checkpointing = False
+        build_lm_shell(self, cfg, nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers)))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -288,5 +294,5 @@ class DecoderLM(nn.Module):
 
 __all__ = [
     "Attention", "Block", "DecoderLM", "ModelOutput", "RMSNorm", "RotaryEmbedding", "SwiGLU", "apply_rope",
-    "document_ids", "make_norm", "position_ids_from_doc_ids",
+    "build_lm_shell", "document_ids", "make_norm", "position_ids_from_doc_ids",
 ]

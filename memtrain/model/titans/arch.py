@@ -93,6 +93,7 @@ from torch.utils.checkpoint import checkpoint
 
 from memtrain.config import ModelConfig, TitansConfig
 from memtrain.model.anchor import (
+    build_lm_shell,
     ModelOutput, RMSNorm, RotaryEmbedding, SwiGLU, _trunc_normal_, make_norm, position_ids_from_doc_ids,
 )
 from memtrain.model.attention import AttentionMask
@@ -240,17 +241,7 @@ class TitansLM(nn.Module):
         if t.variant not in VARIANTS:
             raise ValueError(f"unknown model.titans.variant {t.variant!r}; expected one of {', '.join(VARIANTS)}")
         self.cfg, self.titans = cfg, t
-        self.head_dim = cfg.head_dim or cfg.d_model // cfg.n_heads
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.blocks = nn.ModuleList(TitansBlock(cfg, t, i) for i in range(cfg.n_layers))
-        self.norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
-        if cfg.tie_embeddings:
-            self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False, device="meta")
-            self.lm_head.weight = self.embed.weight
-        else:
-            self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        self.rope = RotaryEmbedding(self.head_dim, cfg.rope_theta)
-        self.activation_checkpointing = False
+        build_lm_shell(self, cfg, nn.ModuleList(TitansBlock(cfg, t, i) for i in range(cfg.n_layers)))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
