@@ -516,3 +516,18 @@ def test_remote_data_streams_into_a_cache_per_run(prepared, tmp_path):
     bad = recipe_from_dict(recipe.to_dict(), [f"data.remote={tmp_path / 'nowhere'}", f"run.dir={tmp_path / 'c'}"])
     with pytest.raises(DataError, match="cannot fetch .*nowhere/meta.json"):
         build_loader(bad, "train", 2)
+
+
+def test_damaged_shard_is_one_clear_error(prepared, tmp_path):
+    recipe, _ = prepared
+    import shutil
+
+    copy = tmp_path / "data"
+    shutil.copytree(recipe.data_dir, copy)
+    for shard in (copy / "train").glob("shard.*.mds"):
+        shard.write_bytes(shard.read_bytes()[:50])  # truncated
+    damaged = recipe_from_dict(recipe.to_dict(), [f"data.dir={copy}"])
+    it = LoaderIterator(build_loader(damaged, "train", 2))
+    with pytest.raises(DataError, match="a shard is damaged.*--force"):
+        for _ in range(50):
+            next(it)

@@ -392,6 +392,14 @@ class LoaderIterator:
                 return next(self._it)
             except StopIteration:
                 self._it = None
+            except DataError:
+                raise
+            except (ValueError, OSError, EOFError, KeyError, IndexError) as e:
+                # A truncated or overwritten shard surfaces deep inside Streaming's readers.
+                where = getattr(self.loader, "memtrain_meta", {}).get("fingerprint", "?")
+                raise DataError(f"cannot read a sample of the prepared data (fingerprint {where}): "
+                                f"{type(e).__name__}: {e}; a shard is damaged. Prepare the data again with "
+                                "`memtrain prepare RECIPE --force` (or point data.dir at a good copy)") from None
         raise DataError("the data loader produced no batch in a whole epoch; the split has fewer samples than "
                         "one micro-batch per rank: add data, or lower train.micro_batch_size")
 
