@@ -144,7 +144,13 @@ class ModelConfig:
     """A decoder-only LM (OpenLM-style by default; Llama-style with norm=rmsnorm, qk_norm=false).
     ``type: titans`` replaces the transformer blocks by Titans blocks configured in ``titans``."""
 
-    type: Literal["decoder", "titans"] = "decoder"
+    type: Literal["decoder", "titans", "hf"] = "decoder"
+    # model.type hf: a pretrained Hugging Face causal LM (Llama, Qwen2, Gemma families), a local folder or
+    # a hub id; its own config gives the shape and the model.* shape keys are unused.
+    pretrained: Optional[str] = None
+    # Start from the weights of a memtrain checkpoint: a run directory (its newest complete checkpoint)
+    # or a checkpoints/global_stepN folder. Optimizer state and step are not taken (a new run starts).
+    init_from: Optional[str] = None
     vocab_size: int = 50432
     d_model: int = 512
     n_layers: int = 8
@@ -166,10 +172,45 @@ class ModelConfig:
 
 
 @dataclass
-class MemoryConfig:
-    """Memory modules attached to the anchor. ``none`` trains the anchor alone."""
+class MemoryOptimizerConfig:
+    """Optimizer settings of the memory parameters (bank and generic memory); betas and eps are
+    train.optimizer's, the warmup and length of the cosine are train.schedule's. Defaults are the
+    hierarchical-memories paper's Appendix A.2 (cosine 1e-4 -> 1e-5, weight decay 1e-3)."""
 
-    type: Literal["none"] = "none"
+    lr: float = 1e-4
+    min_lr: float = 1e-5
+    weight_decay: float = 1e-3
+
+
+@dataclass
+class MemoryConfig:
+    """Hierarchical parametric memories (hierarchical-memories paper, Sections 2-4, Appendix I).
+
+    ``type``: ``none`` trains the anchor alone; ``ffn``, ``lora`` (on ``lora_target``) or ``kv`` attach
+    one memory block per cluster and level, fetched by the sequence's cluster ids. ``levels`` are the
+    block size multipliers r_1..r_p (one per data.clustering level; 0: no memory at that level); a
+    level-l block has s_l = c0 * r_l parameters with c0 per memory type (Appendix I)."""
+
+    type: Literal["none", "ffn", "lora", "kv"] = "none"
+    levels: list[int] = field(default_factory=list)
+    lora_target: Literal["qk", "vo", "ffn"] = "ffn"
+    lora_alpha: float = 2.0  # LoRA scale alpha / rank (Appendix I: alpha = 2)
+    # Appendix F: uniform spreads a level's r_l units over every layer; early / middle / late put the
+    # same total on the first / middle / last placement_layers layers.
+    placement: Literal["uniform", "early", "middle", "late"] = "uniform"
+    placement_layers: int = 10
+    # Probability that a training sequence uses the generic memory instead of its fetched blocks
+    # (Section 4); default 1 / (k + 1) with k = data.clustering.branching.
+    generic_prob: Optional[float] = None
+    freeze_anchor: bool = False  # train only the memories (Table 1 row A3; post-hoc memories, A.6)
+    optimizer: MemoryOptimizerConfig = field(default_factory=MemoryOptimizerConfig)
+    # joint: clip anchor and memory gradients by their global norm together (the paper's FSDP set-up);
+    # separate: each by its own norm to train.grad_clip.
+    grad_clip: Literal["joint", "separate"] = "joint"
+
+    @property
+    def enabled(self) -> bool:
+        return self.type != "none"
 
 
 @dataclass
@@ -325,6 +366,13 @@ class Recipe:
     @property
     def max_steps(self) -> int:
         return self.steps(self.train.max_steps)
+
+    @property
+    def generic_prob(self) -> float:
+        """Probability of the generic memory per training sequence: memory.generic_prob or 1/(k+1)."""
+        if self.memory.generic_prob is not None:
+            return self.memory.generic_prob
+        return 1.0 / (self.data.clustering.branching + 1)
 
     def grad_accum_steps(self, world_size: int) -> int:
         """Micro-steps per optimizer step so that the global batch holds ``global_batch_tokens``."""
@@ -531,6 +579,7 @@ def validate(recipe: Recipe) -> Recipe:
         positive("model.init_std", m.init_std)
 
     _validate_titans(m)
+    _validate_memory(recipe)
 
     positive("data.seq_len", d.seq_len)
     if d.seq_len > m.max_seq_len:
@@ -598,6 +647,55 @@ def validate(recipe: Recipe) -> Recipe:
     if not re.fullmatch(r"(\d+-)?\d{1,3}(:\d{2}){0,2}", s.time):
         raise RecipeError("slurm.time", f"expected a Slurm time like 24:00:00 or 2-00:00:00, got {s.time!r}")
     return recipe
+
+
+def _validate_memory(recipe: Recipe) -> None:
+    m, mem, cl = recipe.model, recipe.memory, recipe.data.clustering
+    if m.type == "hf" and not m.pretrained:
+        raise RecipeError("model.pretrained", "model.type 'hf' needs a Hugging Face model: a local folder or a "
+                          "hub id such as 'meta-llama/Llama-3.2-1B'")
+    if m.type != "hf" and m.pretrained:
+        raise RecipeError("model.pretrained", f"is only used with model.type 'hf' (model.type is {m.type!r})")
+    if m.type == "hf" and m.init_from:
+        raise RecipeError("model.init_from", "model.type 'hf' starts from model.pretrained; init_from loads "
+                          "memtrain checkpoints of memtrain's own models")
+    if not mem.enabled:
+        if mem.levels:
+            raise RecipeError("memory.levels", "is set but memory.type is 'none'; choose memory.type ffn, lora or kv")
+        if mem.freeze_anchor:
+            raise RecipeError("memory.freeze_anchor", "with memory.type 'none' nothing would be trained")
+        return
+    if m.type == "titans":
+        raise RecipeError("memory.type", "hierarchical memories attach to model.type 'decoder' or 'hf', not "
+                          "'titans' (Titans models carry their own neural memory)")
+    if m.type == "hf" and mem.type != "ffn":
+        raise RecipeError("memory.type", f"post-hoc memories on Hugging Face models are FFN memories (paper "
+                          f"Appendix A.6); got {mem.type!r}")
+    if not cl.enabled:
+        raise RecipeError("memory.type", "memories are fetched by cluster id; set data.clustering.enabled: true "
+                          "(and prepare the data again)")
+    if len(mem.levels) != cl.depth:
+        raise RecipeError("memory.levels", f"has {len(mem.levels)} multipliers but data.clustering.depth is "
+                          f"{cl.depth}; give one r_l per level, e.g. {[0] * (cl.depth - 1) + [16]}")
+    if any(r < 0 for r in mem.levels) or not any(mem.levels):
+        raise RecipeError("memory.levels", f"multipliers must be >= 0 and not all 0; got {mem.levels}")
+    if mem.placement_layers < 1:
+        raise RecipeError("memory.placement_layers", f"must be >= 1, got {mem.placement_layers}")
+    if mem.generic_prob is not None and not 0 <= mem.generic_prob < 1:
+        raise RecipeError("memory.generic_prob", f"must lie in [0, 1), got {mem.generic_prob}")
+    if mem.lora_alpha <= 0:
+        raise RecipeError("memory.lora_alpha", f"must be positive, got {mem.lora_alpha}")
+    if mem.grad_clip == "joint" and recipe.train.grad_clip > 0 and recipe.parallel.zero_stage > 0:
+        raise RecipeError("memory.grad_clip", f"'joint' clips the anchor and the bank together in the training loop, "
+                          f"which needs parallel.zero_stage 0 (it is {recipe.parallel.zero_stage}); set "
+                          "memory.grad_clip: separate (each clipped by its own norm)")
+    o = mem.optimizer
+    if not o.lr > 0:
+        raise RecipeError("memory.optimizer.lr", f"must be positive, got {o.lr}")
+    if not 0 <= o.min_lr <= o.lr:
+        raise RecipeError("memory.optimizer.min_lr", f"{o.min_lr} must lie in [0, memory.optimizer.lr {o.lr}]")
+    if o.weight_decay < 0:
+        raise RecipeError("memory.optimizer.weight_decay", f"must be >= 0, got {o.weight_decay}")
 
 
 def _validate_titans(m: ModelConfig) -> None:

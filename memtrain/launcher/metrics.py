@@ -78,12 +78,16 @@ def format_line(step: int, max_steps: int, values: dict[str, float]) -> str:
     parts = [f"step {step}/{max_steps}", f"loss {values['loss/train']:.4f}"]
     if "loss/val" in values:
         parts.append(f"val {values['loss/val']:.4f}")
+    if "loss/val_generic" in values:
+        parts.append(f"val generic {values['loss/val_generic']:.4f}")
     parts += [f"lr {values['optim/lr']:.2e}", f"grad {values['optim/grad_norm']:.3f}",
               f"{_si(values['throughput/tokens_per_sec'])} tok/s"]
     if "throughput/mfu" in values:
         parts.append(f"mfu {100 * values['throughput/mfu']:.1f}%")
     parts += [f"{values['throughput/step_time_s']:.2f} s/step", f"data {100 * values['throughput/data_wait_frac']:.0f}%",
               f"{_si(values['progress/tokens_seen'])} tokens"]
+    if "memory_module/rows_touched_frac/all" in values:
+        parts.append(f"bank rows {100 * values['memory_module/rows_touched_frac/all']:.1f}%")
     if "gpu_mem/max_allocated_gib" in values:
         parts.append(f"mem {values['gpu_mem/max_allocated_gib']:.1f} GiB")
     return " | ".join(parts)

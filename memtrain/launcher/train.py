@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from memtrain.config import Recipe, RecipeError
-from memtrain.errors import CheckpointError
+from memtrain.errors import CheckpointError, LaunchError
 from memtrain.launcher import dist
 from memtrain.launcher.metrics import MetricsWriter, format_line
 
@@ -72,9 +72,23 @@ def _to_device(batch: dict, device: torch.device) -> dict:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
+def eval_memory(bank, batch: dict, mode: str):
+    """The memory a validation batch uses: ``fetched`` (its cluster ids), ``generic`` (the generic
+    block for every sequence) or ``none`` (the anchor alone). Evaluation fetches are not counted."""
+    if bank is None or mode == "none":
+        return None
+    from memtrain.model.hierarchical import FetchedMemory
+
+    if mode == "generic":
+        return FetchedMemory.all_generic(batch["input_ids"].shape[0], bank.layout.depth, batch["input_ids"].device)
+    return bank.fetch(batch["cluster_ids"], count=False)
+
+
 @torch.no_grad()
-def evaluate(engine, loader_factory, batches: int, device: torch.device) -> Optional[float]:
-    """Mean validation loss over the first ``batches`` micro-batches of every rank's val split."""
+def evaluate(engine, loader_factory, batches: int, device: torch.device, bank=None,
+             memory: str = "fetched") -> Optional[float]:
+    """Mean validation loss over the first ``batches`` micro-batches of every rank's val split, with
+    ``memory`` as in :func:`eval_memory` when the model has memories."""
     if loader_factory is None:
         return None
     engine.eval()
@@ -83,12 +97,41 @@ def evaluate(engine, loader_factory, batches: int, device: torch.device) -> Opti
         if i >= batches:
             break
         batch = _to_device(batch, device)
-        out = engine(batch["input_ids"], doc_ids=batch["doc_ids"])
+        out = engine(batch["input_ids"], doc_ids=batch["doc_ids"], memory=eval_memory(bank, batch, memory))
         total += float(lm_loss(out.logits, batch["labels"]))
         count += 1
     engine.train()
     total, count = _all_mean([total, float(count)], device)
     return total / count if count else None
+
+
+def clip_memory(engine, bank, recipe: Recipe) -> dict[str, float]:
+    """Clip at the accumulation boundary, before the anchor's and the bank's optimizer steps.
+
+    ``joint``: one global norm over the anchor's gradients (plain ``.grad`` under ZeRO 0 / fp32, already
+    averaged over ranks by DeepSpeed's backward) and the bank's, both scaled by
+    ``min(1, clip / (norm + 1e-6))``; DeepSpeed's own clipping is off. ``separate``: DeepSpeed clips
+    the anchor, the bank is clipped by its own norm. Returns the pre-clip norms."""
+    clip = recipe.train.grad_clip
+    bank_norm = bank.grad_norm()
+    if recipe.memory.grad_clip == "joint":
+        grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+        anchor = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+        total = math.sqrt(anchor**2 + bank_norm**2)
+        if clip > 0:
+            coef = min(1.0, clip / (total + 1e-6))
+            if coef < 1.0:
+                for g in grads:
+                    g.mul_(coef)
+                bank.scale_gradients(coef)
+        return {"total": total, "bank": bank_norm}
+    anchor = float("nan")
+    if recipe.parallel.zero_stage == 0:  # DeepSpeed reports no norm here; the anchor's own, for the logs
+        grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+        anchor = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+    if clip > 0:
+        bank.scale_gradients(min(1.0, clip / (bank_norm + 1e-6)))
+    return {"total": anchor, "bank": bank_norm}
 
 
 def _log(msg: str, rank: int) -> None:
@@ -101,14 +144,14 @@ def train(recipe: Recipe) -> dict:
     from memtrain.data.loader import LoaderIterator, build_loader, recipe_meta
     from memtrain.model import build, flops_per_token, peak_flops, count_parameters
     from memtrain.parallel import checkpoint as ckpt
-    from memtrain.parallel.engine import global_grad_norm, initialize, lr_at, precision
+    from memtrain.parallel.engine import global_grad_norm, initialize, joint_clipping, lr_at, precision
 
     dist_env = dist.discover()
     device = dist.resolve_device(recipe.run.device, dist_env)
     prec = precision(recipe, device)
     accum = recipe.grad_accum_steps(dist_env.world_size)  # RecipeError before anything is written
     meta = recipe_meta(recipe)  # DataError when `memtrain prepare` has not run
-    if meta["vocab_size"] > recipe.model.vocab_size:
+    if recipe.model.type != "hf" and meta["vocab_size"] > recipe.model.vocab_size:
         raise RecipeError("model.vocab_size", f"{recipe.model.vocab_size} is smaller than the tokenizer's "
                           f"{meta['vocab_size']} tokens in {recipe.data_dir}")
     run_dir = recipe.run_dir
@@ -125,11 +168,38 @@ def train(recipe: Recipe) -> dict:
     deepspeed.utils.logger.setLevel(logging.WARNING)
 
     torch.manual_seed(recipe.run.seed)  # identical initial weights on every rank
-    model = build(recipe.model, recipe.memory)
+    model = build(recipe.model, recipe.memory, recipe.data.clustering.branching)
+    if recipe.model.init_from and latest is None:
+        source = ckpt.load_anchor(model, recipe.model.init_from)
+        _log(f"anchor initialised from {source.path} (step {source.step})", rank)
+    mem = recipe.memory
+    if mem.freeze_anchor:
+        for p in model.anchor_parameters():
+            p.requires_grad_(False)
     if recipe.parallel.activation_checkpointing:
         model.set_activation_checkpointing(True)
     n_params = count_parameters(model)
+    if recipe.model.type == "hf" and meta["vocab_size"] > model.vocab_size:
+        raise RecipeError("data.tokenizer.path", f"the tokenizer has {meta['vocab_size']} tokens but "
+                          f"{recipe.model.pretrained} has {model.vocab_size}; use the model's own tokenizer")
     model.to(device)
+    bank = None
+    if mem.enabled:
+        from memtrain.model.hierarchical import generic_mask
+        from memtrain.parallel.bank import MemoryBank, level_sizes_line
+
+        if joint_clipping(recipe) and prec != "fp32":
+            raise LaunchError(f"memory.grad_clip joint needs fp32 DeepSpeed gradients, but this run is {prec}; "
+                              "set memory.grad_clip: separate (or parallel.precision: fp32)")
+        bank = MemoryBank(model.memory_layout, device, seed=recipe.run.seed)
+        o = recipe.train.optimizer
+        bank.build_optimizer(mem.optimizer.lr, tuple(o.betas), o.eps, mem.optimizer.weight_decay)
+        memory_schedule = lr_at(recipe, "memory")
+        # The generic draws have their own generator (saved per rank): the global RNG is also consumed
+        # by whatever creates DataLoader iterators, which a resumed run does at other times.
+        generic_rng = torch.Generator().manual_seed(recipe.run.seed * 1_000_003 + rank)
+        _log(level_sizes_line(model.memory_layout) + f" | generic memory p={recipe.generic_prob:.4f}"
+             + (" | anchor frozen" if mem.freeze_anchor else ""), rank)
 
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -153,6 +223,10 @@ def train(recipe: Recipe) -> dict:
         for p in incomplete:
             _log(f"ignoring incomplete checkpoint {p} (no {ckpt.MARKER})", rank)
         state, rank_state = ckpt.load(engine, latest, rank)
+        if bank is not None:
+            ckpt.load_bank(bank, latest.path)
+            if "generic_rng" in rank_state:
+                generic_rng.set_state(rank_state["generic_rng"])
         step, tokens_seen = int(state["step"]), int(state["tokens_seen"])
         # Global placement: one position for all ranks. Affine: each rank's own, in its subtrees.
         affine = recipe.data.placement == "affine"
@@ -165,7 +239,12 @@ def train(recipe: Recipe) -> dict:
     eval_every = recipe.steps(recipe.train.eval.every_steps)
     writer = MetricsWriter(run_dir, enabled=rank == 0, tensorboard=recipe.logging.tensorboard,
                            resume_step=step if latest is not None else None)
-    fpt = flops_per_token(recipe.model, recipe.data.seq_len)
+    if recipe.model.type == "hf":  # 6N for a pretrained model whose shape the recipe does not describe
+        fpt = 6.0 * count_parameters(model.hf_model)
+    else:
+        fpt = flops_per_token(recipe.model, recipe.data.seq_len)
+    if bank is not None:  # the fetched memory's matmuls, forward and backward
+        fpt += 6 * model.memory_layout.fetched_parameters
     peak = recipe.logging.peak_flops or peak_flops(device)
     schedule = lr_at(recipe)
     _log(f"{n_params:,} parameters | {world} rank(s) via {dist_env.launcher} on {device.type} ({prec}) | "
@@ -176,10 +255,15 @@ def train(recipe: Recipe) -> dict:
 
     def save(at_step: int) -> None:
         loader_state = train_batches.state_dict()
+        write_bank = None
+        if bank is not None and rank == 0:  # replicated: one copy
+            write_bank = lambda path: ckpt.save_bank(bank, path)  # noqa: E731
         path = ckpt.save(engine, recipe, step=at_step, rank=rank, world_size=world,
                          trainer_state={"step": at_step, "tokens_seen": tokens_seen,
                                         "loader": loader_state, "world_size": world},
-                         rank_extra={"loader": loader_state})
+                         rank_extra={"loader": loader_state,
+                                     **({"generic_rng": generic_rng.get_state()} if bank is not None else {})},
+                         write_extra=write_bank)
         _log(f"saved checkpoint {path}", rank)
 
     if step >= max_steps:
@@ -203,22 +287,34 @@ def train(recipe: Recipe) -> dict:
                 t0 = time.perf_counter()
                 batch = _to_device(next(train_batches), device)
                 data_wait += time.perf_counter() - t0
-                out = engine(batch["input_ids"], doc_ids=batch["doc_ids"])
+                memory = None
+                if bank is not None:
+                    # Generic memory with probability 1/(k+1) per sequence (Section 4).
+                    generic = generic_mask(batch["input_ids"].shape[0], recipe.generic_prob, generic_rng)
+                    memory = bank.fetch(batch["cluster_ids"], generic.to(device))
+                out = engine(batch["input_ids"], doc_ids=batch["doc_ids"], memory=memory)
                 loss = lm_loss(out.logits, batch["labels"])
                 if out.aux_loss is not None:
                     loss = loss + out.aux_loss
                 engine.backward(loss)
-                if engine.is_gradient_accumulation_boundary() and recipe.parallel.zero_stage == 0:
-                    # DeepSpeed reports no norm without ZeRO or bf16; take it before clipping here.
-                    grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
-                    pre_clip_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+                if engine.is_gradient_accumulation_boundary():
+                    if bank is not None:
+                        bank.reduce_gradients()
+                        bank_norm = clip_memory(engine, bank, recipe)
+                        pre_clip_norm = bank_norm["total"]
+                    elif recipe.parallel.zero_stage == 0:
+                        # DeepSpeed reports no norm without ZeRO or bf16; take it before clipping here.
+                        grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+                        pre_clip_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
                 engine.step()
                 loss_sum += loss.detach()
+            if bank is not None:
+                bank.step(memory_schedule(step))
             step += 1
             tokens_seen += recipe.tokens_per_step
             grad_norm = global_grad_norm(engine)
-            if math.isnan(grad_norm) and recipe.parallel.zero_stage == 0:
-                grad_norm = pre_clip_norm
+            if math.isnan(grad_norm) or (bank is not None and joint_clipping(recipe)):
+                grad_norm = pre_clip_norm  # ZeRO 0: DeepSpeed reports none; joint: anchor and bank together
             train_loss = _all_mean([float(loss_sum) / accum], device)[0]
             step_time = time.perf_counter() - t_start
             data_frac = _all_mean([data_wait / step_time], device)[0]
@@ -233,14 +329,23 @@ def train(recipe: Recipe) -> dict:
                 "throughput/data_wait_frac": data_frac,
                 "progress/tokens_seen": float(tokens_seen),
             }
+            if bank is not None:
+                logging_now = step % log_every == 0 or step == max_steps
+                values.update(bank.stats(norms=logging_now))
+                values["memory_module/grad_norm"] = bank_norm["bank"]
+                values["optim/memory_lr"] = memory_schedule(step - 1)
             if peak:
                 values["throughput/mfu"] = fpt * values["throughput/device/tokens_per_sec"] / peak
             if device.type == "cuda":
                 values["gpu_mem/max_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
             if eval_every and step % eval_every == 0 or step == max_steps:
-                val = evaluate(engine, val_factory, recipe.train.eval.batches, device)
+                val = evaluate(engine, val_factory, recipe.train.eval.batches, device, bank)
                 if val is not None:
                     values["loss/val"] = val
+                if bank is not None:
+                    val_generic = evaluate(engine, val_factory, recipe.train.eval.batches, device, bank, "generic")
+                    if val_generic is not None:
+                        values["loss/val_generic"] = val_generic
             if step % log_every == 0 or step == max_steps or "loss/val" in values:
                 writer.scalars(step, values)
                 writer.line(format_line(step, max_steps, values))
@@ -261,4 +366,4 @@ def train(recipe: Recipe) -> dict:
     return last
 
 
-__all__ = ["train", "evaluate", "lm_loss"]
+__all__ = ["train", "evaluate", "eval_memory", "clip_memory", "lm_loss"]

@@ -18,16 +18,21 @@ from memtrain.model.flops import count_parameters, flops_per_token, peak_flops
 from memtrain.model.titans.arch import TitansLM, TitansOutput
 
 
-def build(model_cfg: ModelConfig, memory_cfg: Optional[MemoryConfig] = None) -> nn.Module:
-    """The model a recipe describes: the anchor decoder (``model.type: decoder``) or a Titans model
-    (``model.type: titans``), with memory modules once they exist."""
-    if model_cfg.type not in ("decoder", "titans"):
-        raise ValueError(f"unknown model.type {model_cfg.type!r}; expected 'decoder' or 'titans'")
-    if memory_cfg is not None and memory_cfg.type != "none":
-        raise ValueError(f"unknown memory.type {memory_cfg.type!r}; only 'none' is available")
+def build(model_cfg: ModelConfig, memory_cfg: Optional[MemoryConfig] = None, branching: int = 16) -> nn.Module:
+    """The model a recipe describes: the anchor decoder (``model.type: decoder``), a Titans model
+    (``model.type: titans``) or a pretrained Hugging Face model (``model.type: hf``), with the
+    hierarchical memories of ``memory_cfg`` (``branching`` = data.clustering.branching)."""
+    if model_cfg.type not in ("decoder", "titans", "hf"):
+        raise ValueError(f"unknown model.type {model_cfg.type!r}; expected 'decoder', 'titans' or 'hf'")
+    if model_cfg.type == "hf":
+        from memtrain.model.hf import HFMemoryLM
+
+        return HFMemoryLM.from_config(model_cfg, memory_cfg, branching)
     if model_cfg.type == "titans":
+        if memory_cfg is not None and memory_cfg.enabled:
+            raise ValueError("hierarchical memories attach to model.type 'decoder' or 'hf', not 'titans'")
         return TitansLM(model_cfg)
-    return DecoderLM(model_cfg)
+    return DecoderLM(model_cfg, memory_cfg, branching)
 
 
 __all__ = [

@@ -39,8 +39,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from memtrain.config import ModelConfig
+from memtrain.config import MemoryConfig, ModelConfig
 from memtrain.model.attention import AttentionMask, attend, build_attention_mask
+from memtrain.model.hierarchical import (AnchorDims, FetchedMemory, GenericMemory, MemoryLayout, ffn_memory,
+                                         kv_memory, lora_delta)
 
 
 @dataclass
@@ -158,16 +160,32 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = nn.Identity()
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask,
+                mem: Optional[torch.Tensor] = None, layout: Any = None) -> torch.Tensor:
+        """``mem [B, R, unit]``: this layer's fetched memory when ``layout`` is a LoRA-QK/VO or KV
+        memory (:mod:`memtrain.model.hierarchical`)."""
         B, T, _ = x.shape
-        q = self.q_norm(self.wq(x)).view(B, T, self.n_heads, self.head_dim)
-        k = self.k_norm(self.wk(x)).view(B, T, self.n_kv_heads, self.head_dim)
-        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
+        kind = _memory_kind(mem, layout)
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        if kind == "lora_qk":
+            q = q + lora_delta(x, mem, layout, "q")
+            k = k + lora_delta(x, mem, layout, "k")
+        elif kind == "lora_vo":
+            v = v + lora_delta(x, mem, layout, "v")
+        q = self.q_norm(q).view(B, T, self.n_heads, self.head_dim)
+        k = self.k_norm(k).view(B, T, self.n_kv_heads, self.head_dim)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim)
+        q_unrotated = q
         # Under autocast the norms return fp32 while v is bf16; attention wants one dtype.
         q = apply_rope(q, cos, sin).to(v.dtype)
         k = apply_rope(k, cos, sin).to(v.dtype)
         out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
-        return self.wo(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+        if kind == "kv":  # learned keys/values: no causal mask, no positional encoding (Appendix I)
+            out = out + kv_memory(q_unrotated.to(v.dtype).transpose(1, 2), mem, layout)
+        out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
+        if kind == "lora_vo":
+            return self.wo(out) + lora_delta(out, mem, layout, "o")
+        return self.wo(out)
 
 
 class SwiGLU(nn.Module):
@@ -179,8 +197,22 @@ class SwiGLU(nn.Module):
         self.w2 = nn.Linear(d_model, ffn_dim, bias=False)
         self.w3 = nn.Linear(ffn_dim, d_model, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w3(F.silu(self.w1(x)) * self.w2(x))
+    def forward(self, x: torch.Tensor, mem: Optional[torch.Tensor] = None, layout: Any = None) -> torch.Tensor:
+        """``mem [B, R, unit]``: this layer's fetched FFN or LoRA-FFN memory."""
+        kind = _memory_kind(mem, layout)
+        if kind == "lora_ffn":
+            h = F.silu(self.w1(x) + lora_delta(x, mem, layout, "w1")) * (self.w2(x) + lora_delta(x, mem, layout, "w2"))
+            return self.w3(h) + lora_delta(h, mem, layout, "w3")
+        out = self.w3(F.silu(self.w1(x)) * self.w2(x))
+        if kind == "ffn":  # the fetched channels widen the inner dimension (Appendix I, Fig. 18)
+            out = out + ffn_memory(x, mem, layout)
+        return out
+
+
+def _memory_kind(mem: Optional[torch.Tensor], layout: Any) -> Optional[str]:
+    if mem is None or layout is None:
+        return None
+    return f"lora_{layout.lora_target}" if layout.kind == "lora" else layout.kind
 
 
 class Block(nn.Module):
@@ -194,9 +226,11 @@ class Block(nn.Module):
         self.norm2 = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
         self.ffn = SwiGLU(cfg.d_model, cfg.ffn_dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, mask)
-        return x + self.ffn(self.norm2(x))
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask,
+                mem: Optional[torch.Tensor] = None, layout: Any = None) -> torch.Tensor:
+        ffn_mem = layout is not None and mem is not None and _memory_kind(mem, layout) in ("ffn", "lora_ffn")
+        x = x + self.attn(self.norm1(x), cos, sin, mask, *((None, None) if ffn_mem else (mem, layout)))
+        return x + self.ffn(self.norm2(x), *((mem, layout) if ffn_mem else (None, None)))
 
 
 def _trunc_normal_(weight: torch.Tensor, std: float) -> None:
@@ -227,11 +261,16 @@ def build_lm_shell(model: nn.Module, cfg: ModelConfig, blocks: nn.ModuleList) ->
 class DecoderLM(nn.Module):
     """OpenLM decoder-only language model (see the module docstring for architecture and init)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, memory: Optional[MemoryConfig] = None, branching: int = 16):
         super().__init__()
         self.cfg = cfg
         build_lm_shell(self, cfg, nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers)))
+        self.memory_layout: Optional[MemoryLayout] = None
+        self.generic_memory: Optional[GenericMemory] = None
         self.reset_parameters()
+        if memory is not None and memory.enabled:
+            self.memory_layout = MemoryLayout.build(memory, anchor_dims(cfg), branching)
+            self.generic_memory = GenericMemory(self.memory_layout)
 
     def reset_parameters(self) -> None:
         """OpenLM initialisation (module docstring); a no-op on the meta device."""
@@ -264,12 +303,20 @@ class DecoderLM(nn.Module):
             return position_ids_from_doc_ids(doc_ids)
         return torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids)
 
+    def anchor_parameters(self) -> list[nn.Parameter]:
+        """Every parameter but the generic memory's."""
+        skip = {id(p) for p in self.generic_memory.parameters()} if self.generic_memory is not None else set()
+        return [p for p in self.parameters() if id(p) not in skip]
+
+    def memory_parameters(self) -> list[nn.Parameter]:
+        return list(self.generic_memory.parameters()) if self.generic_memory is not None else []
+
     def forward(self, input_ids: torch.Tensor, doc_ids: Optional[torch.Tensor] = None,
-                memory: Any = None) -> ModelOutput:
+                memory: Optional[FetchedMemory] = None) -> ModelOutput:
         """``input_ids`` ``[B, T]``; ``doc_ids`` ``[B, T]`` document index per position (see
-        :func:`document_ids`), None for one document per sequence. ``memory`` is reserved for memory
-        modules; the anchor alone takes none."""
-        if memory is not None:
+        :func:`document_ids`), None for one document per sequence. ``memory``: the sequences' fetched
+        memory (from the bank) and generic mask; None runs the anchor alone."""
+        if memory is not None and self.memory_layout is None:
             raise ValueError("this model has no memory modules (memory.type is 'none'); pass memory=None")
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}")
@@ -283,16 +330,29 @@ class DecoderLM(nn.Module):
         cos, sin = self.rope(self.position_ids(input_ids, doc_ids))
         mask = build_attention_mask(doc_ids, T, self.cfg.attention, input_ids.device)
         x = self.embed(input_ids)
+        layout = self.memory_layout
+        mems: list[Optional[torch.Tensor]] = [None] * len(self.blocks)
+        if memory is not None:
+            mems = layout.per_layer(self.generic_memory.mix(memory, input_ids.shape[0]))
         recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
-        for block in self.blocks:
+        for block, mem in zip(self.blocks, mems):
+            extra = (mem, layout) if mem is not None else ()
             if recompute:
-                x = checkpoint(block, x, cos, sin, mask, use_reentrant=False)
+                x = checkpoint(block, x, cos, sin, mask, *extra, use_reentrant=False)
             else:
-                x = block(x, cos, sin, mask)
+                x = block(x, cos, sin, mask, *extra)
         return ModelOutput(logits=self.lm_head(self.norm(x)))
 
 
+def anchor_dims(cfg: ModelConfig) -> AnchorDims:
+    """The widths of a memtrain decoder that a memory layout depends on."""
+    head_dim = cfg.head_dim or cfg.d_model // cfg.n_heads
+    return AnchorDims(d_model=cfg.d_model, n_layers=cfg.n_layers, q_width=cfg.n_heads * head_dim,
+                      kv_width=(cfg.n_kv_heads or cfg.n_heads) * head_dim, ffn_dim=cfg.ffn_dim, head_dim=head_dim,
+                      init_std=cfg.init_std or 1.0 / math.sqrt(cfg.d_model))
+
+
 __all__ = [
-    "Attention", "Block", "DecoderLM", "ModelOutput", "RMSNorm", "RotaryEmbedding", "SwiGLU", "apply_rope",
+    "Attention", "Block", "DecoderLM", "anchor_dims", "ModelOutput", "RMSNorm", "RotaryEmbedding", "SwiGLU", "apply_rope",
     "build_lm_shell", "document_ids", "make_norm", "position_ids_from_doc_ids",
 ]

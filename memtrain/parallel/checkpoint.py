@@ -25,7 +25,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -131,8 +131,9 @@ def set_rng_state(state: dict) -> None:
 
 
 def save(engine, recipe: Recipe, *, step: int, trainer_state: dict, rank: int, world_size: int,
-         rank_extra: Optional[dict] = None) -> Path:
-    """Write checkpoint ``global_step<step>`` on every rank; rank 0 marks it complete and prunes."""
+         rank_extra: Optional[dict] = None, write_extra: Optional[Callable[[Path], None]] = None) -> Path:
+    """Write checkpoint ``global_step<step>`` on every rank; rank 0 marks it complete and prunes.
+    ``write_extra(path)`` runs on every rank before the completion barrier (e.g. the memory bank)."""
     import torch.distributed as dist
 
     root = checkpoint_root(recipe.run_dir)
@@ -145,6 +146,8 @@ def save(engine, recipe: Recipe, *, step: int, trainer_state: dict, rank: int, w
     engine.save_checkpoint(str(root), tag=tag, client_state={"memtrain_step": step}, save_latest=False)
     path.mkdir(parents=True, exist_ok=True)
     torch.save({"rng": rng_state(), **(rank_extra or {})}, path / f"rank_state_{rank:05d}.pt")
+    if write_extra is not None:
+        write_extra(path)
     if rank == 0:
         _write_json_atomic(path / TRAINER_STATE, {**trainer_state, "recipe": recipe.to_dict()})
     if dist.is_initialized():
@@ -240,6 +243,88 @@ def load(engine, info: CheckpointInfo, rank: int) -> tuple[dict, dict]:
         except (RuntimeError, OSError, EOFError, KeyError, pickle.UnpicklingError) as e:
             raise CheckpointError(f"cannot load {rank_file} ({type(e).__name__})" + damaged) from None
     return state, extra
+
+
+# --------------------------------------------------------------------------------------------------
+# Memory bank and anchor weights
+
+BANK_FILE = "memory_bank.pt"
+
+
+def save_bank(bank, path: Path) -> None:
+    """The bank's rows and optimizer state (replicated bank: written once, by rank 0)."""
+    tmp = path / (BANK_FILE + ".tmp")
+    torch.save(bank.state_dict(), tmp)
+    os.replace(tmp, path / BANK_FILE)
+
+
+def load_bank(bank, path: Path) -> None:
+    file = path / BANK_FILE
+    damaged = (f"; delete {path / MARKER} to resume from the checkpoint before it, or start a new run.dir")
+    if not file.is_file():
+        raise CheckpointError(f"checkpoint {path} has no {BANK_FILE} although the recipe trains memories"
+                              + damaged)
+    try:
+        state = torch.load(file, weights_only=True, map_location="cpu")
+        bank.load_state_dict(state)
+    except (RuntimeError, OSError, EOFError, KeyError, pickle.UnpicklingError) as e:
+        raise CheckpointError(f"cannot load {file} ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+                              + damaged) from None
+    except ValueError as e:
+        raise CheckpointError(f"{file}: {e}; the recipe's memory settings differ from the checkpoint's") from None
+
+
+def resolve(path: str | Path) -> CheckpointInfo:
+    """A complete checkpoint from a ``global_stepN`` folder or a run directory (its newest one)."""
+    p = Path(path)
+    if (p / MARKER).is_file() and _TAG_RE.match(p.name):
+        found = [c for c in list_checkpoints(p.parent.parent)[0] if c.path == p]
+        if found:
+            return found[0]
+    if p.is_dir():
+        info = latest_checkpoint(p)
+        if info is not None:
+            return info
+    raise CheckpointError(f"{path} is neither a complete checkpoint folder (global_stepN with {MARKER}) nor a run "
+                          "directory holding one; point to a run.dir or one of its checkpoints/global_stepN")
+
+
+def load_module_state(info: CheckpointInfo) -> dict[str, torch.Tensor]:
+    """The model's full state dict from a DeepSpeed checkpoint (ZeRO 0-2: the rank-0 model states;
+    ZeRO-3: consolidated from the partitions by DeepSpeed's zero_to_fp32)."""
+    file = info.path / "mp_rank_00_model_states.pt"
+    try:
+        state = torch.load(file, weights_only=True, map_location="cpu")
+        module = state.get("module")
+        if module:
+            return module
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        return get_fp32_state_dict_from_zero_checkpoint(str(info.path.parent), tag=info.tag)
+    except (RuntimeError, OSError, EOFError, KeyError, ValueError, pickle.UnpicklingError) as e:
+        raise CheckpointError(f"cannot read the model weights of {info.path} ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0][:200]})") from None
+
+
+def load_anchor(model: torch.nn.Module, path: str | Path) -> CheckpointInfo:
+    """Load ``model.init_from``: every anchor weight must be present with its shape; memory parameters
+    (the generic memory) missing from an anchor-only checkpoint keep their initial values."""
+    info = resolve(path)
+    state = load_module_state(info)
+    own = model.state_dict()
+    mismatched = [k for k, v in state.items() if k in own and tuple(own[k].shape) != tuple(v.shape)]
+    if mismatched:
+        k = mismatched[0]
+        raise CheckpointError(f"model.init_from {info.path}: {k} has shape {tuple(state[k].shape)} there but "
+                              f"{tuple(own[k].shape)} in this recipe's model; the anchor settings differ")
+    result = model.load_state_dict(state, strict=False)
+    missing = [k for k in result.missing_keys if not k.startswith("generic_memory.") and k != "lm_head.weight"]
+    unexpected = [k for k in result.unexpected_keys if not k.startswith("generic_memory.")]
+    if missing or unexpected:
+        what = f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}"
+        raise CheckpointError(f"model.init_from {info.path}: the checkpoint's weights do not fit this model ({what}); "
+                              "the anchor settings differ")
+    return info
 
 
 def summarize(info: CheckpointInfo) -> dict[str, Any]:

@@ -13,7 +13,7 @@ then a cosine from ``lr`` down to the cool-down floor ``min_lr`` reached at ``tr
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -47,7 +47,8 @@ def deepspeed_config(recipe: Recipe, world_size: int, precision_name: str = "fp3
         "train_batch_size": recipe.sequences_per_step,
         "train_micro_batch_size_per_gpu": recipe.train.micro_batch_size,
         "gradient_accumulation_steps": accum,
-        "gradient_clipping": recipe.train.grad_clip,
+        # Joint clipping with the memory bank is done by the training loop over both (joint_clipping).
+        "gradient_clipping": 0.0 if joint_clipping(recipe) else recipe.train.grad_clip,
         "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,
         "bf16": {"enabled": precision_name == "bf16"},
@@ -64,27 +65,51 @@ def deepspeed_config(recipe: Recipe, world_size: int, precision_name: str = "fp3
     }
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on every matrix (and the embedding), none on vectors such as norm gains."""
+def joint_clipping(recipe: Recipe) -> bool:
+    """Anchor and memory gradients clipped by their global norm together, by the training loop (the
+    DeepSpeed module's gradients must then be plain ``.grad`` tensors: ZeRO 0, fp32)."""
+    return recipe.memory.enabled and recipe.memory.grad_clip == "joint" and recipe.train.grad_clip > 0
+
+
+def param_groups(model: nn.Module, weight_decay: float, memory: Optional[list] = None,
+                 memory_weight_decay: float = 0.0) -> list[dict]:
+    """Weight decay on every matrix (and the embedding), none on vectors such as norm gains. Memory
+    parameters (``memory``, e.g. the generic memory) form their own group with their own decay; the
+    ``role`` key tells the schedule which learning rate a group follows."""
+    skip = {id(p) for p in memory or []}
     decay, no_decay = [], []
     for p in model.parameters():
-        if p.requires_grad:
+        if p.requires_grad and id(p) not in skip:
             (decay if p.ndim >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}]
+    groups = []
+    if decay:
+        groups.append({"params": decay, "weight_decay": weight_decay, "role": "anchor"})
     if no_decay:
-        groups.append({"params": no_decay, "weight_decay": 0.0})
+        groups.append({"params": no_decay, "weight_decay": 0.0, "role": "anchor"})
+    mem = [p for p in memory or [] if p.requires_grad]
+    if mem:
+        groups.append({"params": mem, "weight_decay": memory_weight_decay, "role": "memory"})
     return groups
 
 
 def build_optimizer(model: nn.Module, recipe: Recipe) -> torch.optim.Optimizer:
     o = recipe.train.optimizer
-    return torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                             foreach=False)
+    memory = model.memory_parameters() if hasattr(model, "memory_parameters") else []
+    groups = param_groups(model, o.weight_decay, memory, recipe.memory.optimizer.weight_decay)
+    for g in groups:
+        g["lr"] = recipe.memory.optimizer.lr if g["role"] == "memory" else o.lr
+    if not groups:
+        raise LaunchError("nothing to train: every parameter is frozen")
+    return torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, foreach=False)
 
 
-def lr_at(recipe: Recipe) -> Callable[[int], float]:
-    """``step -> learning rate`` for optimizer step ``step`` (0-based)."""
-    lr, floor = recipe.train.optimizer.lr, recipe.train.schedule.min_lr
+def lr_at(recipe: Recipe, role: str = "anchor") -> Callable[[int], float]:
+    """``step -> learning rate`` for optimizer step ``step`` (0-based). ``role`` ``memory`` follows the
+    same warmup and cosine from memory.optimizer.lr to memory.optimizer.min_lr (Appendix A.2)."""
+    if role == "memory":
+        lr, floor = recipe.memory.optimizer.lr, recipe.memory.optimizer.min_lr
+    else:
+        lr, floor = recipe.train.optimizer.lr, recipe.train.schedule.min_lr
     warmup, total = recipe.steps(recipe.train.schedule.warmup), recipe.max_steps
     kind = recipe.train.schedule.kind
 
@@ -100,8 +125,13 @@ def lr_at(recipe: Recipe) -> Callable[[int], float]:
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, recipe: Recipe) -> torch.optim.lr_scheduler.LambdaLR:
-    lr, schedule = recipe.train.optimizer.lr, lr_at(recipe)
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: schedule(step) / lr)
+    lambdas = []
+    for group in optimizer.param_groups:
+        role = group.get("role", "anchor")
+        base = recipe.memory.optimizer.lr if role == "memory" else recipe.train.optimizer.lr
+        schedule = lr_at(recipe, role)
+        lambdas.append(lambda step, schedule=schedule, base=base: schedule(step) / base)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)
 
 
 def initialize(model: nn.Module, recipe: Recipe, world_size: int, precision_name: str):

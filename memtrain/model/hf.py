@@ -1,0 +1,293 @@
+"""Hierarchical FFN memories added post hoc to a pretrained Hugging Face causal LM (``model.type: hf``).
+
+Hierarchical-memories paper (Pouransari et al.): Section 4, "Adding memory to other pretrained models"
+(Gemma 3 270M, Qwen 2.5 0.5B, Llama 3.2 1B with FFN memories of about 10% of the model size, anchors
+frozen), Appendix A.6 (their set-up: memory configs (512, 128, 32, 0) / (768, 256, 32, 0), the
+optimizer of A.2, and "we do not restrict cross-attention because the baseline models were not all
+trained this way") and Appendix I, "FFN-Memories" (the fetched memory widens the inner dimension of
+the three FFN matrices; 3 r L d parameters per unit of multiplier; W1/W2 parts truncated normal, the
+W3 part zero, so a fresh memory has no effect).
+
+:class:`HFMemoryLM` wraps any ``AutoModelForCausalLM`` whose decoder layers have a gated MLP
+``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` -- the Llama, Qwen2 and Gemma 3 families (Gemma's
+``act_fn`` is tanh-approximated GELU, not SiLU: the memory channels use the MLP's own activation).
+The Hugging Face modules and their state-dict keys are untouched: every memory layer's ``mlp`` gets a
+forward hook that adds :func:`memtrain.model.hierarchical.ffn_memory` of the MLP's input (batched
+per sequence) to the MLP's output. For Gemma 3 that is before ``post_feedforward_layernorm``, i.e.
+exactly the widened FFN. The per-layer memories of one call are set by :meth:`HFMemoryLM.forward`
+and cleared when it returns (also on exceptions).
+
+Activation checkpointing (:meth:`HFMemoryLM.set_activation_checkpointing`) is Hugging Face's own,
+non-reentrant. The memories are closed over by the hooks, not inputs of the checkpointed layers, so
+each layer's checkpoint function is wrapped to re-install the memories of its own call when the
+layer is recomputed during backward (after ``forward`` has returned).
+
+The interface is :class:`memtrain.model.anchor.DecoderLM`'s: ``memory_layout``, ``generic_memory``,
+``anchor_parameters()``, ``memory_parameters()``, ``set_activation_checkpointing(flag)`` and
+``forward(input_ids, doc_ids=None, memory=None) -> ModelOutput``. Positions run 0..T-1 over the
+whole packed sequence and attention is causal over it (``doc_ids`` is accepted and ignored, A.6).
+
+Imports torch only at module level; transformers is imported when a model is built.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Iterator, Optional
+
+import torch
+from torch import nn
+
+from memtrain.config import MemoryConfig, ModelConfig, RecipeError
+from memtrain.model.anchor import ModelOutput
+from memtrain.model.hierarchical import AnchorDims, FetchedMemory, GenericMemory, MemoryLayout, ffn_memory
+
+MLP_ATTRS = ("gate_proj", "up_proj", "down_proj", "act_fn")
+_KEY = "model.pretrained"
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading
+
+
+def text_config(config: Any) -> Any:
+    """The decoder's config (Gemma 3's multimodal config nests it as ``text_config``)."""
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
+
+
+def hf_anchor_dims(config: Any) -> AnchorDims:
+    """The widths a memory layout depends on, from a Hugging Face config."""
+    tc = text_config(config)
+    d, heads = tc.hidden_size, tc.num_attention_heads
+    head_dim = getattr(tc, "head_dim", None) or d // heads
+    kv_heads = getattr(tc, "num_key_value_heads", None) or heads
+    return AnchorDims(d_model=d, n_layers=tc.num_hidden_layers, q_width=heads * head_dim,
+                      kv_width=kv_heads * head_dim, ffn_dim=tc.intermediate_size, head_dim=head_dim,
+                      init_std=getattr(tc, "initializer_range", None) or d ** -0.5)
+
+
+def _resolve(name: Optional[str]) -> str:
+    """A local folder (expanded) or a hub id; RecipeError for paths that do not exist."""
+    if not name:
+        raise RecipeError(_KEY, "is required with model.type 'hf': a local Hugging Face model folder or a hub id")
+    path = os.path.expanduser(str(name))
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            raise RecipeError(_KEY, f"{name!r} is a file; give the model folder (with config.json and the weights)")
+        return path
+    looks_like_path = (path.startswith(("/", ".", "~")) or path.endswith("/") or path.count("/") > 1
+                       or os.sep != "/" and os.sep in path)
+    if looks_like_path:
+        raise RecipeError(_KEY, f"path {name!r} does not exist; give a local Hugging Face model folder "
+                                "(config.json and weights) or a hub id reachable from this machine")
+    return str(name)  # a hub id ("org/name"), resolved by transformers (local cache or the hub)
+
+
+def _cannot_load(name: str, err: BaseException) -> RecipeError:
+    first = (str(err).strip().splitlines() or [""])[0][:300]
+    return RecipeError(_KEY, f"{name!r} cannot be loaded ({type(err).__name__}: {first}); give a local Hugging "
+                             "Face model folder (config.json and weights) or a hub id reachable from this machine "
+                             "(or already in the local Hugging Face cache)")
+
+
+def load_causal_lm(name: Optional[str]) -> nn.Module:
+    """``AutoModelForCausalLM`` in float32 from a folder or hub id. Under ``with torch.device("meta")``
+    the model is built from its config alone (no weights read), for parameter counts."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    source = _resolve(name)
+    meta = torch.get_default_device().type == "meta"
+
+    def fetch(load, **kw):
+        if os.path.isdir(source):
+            return load(source, **kw)
+        try:  # a hub id: the local cache first (no network round trips, which retry for a minute offline)
+            return load(source, local_files_only=True, **kw)
+        except Exception:
+            return load(source, **kw)
+
+    try:
+        if meta:
+            return AutoModelForCausalLM.from_config(fetch(AutoConfig.from_pretrained), dtype=torch.float32)
+        return fetch(AutoModelForCausalLM.from_pretrained, dtype=torch.float32)
+    except RecipeError:
+        raise
+    except Exception as err:  # OSError (missing files, no network), ValueError (unknown architecture), ...
+        raise _cannot_load(str(name), err) from err
+
+
+def decoder_layers(model: nn.Module, n_layers: int) -> Optional[nn.ModuleList]:
+    """The decoder layers of a Hugging Face causal LM (``model.model.layers`` for Llama, Qwen2 and
+    Gemma 3; ``model.model.language_model.layers`` for Gemma 3 with vision)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    layers = getattr(decoder, "layers", None)
+    if isinstance(layers, nn.ModuleList) and len(layers) == n_layers:
+        return layers
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) == n_layers and name.rsplit(".", 1)[-1] in (
+                "layers", "h", "layer", "blocks"):
+            return module
+    return None
+
+
+def check_gated_mlps(model: nn.Module, layers: Optional[nn.ModuleList]) -> None:
+    """RecipeError unless every decoder layer has an ``mlp`` with gate_proj, up_proj, down_proj, act_fn."""
+    arch = type(model).__name__
+    if layers is None:
+        raise RecipeError(_KEY, f"{arch}: cannot find its decoder layers; FFN memories attach to Llama, Qwen2 "
+                                "and Gemma 3 style models (model.layers[i].mlp)")
+    for i, layer in enumerate(layers):
+        mlp = getattr(layer, "mlp", None)
+        missing = ["mlp"] if mlp is None else [a for a in MLP_ATTRS if not hasattr(mlp, a)]
+        if missing:
+            what = type(layer).__name__ if mlp is None else f"{type(layer).__name__}.mlp ({type(mlp).__name__})"
+            raise RecipeError(_KEY, f"{arch} is not supported: decoder layer {i}'s {what} lacks "
+                                    f"{', '.join(missing)}; FFN memories need a gated MLP down_proj(act_fn("
+                                    "gate_proj(x)) * up_proj(x)) as in Llama, Qwen2 and Gemma 3")
+
+
+# --------------------------------------------------------------------------------------------------
+# The memories of the current call
+
+
+class _CallMemory:
+    """The per-layer memories ``[B, R_i, unit]`` (or None) the MLP hooks read during one forward."""
+
+    def __init__(self, layout: Optional[MemoryLayout]):
+        self.layout = layout
+        self.mems: Optional[list[Optional[torch.Tensor]]] = None
+
+    @contextlib.contextmanager
+    def using(self, mems: Optional[list[Optional[torch.Tensor]]]) -> Iterator[None]:
+        previous, self.mems = self.mems, mems
+        try:
+            yield
+        finally:
+            self.mems = previous
+
+    def hook(self, layer_index: int):
+        def add_memory(mlp: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor):
+            mems = self.mems
+            if mems is None or mems[layer_index] is None:
+                return None
+            x = args[0] if args else next(iter(kwargs.values()))
+            return output + ffn_memory(x, mems[layer_index], self.layout, act=mlp.act_fn)
+        return add_memory
+
+
+class _SnapshotCheckpoint:
+    """Wraps a layer's ``_gradient_checkpointing_func`` so that the recomputation in backward runs with
+    the memories of the forward call it belongs to (they are cleared once ``forward`` returns)."""
+
+    def __init__(self, call: _CallMemory, checkpoint_fn):
+        self.call = call
+        self.checkpoint_fn = checkpoint_fn
+
+    def __call__(self, function, *args, **kwargs):
+        snapshot = self.call.mems
+
+        def run(*a, **k):
+            with self.call.using(snapshot):
+                return function(*a, **k)
+
+        return self.checkpoint_fn(run, *args, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------------
+# The model
+
+
+class HFMemoryLM(nn.Module):
+    """A pretrained Hugging Face causal LM with hierarchical FFN memories (see the module docstring)."""
+
+    def __init__(self, hf_model: nn.Module, memory_cfg: Optional[MemoryConfig] = None, branching: int = 16,
+                 model_cfg: Optional[ModelConfig] = None):
+        super().__init__()
+        self.cfg = model_cfg
+        self.hf_model = hf_model
+        self.dims: Optional[AnchorDims] = None  # the widths the memory layout depends on
+        self.memory_layout: Optional[MemoryLayout] = None
+        self.generic_memory: Optional[GenericMemory] = None
+        self.activation_checkpointing = False
+        self._hooks: list = []
+        if memory_cfg is not None and memory_cfg.enabled:
+            if memory_cfg.type != "ffn":
+                raise RecipeError("memory.type", f"{memory_cfg.type!r} is not available with model.type 'hf'; "
+                                                 "use 'ffn' (the paper's post-hoc memories, Section 4)")
+            layers = decoder_layers(hf_model, text_config(hf_model.config).num_hidden_layers)
+            check_gated_mlps(hf_model, layers)
+            self.dims = hf_anchor_dims(hf_model.config)
+            self.memory_layout = MemoryLayout.build(memory_cfg, self.dims, branching)
+            self.generic_memory = GenericMemory(self.memory_layout)
+        self._call = _CallMemory(self.memory_layout)
+        if self.memory_layout is not None:
+            for i in self.memory_layout.layers:
+                self._hooks.append(layers[i].mlp.register_forward_hook(self._call.hook(i), with_kwargs=True))
+        self.train()  # from_pretrained returns eval mode; a fresh module (like DecoderLM) is in train mode
+
+    @classmethod
+    def from_config(cls, model_cfg: ModelConfig, memory_cfg: Optional[MemoryConfig] = None,
+                    branching: int = 16) -> "HFMemoryLM":
+        """Load ``model_cfg.pretrained`` (float32; config only on the meta device) and attach memories."""
+        return cls(load_causal_lm(model_cfg.pretrained), memory_cfg, branching, model_cfg)
+
+    # -- parameters --------------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return int(text_config(self.hf_model.config).vocab_size)
+
+    def anchor_parameters(self) -> list[nn.Parameter]:
+        """The Hugging Face model's parameters (a tied embedding and head counted once)."""
+        return list(self.hf_model.parameters())
+
+    def memory_parameters(self) -> list[nn.Parameter]:
+        return list(self.generic_memory.parameters()) if self.generic_memory is not None else []
+
+    def freeze_anchor(self) -> "HFMemoryLM":
+        """Train the memories only (Section 4 / A.6: the open-weight anchors stay frozen)."""
+        self.hf_model.requires_grad_(False)
+        return self
+
+    # -- activation checkpointing ------------------------------------------------------------------
+
+    def set_activation_checkpointing(self, enabled: bool) -> None:
+        """Hugging Face's non-reentrant gradient checkpointing of every decoder layer (training only)."""
+        self.activation_checkpointing = bool(enabled)
+        if enabled:
+            self.hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            self._wrap_checkpoint_functions()
+        elif getattr(self.hf_model, "is_gradient_checkpointing", False):
+            self.hf_model.gradient_checkpointing_disable()
+
+    def _wrap_checkpoint_functions(self) -> None:
+        for module in self.hf_model.modules():
+            fn = getattr(module, "_gradient_checkpointing_func", None)
+            if fn is not None and not isinstance(fn, _SnapshotCheckpoint):
+                module._gradient_checkpointing_func = _SnapshotCheckpoint(self._call, fn)
+
+    # -- forward -----------------------------------------------------------------------------------
+
+    def forward(self, input_ids: torch.Tensor, doc_ids: Optional[torch.Tensor] = None,
+                memory: Optional[FetchedMemory] = None) -> ModelOutput:
+        """``input_ids [B, T]``; ``doc_ids`` is ignored (attention crosses documents, Appendix A.6);
+        ``memory``: the sequences' fetched memory and generic mask, None for the plain model."""
+        if memory is not None and self.memory_layout is None:
+            raise ValueError("this model has no memory modules (memory.type is 'none'); pass memory=None")
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}")
+        if doc_ids is not None and doc_ids.shape != input_ids.shape:
+            raise ValueError(f"doc_ids shape {tuple(doc_ids.shape)} differs from input_ids {tuple(input_ids.shape)}")
+        mems = None
+        if memory is not None:
+            mems = self.memory_layout.per_layer(self.generic_memory.mix(memory, input_ids.shape[0]))
+            # Checkpointing may have been switched on through the Hugging Face API directly.
+            self._wrap_checkpoint_functions()
+        with self._call.using(mems):
+            out = self.hf_model(input_ids=input_ids, use_cache=False, return_dict=True)
+        return ModelOutput(logits=out.logits)
+
+
+__all__ = ["HFMemoryLM", "check_gated_mlps", "decoder_layers", "hf_anchor_dims", "load_causal_lm", "text_config"]

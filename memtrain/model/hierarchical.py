@@ -1,0 +1,327 @@
+"""Hierarchical parametric memories: block layout, initialisation and the per-sequence memory ops.
+
+Hierarchical-memories paper (Pouransari et al.), Sections 2.1-2.2 and Appendix I. Every cluster of
+level l owns one block of s_l = c0 * r_l parameters; a sequence fetches one block per level. A block
+is stored as one flat row. Its layout is the same for every level: for each memory layer i (in
+order), ``r_{l,i}`` *units* of ``unit`` parameters, where one unit is one rank of every adapted
+matrix of that layer (Appendix I):
+
+- ``ffn``: one extra SwiGLU inner channel, ``[w1 row (d) | w2 row (d) | w3 column (d)]``,
+  c0 = 3 L d (I.1: 53,760 for the 160M anchor);
+- ``lora`` on ``qk``: ``[A_q (d) | B_q (h d_h) | A_k (d) | B_k (kv d_h)]``, c0 = 2 L (d + h d_h);
+  on ``vo``: ``[A_v (d) | B_v (kv d_h) | A_o (h d_h) | B_o (d)]``, c0 = 2 L (d + h d_h);
+  on ``ffn``: ``[A_1 (d) | B_1 (d_f) | A_2 (d) | B_2 (d_f) | A_3 (d_f) | B_3 (d)]``, c0 = 3 L (d + d_f);
+- ``kv``: one learned key and value per layer, ``[k (kv d_h) | v (kv d_h)]``, c0 = 2 L kv d_h.
+
+``placement`` (Appendix F): ``uniform`` puts r_l units on each of the L layers; ``early``, ``middle``
+and ``late`` put the same r_l * L units on the first, middle or last ``placement_layers`` layers
+(spread evenly, the first layers taking the remainder), so sizes never depend on placement.
+
+At a layer, the units of all levels are concatenated (rank R_i = sum_l r_{l,i}) and applied with
+batched matrix products, one memory per sequence ([B, R_i, unit] against [B, T, d]); no loop over
+sequences. Initialisation gives memories no effect (Appendix I): ``w3`` parts, LoRA ``B`` parts and KV
+values are zero; ``w1``/``w2`` and KV keys are truncated normals like the anchor's matrices; LoRA
+``A`` parts are Kaiming-uniform (bound 1/sqrt(fan_in), as ``nn.Linear`` and peft).
+
+The bank (:mod:`memtrain.parallel.bank`) stores the rows; the model holds the generic memory (one
+block per level, Section 4) and consumes :class:`FetchedMemory`. Imports torch only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from memtrain.config import MemoryConfig
+
+
+@dataclass(frozen=True)
+class AnchorDims:
+    """The anchor widths a memory layout depends on."""
+
+    d_model: int
+    n_layers: int
+    q_width: int  # h * d_h
+    kv_width: int  # kv_heads * d_h
+    ffn_dim: int
+    head_dim: int
+    init_std: float  # sigma of the anchor's truncated-normal matrices
+
+
+@dataclass(frozen=True)
+class Part:
+    name: str
+    width: int
+    init: str  # "normal" (truncated normal, anchor sigma), "zeros", "kaiming" (uniform, 1/sqrt(fan_in))
+    fan_in: int = 0
+
+
+def unit_parts(kind: str, lora_target: str, dims: AnchorDims) -> tuple[Part, ...]:
+    """The parts of one unit (one rank of every adapted matrix of one layer), in storage order."""
+    d, q, kv, f = dims.d_model, dims.q_width, dims.kv_width, dims.ffn_dim
+    if kind == "ffn":
+        return (Part("w1", d, "normal"), Part("w2", d, "normal"), Part("w3", d, "zeros"))
+    if kind == "kv":
+        return (Part("k", kv, "normal"), Part("v", kv, "zeros"))
+    if kind == "lora":
+        pairs = {"qk": (("q", d, q), ("k", d, kv)),
+                 "vo": (("v", d, kv), ("o", q, d)),
+                 "ffn": (("w1", d, f), ("w2", d, f), ("w3", f, d))}[lora_target]
+        parts: list[Part] = []
+        for name, fan_in, fan_out in pairs:
+            parts += [Part(f"{name}_a", fan_in, "kaiming", fan_in), Part(f"{name}_b", fan_out, "zeros")]
+        return tuple(parts)
+    raise ValueError(f"unknown memory type {kind!r}")
+
+
+def placement_layers(placement: str, n_layers: int, count: int) -> list[int]:
+    """The anchor layers that carry memory (Appendix F)."""
+    if placement == "uniform":
+        return list(range(n_layers))
+    n = min(count, n_layers)
+    start = {"early": 0, "middle": (n_layers - n) // 2, "late": n_layers - n}[placement]
+    return list(range(start, start + n))
+
+
+def spread(total: int, n: int) -> list[int]:
+    """``total`` units over ``n`` layers as evenly as possible, the first layers taking the remainder."""
+    base, extra = divmod(total, n)
+    return [base + (1 if i < extra else 0) for i in range(n)]
+
+
+@dataclass
+class MemoryLayout:
+    """Sizes and row layout of a hierarchical memory for one anchor (see the module docstring)."""
+
+    kind: str
+    lora_target: str
+    lora_alpha: float
+    dims: AnchorDims
+    levels: tuple[int, ...]  # r_1..r_p
+    branching: int
+    layers: tuple[int, ...]  # anchor layers with memory
+    units: tuple[tuple[int, ...], ...]  # units[l][j]: units of level l at layers[j]
+    parts: tuple[Part, ...] = field(default=())
+
+    @classmethod
+    def build(cls, cfg: MemoryConfig, dims: AnchorDims, branching: int) -> "MemoryLayout":
+        if not cfg.levels or any(r < 0 for r in cfg.levels) or not any(cfg.levels):
+            raise ValueError(f"memory.levels must give one multiplier r_l >= 0 per clustering level, not all 0; "
+                             f"got {cfg.levels}")
+        layers = placement_layers(cfg.placement, dims.n_layers, cfg.placement_layers)
+        units = tuple(tuple(spread(r * dims.n_layers, len(layers))) for r in cfg.levels)
+        return cls(cfg.type, cfg.lora_target, cfg.lora_alpha, dims, tuple(cfg.levels), branching, tuple(layers),
+                   units, unit_parts(cfg.type, cfg.lora_target, dims))
+
+    @property
+    def unit(self) -> int:
+        return sum(p.width for p in self.parts)
+
+    @property
+    def c0(self) -> int:
+        """Parameters per unit of multiplier: s_l = c0 * r_l (Appendix I)."""
+        return self.unit * self.dims.n_layers
+
+    @property
+    def depth(self) -> int:
+        return len(self.levels)
+
+    def block_size(self, level: int) -> int:
+        """s_l for 0-based ``level``."""
+        return self.c0 * self.levels[level]
+
+    def rows(self, level: int) -> int:
+        """k^l clusters at 0-based ``level``."""
+        return self.branching ** (level + 1)
+
+    @property
+    def active_levels(self) -> list[int]:
+        return [l for l, r in enumerate(self.levels) if r > 0]
+
+    @property
+    def fetched_parameters(self) -> int:
+        """|R(x; W)| = sum_l s_l (Section 2.1)."""
+        return sum(self.block_size(l) for l in range(self.depth))
+
+    @property
+    def bank_parameters(self) -> int:
+        """|W| = sum_l s_l k^l (Section 2.1)."""
+        return sum(self.block_size(l) * self.rows(l) for l in range(self.depth))
+
+    def layer_rank(self, layer: int) -> int:
+        """R_i: memory units at anchor ``layer`` over all levels (0 if the layer has no memory)."""
+        if layer not in self.layers:
+            return 0
+        j = self.layers.index(layer)
+        return sum(u[j] for u in self.units)
+
+    # -- rows <-> per-layer memories ---------------------------------------------------------------
+
+    def init_rows(self, rows: torch.Tensor, level: int, generator: Optional[torch.Generator] = None) -> None:
+        """Initialise ``rows [n, s_l]`` of ``level`` in place so that the memories have no effect."""
+        if rows.is_meta or rows.numel() == 0:
+            return
+        with torch.no_grad():
+            views = self.split_level(rows, level)
+            for view in views:  # [n, units, unit]
+                if view.shape[1] == 0:
+                    continue
+                offset = 0
+                for part in self.parts:
+                    block = view[..., offset:offset + part.width]
+                    offset += part.width
+                    if part.init == "zeros":
+                        block.zero_()
+                    elif part.init == "normal":
+                        std = self.dims.init_std
+                        block.copy_(_trunc_normal(block.shape, std, block.dtype, block.device, generator))
+                    else:
+                        bound = 1.0 / math.sqrt(part.fan_in)
+                        u = torch.rand(block.shape, generator=generator, device=block.device, dtype=torch.float32)
+                        block.copy_((u * 2 - 1) * bound)
+
+    def split_level(self, rows: torch.Tensor, level: int) -> list[torch.Tensor]:
+        """``rows [n, s_l]`` -> one view ``[n, units, unit]`` per memory layer (no copies)."""
+        sizes = [u * self.unit for u in self.units[level]]
+        return [chunk.view(rows.shape[0], u, self.unit)
+                for chunk, u in zip(rows.split(sizes, dim=1), self.units[level])]
+
+    def per_layer(self, level_rows: Sequence[Optional[torch.Tensor]]) -> list[Optional[torch.Tensor]]:
+        """Per-level rows ``[B, s_l]`` (None for levels with r_l = 0) -> one tensor ``[B, R_i, unit]``
+        per anchor layer (levels concatenated along the rank), None for layers without memory."""
+        out: list[Optional[torch.Tensor]] = [None] * self.dims.n_layers
+        split = [self.split_level(rows, l) if rows is not None else None for l, rows in enumerate(level_rows)]
+        for j, layer in enumerate(self.layers):
+            pieces = [s[j] for s in split if s is not None and s[j].shape[1] > 0]
+            if pieces:
+                out[layer] = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
+        return out
+
+    def parts_of(self, mem: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``[B, R, unit]`` -> ``{part name: [B, R, width]}`` views."""
+        out, offset = {}, 0
+        for part in self.parts:
+            out[part.name] = mem[..., offset:offset + part.width]
+            offset += part.width
+        return out
+
+
+def _trunc_normal(shape, std: float, dtype, device, generator) -> torch.Tensor:
+    t = torch.empty(shape, dtype=torch.float32, device=device)
+    if generator is None:
+        nn.init.trunc_normal_(t, 0.0, std, -3 * std, 3 * std)
+    else:  # inverse-CDF sampling from a given generator (nn.init takes none in every torch version)
+        u = torch.rand(shape, generator=generator, device=device, dtype=torch.float32)
+        lo, hi = 0.5 * (1 + math.erf(-3 / math.sqrt(2))), 0.5 * (1 + math.erf(3 / math.sqrt(2)))
+        t = torch.erfinv(2 * (lo + u * (hi - lo)) - 1) * (std * math.sqrt(2))
+    return t.to(dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# What the model receives
+
+
+@dataclass
+class FetchedMemory:
+    """Per-sequence memory for one micro-batch.
+
+    ``levels[l]``: ``[B, s_l]`` fetched rows (differentiable w.r.t. the bank; None for r_l = 0 or when
+    every sequence is generic). ``generic``: ``[B]`` bool, sequences that use the generic memory instead
+    (their rows in ``levels`` are ignored). ``ids``: the ``[B, p]`` cluster ids fetched, for monitoring.
+    """
+
+    levels: list[Optional[torch.Tensor]]
+    generic: Optional[torch.Tensor] = None
+    ids: Optional[torch.Tensor] = None
+
+    @classmethod
+    def all_generic(cls, batch_size: int, depth: int, device: torch.device | str = "cpu") -> "FetchedMemory":
+        return cls([None] * depth, torch.ones(batch_size, dtype=torch.bool, device=device))
+
+
+def generic_mask(batch_size: int, prob: float, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """``[B]`` bool: which training sequences use the generic memory, each independently with ``prob``
+    (Section 4: 1/(k+1), so that the generic block sees as many sequences as one level-1 block)."""
+    return torch.rand(batch_size, generator=generator) < prob
+
+
+class GenericMemory(nn.Module):
+    """One block per level used in place of fetched blocks (Section 4): same size as a fetched memory,
+    trained on the sequences that draw it, the baseline of the fetched-vs-generic comparison."""
+
+    def __init__(self, layout: MemoryLayout):
+        super().__init__()
+        self.layout = layout
+        self.blocks = nn.ParameterList(
+            [nn.Parameter(torch.empty(1, layout.block_size(l))) for l in range(layout.depth)])
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for l, p in enumerate(self.blocks):
+            self.layout.init_rows(p.data, l)
+
+    def mix(self, memory: FetchedMemory, batch_size: int) -> list[Optional[torch.Tensor]]:
+        """Per-level rows ``[B, s_l]`` with generic sequences replaced by the generic block."""
+        out: list[Optional[torch.Tensor]] = []
+        for l, generic in enumerate(self.blocks):
+            if self.layout.levels[l] == 0:
+                out.append(None)
+                continue
+            fetched = memory.levels[l] if l < len(memory.levels) else None
+            g = generic.expand(batch_size, -1)
+            if memory.generic is None:
+                if fetched is None:
+                    raise ValueError(f"no fetched rows for memory level {l + 1} and no generic mask")
+                out.append(fetched)
+            elif fetched is None:
+                if not bool(memory.generic.all()):
+                    raise ValueError(f"no fetched rows for memory level {l + 1} but some sequences are not generic")
+                out.append(g)
+            else:
+                out.append(torch.where(memory.generic[:, None], g.to(fetched.dtype), fetched))
+        return out
+
+
+# --------------------------------------------------------------------------------------------------
+# The memory ops (batched over sequences)
+
+
+def ffn_memory(x: torch.Tensor, mem: torch.Tensor, layout: MemoryLayout, act=F.silu) -> torch.Tensor:
+    """Extra SwiGLU channels: ``act(x W1_m^T) * (x W2_m^T) @ W3_m``, ``x [B, T, d]``, ``mem [B, R, 3d]``
+    (``act`` is the anchor FFN's gate activation)."""
+    p = layout.parts_of(mem.to(x.dtype))
+    h = act(torch.bmm(x, p["w1"].transpose(1, 2))) * torch.bmm(x, p["w2"].transpose(1, 2))
+    return torch.bmm(h, p["w3"])
+
+
+def lora_delta(x: torch.Tensor, mem: torch.Tensor, layout: MemoryLayout, name: str) -> torch.Tensor:
+    """LoRA memory ``scale * (x A^T) B^T`` for matrix ``name`` (scale alpha / R, as in LoRA and peft)."""
+    p = layout.parts_of(mem.to(x.dtype))
+    scale = layout.lora_alpha / mem.shape[1]
+    return torch.bmm(torch.bmm(x, p[f"{name}_a"].transpose(1, 2)), p[f"{name}_b"]) * scale
+
+
+def kv_memory(q: torch.Tensor, mem: torch.Tensor, layout: MemoryLayout) -> torch.Tensor:
+    """Queries ``[B, H, T, d_h]`` attend to the sequence's R learned keys/values (no causal mask, no
+    positional encoding; Appendix I); returns ``[B, H, T, d_h]`` to add to the attention output."""
+    B, H, T, dh = q.shape
+    p = layout.parts_of(mem.to(q.dtype))
+    R = mem.shape[1]
+    kv_heads = layout.dims.kv_width // dh
+    k = p["k"].reshape(B, R, kv_heads, dh).transpose(1, 2)
+    v = p["v"].reshape(B, R, kv_heads, dh).transpose(1, 2)
+    if kv_heads != H:
+        k = k.repeat_interleave(H // kv_heads, dim=1)
+        v = v.repeat_interleave(H // kv_heads, dim=1)
+    return F.scaled_dot_product_attention(q, k, v)
+
+
+__all__ = [
+    "AnchorDims", "FetchedMemory", "GenericMemory", "MemoryLayout", "Part", "ffn_memory", "generic_mask", "kv_memory",
+    "lora_delta", "placement_layers", "spread", "unit_parts",
+]
