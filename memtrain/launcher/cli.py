@@ -4,6 +4,8 @@
     memtrain prepare RECIPE [key=value ...] [--force]  tokenize and write MDS shards into data.dir
     memtrain recipe show RECIPE [key=value ...]        resolved recipe, DeepSpeed config, parameters
     memtrain submit  RECIPE [key=value ...] [--dry-run] write an sbatch script and submit it to Slurm
+    memtrain eval    RECIPE [key=value ...] [checkpoint=PATH] [--batches N] [--out FILE] [--modes M,...]
+                                                       val perplexity and long-tail fact probes of a checkpoint
 
 Errors the user can fix are printed as one line and exit with code 2.
 """
@@ -44,7 +46,30 @@ def _parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("submit", help="write an sbatch script for the recipe and submit it with sbatch")
     recipe_args(sp)
     sp.add_argument("--dry-run", action="store_true", help="print the script; write and submit nothing")
+    sp = sub.add_parser("eval", help="evaluate a checkpoint: val perplexity (fetched / generic memory) and the "
+                        "builtin:longtail fact probes (fetched, generic, blocked, corrupted retrieval)",
+                        description="Evaluate a checkpoint in one process. checkpoint=PATH (a run dir or its "
+                        "checkpoints/global_stepN) picks it; default: the newest complete checkpoint in run.dir. "
+                        "Other key=value overrides apply to the recipe as in `memtrain train`.")
+    recipe_args(sp)
+    sp.add_argument("--batches", type=_non_negative_int, default=None, metavar="N",
+                    help="val micro-batches for perplexity (default train.eval.batches; 0 skips it)")
+    sp.add_argument("--out", default=None, metavar="FILE",
+                    help="JSON report path (default <run dir>/eval/<checkpoint tag>.json)")
+    sp.add_argument("--modes", default=None, metavar="M,...",
+                    help="comma-separated memory modes (default: fetched, generic, blocked, corrupt_from_level_p.."
+                         "1 with memories; none without)")
     return p
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
 
 
 def recipe_show(recipe, world_size: Optional[int]) -> str:
@@ -57,15 +82,33 @@ def recipe_show(recipe, world_size: Optional[int]) -> str:
     if world_size is None:
         world_size = 1
     with torch.device("meta"):
-        model = build(recipe.model, recipe.memory)
+        model = build(recipe.model, recipe.memory, recipe.data.clustering.branching)
     precision = "fp32" if recipe.parallel.precision == "fp32" else "bf16"
     lines = ["# resolved recipe", recipe.to_yaml().rstrip(), "",
              f"# DeepSpeed config for {world_size} rank(s) ({precision}; parallel.precision=auto picks fp32 on CPU)",
              json.dumps(deepspeed_config(recipe, world_size, precision), indent=2), "",
-             f"model parameters: {count_parameters(model)}",
+             f"model parameters: {count_parameters(model) - _generic_parameters(model)}",
+             *memory_lines(model),
              f"tokens per step: {recipe.tokens_per_step} ({recipe.sequences_per_step} sequences of {recipe.data.seq_len})",
              f"max steps: {recipe.max_steps} ({recipe.max_steps * recipe.tokens_per_step} tokens)"]
     return "\n".join(lines)
+
+
+def _generic_parameters(model) -> int:
+    memory = getattr(model, "memory_parameters", None)
+    return sum(p.numel() for p in memory()) if memory is not None else 0
+
+
+def memory_lines(model) -> list[str]:
+    """``fetched memory parameters`` (sum_l s_l) and ``memory bank parameters`` (sum_l s_l k^l)."""
+    layout = getattr(model, "memory_layout", None)
+    if layout is None:
+        return []
+    return [f"generic memory parameters: {_generic_parameters(model)} (one block per level, part of the model)",
+            f"fetched memory parameters: {layout.fetched_parameters}",
+            f"memory bank parameters: {layout.bank_parameters}",
+            f"memory block sizes (s_l = c0 r_l, c0 = {layout.c0}): "
+            + ", ".join(str(layout.block_size(l)) for l in range(layout.depth))]
 
 
 def prepare_summary(recipe, report: dict) -> str:
@@ -82,7 +125,12 @@ def run(argv: Optional[list[str]] = None) -> int:
     args = _parser().parse_args(argv)
     from memtrain.config import load_recipe
 
-    recipe = load_recipe(args.recipe, args.overrides)
+    overrides, checkpoint = args.overrides, None
+    if args.command == "eval":  # checkpoint=PATH names what to evaluate; it is not a recipe key
+        from memtrain.launcher.evaluate import split_checkpoint_override
+
+        overrides, checkpoint = split_checkpoint_override(args.overrides)
+    recipe = load_recipe(args.recipe, overrides)
     if args.command == "train":
         from memtrain.launcher.train import train
 
@@ -102,6 +150,11 @@ def run(argv: Optional[list[str]] = None) -> int:
         from memtrain.launcher.submit import submit
 
         print(submit(recipe, args.recipe, args.overrides, dry_run=args.dry_run))
+    elif args.command == "eval":
+        from memtrain.launcher.evaluate import evaluate, format_table
+
+        modes = [m.strip() for m in args.modes.split(",") if m.strip()] if args.modes is not None else None
+        print(format_table(evaluate(recipe, checkpoint, batches=args.batches, out=args.out, modes=modes)), flush=True)
     return 0
 
 

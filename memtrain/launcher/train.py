@@ -247,7 +247,9 @@ def train(recipe: Recipe) -> dict:
         fpt += 6 * model.memory_layout.fetched_parameters
     peak = recipe.logging.peak_flops or peak_flops(device)
     schedule = lr_at(recipe)
-    _log(f"{n_params:,} parameters | {world} rank(s) via {dist_env.launcher} on {device.type} ({prec}) | "
+    n_memory = sum(p.numel() for p in model.memory_parameters()) if bank is not None else 0
+    params = f"{n_params - n_memory:,} parameters" + (f" + {n_memory:,} generic memory" if n_memory else "")
+    _log(f"{params} | {world} rank(s) via {dist_env.launcher} on {device.type} ({prec}) | "
          f"ZeRO {recipe.parallel.zero_stage} | {recipe.sequences_per_step} x {recipe.data.seq_len} tokens per step "
          f"= {recipe.train.micro_batch_size} per micro-batch x {world} ranks x {accum} accumulation", rank)
     if writer.log_dir:
