@@ -68,3 +68,23 @@ def test_incompatible_checkpoint_names_the_key(tmp_path):
     with pytest.raises(CheckpointError, match="written by 2 ranks with ZeRO stage 2"):
         ckpt.check_compatible(info, state, recipe_from_dict({"model": {"d_model": 256}}), world_size=4)
     ckpt.check_compatible(info, state, recipe_from_dict({"model": {"d_model": 256}}), world_size=2)
+
+
+def test_compatibility_ignores_training_only_keys_and_keys_newer_than_the_checkpoint(tmp_path):
+    """A checkpoint from before a recipe key existed resumes while the key keeps its default; the
+    memory optimizer, clipping, generic probability, freezing and model.init_from may change."""
+    info = ckpt.CheckpointInfo(tmp_path / "global_step5", 5, False, world_size=1)
+    mem = {"data": {"clustering": {"enabled": True, "depth": 2}}, "memory": {"type": "ffn", "levels": [2, 1]}}
+    saved = recipe_from_dict(mem).to_dict()
+    del saved["model"]["init_from"], saved["memory"]["placement_layers"]  # as written by an older version
+    state = {"recipe": saved}
+    ckpt.check_compatible(info, state, recipe_from_dict(mem), world_size=1)
+    changed = recipe_from_dict({**mem, "model": {"init_from": "runs/a"},
+                                "memory": {**mem["memory"], "freeze_anchor": True, "generic_prob": 0.0,
+                                           "grad_clip": "separate", "optimizer": {"lr": 1e-3}}})
+    ckpt.check_compatible(info, state, changed, world_size=1)
+    with pytest.raises(CheckpointError, match="memory.placement_layers"):
+        ckpt.check_compatible(info, state, recipe_from_dict({**mem, "memory": {**mem["memory"],
+                                                                               "placement_layers": 3}}), 1)
+    with pytest.raises(CheckpointError, match="memory.levels"):
+        ckpt.check_compatible(info, state, recipe_from_dict({**mem, "memory": {"type": "ffn", "levels": [2, 2]}}), 1)

@@ -284,7 +284,8 @@ def test_memory_needs_clustered_data_and_a_decoder():
     with pytest.raises(RecipeError, match="not 'titans'"):
         recipe_from_dict({**memory_recipe(), "model": {"type": "titans"}})
     with pytest.raises(RecipeError, match="memory.grad_clip"):
-        recipe_from_dict({**memory_recipe(), "parallel": {"zero_stage": 2}})
+        recipe_from_dict({**memory_recipe(grad_clip="joint"), "parallel": {"zero_stage": 2}})
     assert recipe_from_dict({**memory_recipe(grad_clip="separate"), "parallel": {"zero_stage": 2}})
+    assert recipe_from_dict({**memory_recipe(), "parallel": {"zero_stage": 2}})  # auto: separate there
     with pytest.raises(RecipeError, match="FFN memories"):
         recipe_from_dict({**memory_recipe(type="kv"), "model": {"type": "hf", "pretrained": "x"}})

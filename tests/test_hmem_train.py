@@ -165,7 +165,7 @@ def test_joint_clipping_scales_anchor_and_bank_by_their_global_norm():
     bank = Bank(torch.tensor([0.0, 4.0]))
     recipe = recipe_from_dict({"data": {"clustering": {"enabled": True, "depth": 1}},
                                "memory": {"type": "ffn", "levels": [1]}, "train": {"grad_clip": 1.0}})
-    norms = clip_memory(SimpleNamespace(module=torch.nn.ParameterList([p])), bank, recipe)
+    norms = clip_memory(SimpleNamespace(module=torch.nn.ParameterList([p])), bank, recipe, joint=True)
     assert norms == {"total": 5.0, "bank": 4.0}
     torch.testing.assert_close(p.grad, torch.tensor([3.0, 0.0]) / (5 + 1e-6))
     torch.testing.assert_close(bank.g, torch.tensor([0.0, 4.0]) / (5 + 1e-6))

@@ -196,10 +196,13 @@ def check_compatible(info: CheckpointInfo, state: dict, recipe: Recipe, world_si
     saved_fields = {"model": saved.get("model"), "memory": saved.get("memory"),
                     "data.seq_len": (saved.get("data") or {}).get("seq_len")}
     current = recipe_hash_fields(recipe)
+    defaults = recipe_hash_fields(Recipe())
     for section, now in current.items():
         then = saved_fields.get(section)
         if isinstance(now, dict) and isinstance(then, dict):
             for key in now:
+                if key not in then and now[key] == defaults[section].get(key):
+                    continue  # a key newer than the checkpoint, left at its default
                 if now[key] != then.get(key):
                     raise CheckpointError(
                         f"checkpoint {info.path} was written with {section}.{key}={then.get(key)!r} but the recipe "
