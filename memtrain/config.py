@@ -29,6 +29,7 @@ import yaml
 from memtrain.errors import MemtrainError
 
 SECTIONS = ("run", "model", "memory", "data", "train", "parallel", "checkpoint", "logging", "slurm")
+HIERARCHICAL_MEMORIES = ("ffn", "lora", "kv")
 
 
 class RecipeError(MemtrainError):
@@ -183,15 +184,72 @@ class MemoryOptimizerConfig:
 
 
 @dataclass
+class MemoryLlamaLoraConfig:
+    """LoRA (``peft``) on the frozen base model of ``memory.type: memory_llama`` (thesis Section 4.1.2,
+    Table B.1: rank 16, alpha 32, dropout 0.05 on every attention and MLP projection)."""
+
+    enabled: bool = True
+    r: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.05
+    target_modules: list[str] = field(default_factory=lambda: [
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    # Keep the adapters at their initialisation (lora_B = 0, i.e. no LoRA effect): the thesis's
+    # "- LoRA" ablation (Section 5.2), which trained stably where co-training LoRA collapsed.
+    freeze: bool = False
+
+
+@dataclass
+class MemoryLlamaConfig:
+    """MemoryLlama (thesis "Neural Memory Augmentation for Large Language Models", Sections 4.1-4.2,
+    Tables B.1/B.2): Titans neural memories injected into a pretrained Hugging Face Llama (``model.type:
+    hf``) through the gated block of Section 4.1.3 (:mod:`memtrain.model.memory_llama`). The base model
+    is frozen; the memory blocks and the LoRA adapters train, each at its own peak learning rate on
+    train.schedule's warmup and cosine (decaying to ``min_lr_ratio`` times that peak)."""
+
+    # elma: decoder blocks [0, 1]; alma: the last two [N-2, N-1] (Table B.1: [14, 15] of 16);
+    # gema: one every `every` blocks from block 0. `layers` (0-based) overrides the position's choice.
+    position: Literal["elma", "alma", "gema"] = "alma"
+    layers: Optional[list[int]] = None
+    every: int = 2
+    # The Titans memory (memtrain.model.titans.NeuralMemory). Section 4.2.1: a two-layer MLP with
+    # expansion 2 on the full hidden width (2048 -> 4096 -> 2048 for Llama-3.2-1B: one head);
+    # Table B.1: max_adaptive_lr 1e-2 (the inner learning rate's upper bound).
+    depth: int = 2
+    expansion: float = 2.0
+    heads: int = 1
+    head_dim: Optional[int] = None  # default hidden_size // heads
+    chunk_size: int = 16  # inner-loop mini-batch (1: per-token updates, the thesis's; slow and memory-hungry)
+    gate_mode: Literal["token", "chunk"] = "token"
+    conv_kernel: int = 4
+    max_lr: float = 0.01
+    init_lr: float = 0.005  # theta at initialisation, max_lr * sigmoid(0) as in the thesis's titans-pytorch
+    # The gated block (Section 4.1.3): W_x = I, W_h = 0, W_g = 0, b_g = gate_bias_init (-6: gate 2.5e-3).
+    gate_bias_init: float = -6.0
+    # input: o = y + x_t (Llama's residual; identity at init); x_dp: eq. 4.10 as printed, o = y + x_DP.
+    residual: Literal["input", "x_dp"] = "input"
+    lora: MemoryLlamaLoraConfig = field(default_factory=MemoryLlamaLoraConfig)
+    # Optimizer (AdamW, betas/eps from train.optimizer): separate peak learning rates for the memory
+    # blocks and the LoRA adapters (Section 5.1's stabilisers; the thesis trained both at a constant 1e-3).
+    memory_lr: float = 1.0e-3
+    lora_lr: float = 1.0e-4
+    min_lr_ratio: float = 0.1  # the cosine ends at min_lr_ratio x each group's peak
+    weight_decay: float = 0.1  # Section 4.2.1; not on biases, gains and the identity-initialised W_x
+
+
+@dataclass
 class MemoryConfig:
-    """Hierarchical parametric memories (hierarchical-memories paper, Sections 2-4, Appendix I).
+    """Hierarchical parametric memories (hierarchical-memories paper, Sections 2-4, Appendix I), or
+    MemoryLlama's neural memories (``memory_llama``).
 
     ``type``: ``none`` trains the anchor alone; ``ffn``, ``lora`` (on ``lora_target``) or ``kv`` attach
     one memory block per cluster and level, fetched by the sequence's cluster ids. ``levels`` are the
     block size multipliers r_1..r_p (one per data.clustering level; 0: no memory at that level); a
-    level-l block has s_l = c0 * r_l parameters with c0 per memory type (Appendix I)."""
+    level-l block has s_l = c0 * r_l parameters with c0 per memory type (Appendix I).
+    ``memory_llama`` injects Titans memories into a pretrained Llama (``model.type: hf``), configured in
+    ``memory_llama``; the hierarchical keys below are then unused and must keep their defaults."""
 
-    type: Literal["none", "ffn", "lora", "kv"] = "none"
+    type: Literal["none", "ffn", "lora", "kv", "memory_llama"] = "none"
     levels: list[int] = field(default_factory=list)
     lora_target: Literal["qk", "vo", "ffn"] = "ffn"
     lora_alpha: float = 2.0  # LoRA scale alpha / rank (Appendix I: alpha = 2)
@@ -204,13 +262,22 @@ class MemoryConfig:
     generic_prob: Optional[float] = None
     freeze_anchor: bool = False  # train only the memories (Table 1 row A3; post-hoc memories, A.6)
     optimizer: MemoryOptimizerConfig = field(default_factory=MemoryOptimizerConfig)
-    # joint: clip anchor and memory gradients by their global norm together (the paper's FSDP set-up);
-    # separate: each by its own norm to train.grad_clip.
-    grad_clip: Literal["joint", "separate"] = "joint"
+    # joint: clip anchor and memory gradients by their global norm together (the paper's FSDP set-up;
+    # needs ZeRO 0 and fp32); separate: each by its own norm to train.grad_clip; auto: joint where
+    # possible, else separate.
+    grad_clip: Literal["auto", "joint", "separate"] = "auto"
+    # memory.type memory_llama only; None (the default, and what other recipes keep) means the defaults.
+    memory_llama: Optional[MemoryLlamaConfig] = None
 
     @property
     def enabled(self) -> bool:
-        return self.type != "none"
+        """Hierarchical memories (a memory bank fetched by cluster id) are in use. False for
+        ``memory_llama``, whose memories are modules inside the model (no bank)."""
+        return self.type in HIERARCHICAL_MEMORIES
+
+    @property
+    def is_memory_llama(self) -> bool:
+        return self.type == "memory_llama"
 
 
 @dataclass
@@ -659,6 +726,12 @@ def _validate_memory(recipe: Recipe) -> None:
     if m.type == "hf" and m.init_from:
         raise RecipeError("model.init_from", "model.type 'hf' starts from model.pretrained; init_from loads "
                           "memtrain checkpoints of memtrain's own models")
+    if mem.is_memory_llama:
+        _validate_memory_llama(recipe)
+        return
+    if mem.memory_llama is not None:
+        raise RecipeError("memory.memory_llama", f"is only used with memory.type 'memory_llama' (memory.type is "
+                          f"{mem.type!r})")
     if not mem.enabled:
         if mem.levels:
             raise RecipeError("memory.levels", "is set but memory.type is 'none'; choose memory.type ffn, lora or kv")
@@ -670,7 +743,8 @@ def _validate_memory(recipe: Recipe) -> None:
                           "'titans' (Titans models carry their own neural memory)")
     if m.type == "hf" and mem.type != "ffn":
         raise RecipeError("memory.type", f"post-hoc memories on Hugging Face models are FFN memories (paper "
-                          f"Appendix A.6); got {mem.type!r}")
+                          f"Appendix A.6), or memory.type 'memory_llama' (Titans memories in a Llama); got "
+                          f"{mem.type!r}")
     if not cl.enabled:
         raise RecipeError("memory.type", "memories are fetched by cluster id; set data.clustering.enabled: true "
                           "(and prepare the data again)")
@@ -696,6 +770,61 @@ def _validate_memory(recipe: Recipe) -> None:
         raise RecipeError("memory.optimizer.min_lr", f"{o.min_lr} must lie in [0, memory.optimizer.lr {o.lr}]")
     if o.weight_decay < 0:
         raise RecipeError("memory.optimizer.weight_decay", f"must be >= 0, got {o.weight_decay}")
+
+
+# The hierarchical-memory keys of MemoryConfig; memory_llama leaves them at their defaults.
+_HIERARCHICAL_KEYS = ("levels", "lora_target", "lora_alpha", "placement", "placement_layers", "generic_prob",
+                      "freeze_anchor", "optimizer", "grad_clip")
+
+
+def _validate_memory_llama(recipe: Recipe) -> None:
+    m, mem, p = recipe.model, recipe.memory, recipe.parallel
+    if m.type != "hf":
+        raise RecipeError("memory.type", f"'memory_llama' injects memory into a pretrained Hugging Face Llama; set "
+                          f"model.type: hf and model.pretrained (a local folder or hub id); model.type is {m.type!r}")
+    default = MemoryConfig()
+    for key in _HIERARCHICAL_KEYS:
+        if getattr(mem, key) != getattr(default, key):
+            raise RecipeError(f"memory.{key}", "is a hierarchical-memory setting (memory.type ffn, lora, kv); "
+                              "memory.type 'memory_llama' is configured in memory.memory_llama.*")
+    if p.zero_stage > 2:
+        raise RecipeError("parallel.zero_stage", f"memory.type 'memory_llama' needs ZeRO stage 0, 1 or 2, got "
+                          f"{p.zero_stage}: ZeRO-3 partitions the frozen base model's weights, which the memory "
+                          "blocks' forward hooks read in place (and the frozen base has no optimizer state to shard)")
+    if mem.memory_llama is None:
+        mem.memory_llama = MemoryLlamaConfig()
+    ml = mem.memory_llama
+    key = "memory.memory_llama."
+    for name in ("depth", "expansion", "heads", "chunk_size", "conv_kernel", "every", "max_lr", "init_lr",
+                 "memory_lr", "lora_lr"):
+        if not getattr(ml, name) > 0:
+            raise RecipeError(key + name, f"must be positive, got {getattr(ml, name)}")
+    if ml.head_dim is not None and ml.head_dim <= 0:
+        raise RecipeError(key + "head_dim", f"must be positive, got {ml.head_dim}")
+    if not ml.init_lr < ml.max_lr:
+        raise RecipeError(key + "init_lr", f"{ml.init_lr} must be below {key}max_lr {ml.max_lr}")
+    if ml.layers is not None:
+        if not ml.layers:
+            raise RecipeError(key + "layers", "is empty; give 0-based decoder block indices or leave it unset "
+                              "(null) for the position's default")
+        if len(set(ml.layers)) != len(ml.layers) or any(i < 0 for i in ml.layers):
+            raise RecipeError(key + "layers", f"must be distinct 0-based decoder block indices, got {ml.layers}")
+    if not 0 <= ml.min_lr_ratio <= 1:
+        raise RecipeError(key + "min_lr_ratio", f"must lie in [0, 1], got {ml.min_lr_ratio}")
+    if ml.weight_decay < 0:
+        raise RecipeError(key + "weight_decay", f"must be >= 0, got {ml.weight_decay}")
+    lo = ml.lora
+    if lo.enabled:
+        for name in ("r", "alpha"):
+            if not getattr(lo, name) > 0:
+                raise RecipeError(f"{key}lora.{name}", f"must be positive, got {getattr(lo, name)}")
+        if not 0 <= lo.dropout < 1:
+            raise RecipeError(f"{key}lora.dropout", f"must lie in [0, 1), got {lo.dropout}")
+        if not lo.target_modules:
+            raise RecipeError(f"{key}lora.target_modules", "is empty; name the projections to adapt (e.g. q_proj, "
+                              "v_proj) or set memory.memory_llama.lora.enabled: false")
+    elif lo.freeze:
+        raise RecipeError(f"{key}lora.freeze", "freezes LoRA adapters, but memory.memory_llama.lora.enabled is false")
 
 
 def _validate_titans(m: ModelConfig) -> None:
@@ -750,9 +879,16 @@ def load_recipe(path: str | Path, overrides: Optional[list[str]] = None) -> Reci
 
 
 def recipe_hash_fields(recipe: Recipe) -> dict:
-    """The parts of a recipe a checkpoint must agree with to be resumed (model shape, data layout)."""
-    return {"model": _to_plain(recipe.model), "memory": _to_plain(recipe.memory),
-            "data.seq_len": recipe.data.seq_len}
+    """The parts of a recipe a checkpoint must agree with to be resumed (model shape, data layout).
+    Training-only settings (where the anchor came from, memory optimizer, clipping, the generic-memory
+    probability, freezing) may change between a checkpoint and the run that continues it."""
+    model = {k: v for k, v in _to_plain(recipe.model).items() if k not in _RESUMABLE_MODEL_KEYS}
+    memory = {k: v for k, v in _to_plain(recipe.memory).items() if k not in _RESUMABLE_MEMORY_KEYS}
+    return {"model": model, "memory": memory, "data.seq_len": recipe.data.seq_len}
+
+
+_RESUMABLE_MODEL_KEYS = ("init_from",)
+_RESUMABLE_MEMORY_KEYS = ("optimizer", "grad_clip", "generic_prob", "freeze_anchor")
 
 
 __all__ = [

@@ -414,3 +414,18 @@ def test_state_dict_round_trip_and_deepcopy(base_dir):
         memory_blocks(twin)[0].w_g.bias.fill_(3.0)   # the copy's hooks use the copy's blocks
     assert (logits(twin, x) - ref).abs().max() > 1e-4
     torch.testing.assert_close(logits(model, x), ref, atol=0, rtol=0)
+
+
+@pytest.mark.skipif(not HAVE_PEFT, reason="peft not installed")
+def test_augment_is_load_memory_llama_on_a_loaded_model(base_dir):
+    """augment() (what memtrain's MemoryLlamaLM uses on AutoModelForCausalLM) == load_memory_llama."""
+    from memtrain.model.memory_llama import augment
+
+    loaded = load(base_dir, "gema", seed=0, lora={"r": 4}, freeze_lora=True)
+    torch.manual_seed(0)
+    augmented = augment(LlamaForCausalLM.from_pretrained(base_dir), "gema", None, MEM, {"r": 4}, True)
+    assert type(augmented) is type(loaded)
+    sa, sb = loaded.state_dict(), augmented.state_dict()
+    assert list(sa) == list(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert ({n for n, p in loaded.named_parameters() if p.requires_grad}
+            == {n for n, p in augmented.named_parameters() if p.requires_grad})

@@ -8,6 +8,12 @@ Resume is automatic: running the same command again continues from the newest co
 ``run.dir`` and reproduces the uninterrupted loss trajectory (model, optimizer, scheduler, data-loader
 position and every rank's RNG state are restored). SIGTERM or SIGUSR1 (Slurm preemption) make the
 loop finish the current step, write a checkpoint and exit cleanly.
+
+``memory.type: memory_llama`` (Titans memories inside a frozen Hugging Face Llama) has no memory bank:
+the memory blocks and LoRA adapters are ordinary parameter groups of DeepSpeed's optimizer, each on its
+own learning rate (``optim/memory_lr``, ``optim/lora_lr``); logged steps add the blocks' gate,
+contribution and weight-norm statistics (``memory_module/*``). Every forward starts each sample from a
+reset memory (the blocks' ``auto`` mode), validation included.
 """
 
 from __future__ import annotations
@@ -72,6 +78,15 @@ def _to_device(batch: dict, device: torch.device) -> dict:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
+def _next_batch(batches) -> dict:
+    """The next training micro-batch, without touching the global CPU RNG: creating a DataLoader
+    iterator draws its base seed from it, and a resumed run creates its iterator at another point of
+    the stream than the uninterrupted run did, which would shift every later random draw of the model
+    (e.g. LoRA dropout on CPU) and break the exact resume."""
+    with torch.random.fork_rng(devices=[]):
+        return next(batches)
+
+
 def eval_memory(bank, batch: dict, mode: str):
     """The memory a validation batch uses: ``fetched`` (its cluster ids), ``generic`` (the generic
     block for every sequence) or ``none`` (the anchor alone). Evaluation fetches are not counted."""
@@ -105,7 +120,7 @@ def evaluate(engine, loader_factory, batches: int, device: torch.device, bank=No
     return total / count if count else None
 
 
-def clip_memory(engine, bank, recipe: Recipe) -> dict[str, float]:
+def clip_memory(engine, bank, recipe: Recipe, joint: bool) -> dict[str, float]:
     """Clip at the accumulation boundary, before the anchor's and the bank's optimizer steps.
 
     ``joint``: one global norm over the anchor's gradients (plain ``.grad`` under ZeRO 0 / fp32, already
@@ -114,7 +129,7 @@ def clip_memory(engine, bank, recipe: Recipe) -> dict[str, float]:
     the anchor, the bank is clipped by its own norm. Returns the pre-clip norms."""
     clip = recipe.train.grad_clip
     bank_norm = bank.grad_norm()
-    if recipe.memory.grad_clip == "joint":
+    if joint:
         grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
         anchor = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
         total = math.sqrt(anchor**2 + bank_norm**2)
@@ -183,12 +198,17 @@ def train(recipe: Recipe) -> dict:
         raise RecipeError("data.tokenizer.path", f"the tokenizer has {meta['vocab_size']} tokens but "
                           f"{recipe.model.pretrained} has {model.vocab_size}; use the model's own tokenizer")
     model.to(device)
+    memory_llama = mem.is_memory_llama  # Titans memories inside the model; no bank
+    if memory_llama:
+        for line in model.describe():
+            _log(line, rank)
     bank = None
     if mem.enabled:
         from memtrain.model.hierarchical import generic_mask
         from memtrain.parallel.bank import MemoryBank, level_sizes_line
 
-        if joint_clipping(recipe) and prec != "fp32":
+        joint = joint_clipping(recipe, prec)
+        if joint and prec != "fp32":
             raise LaunchError(f"memory.grad_clip joint needs fp32 DeepSpeed gradients, but this run is {prec}; "
                               "set memory.grad_clip: separate (or parallel.precision: fp32)")
         bank = MemoryBank(model.memory_layout, device, seed=recipe.run.seed)
@@ -199,7 +219,8 @@ def train(recipe: Recipe) -> dict:
         # by whatever creates DataLoader iterators, which a resumed run does at other times.
         generic_rng = torch.Generator().manual_seed(recipe.run.seed * 1_000_003 + rank)
         _log(level_sizes_line(model.memory_layout) + f" | generic memory p={recipe.generic_prob:.4f}"
-             + (" | anchor frozen" if mem.freeze_anchor else ""), rank)
+             + f" | clipping {'joint' if joint else 'separate'}" + (" | anchor frozen" if mem.freeze_anchor else ""),
+             rank)
 
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -249,6 +270,10 @@ def train(recipe: Recipe) -> dict:
     schedule = lr_at(recipe)
     n_memory = sum(p.numel() for p in model.memory_parameters()) if bank is not None else 0
     params = f"{n_params - n_memory:,} parameters" + (f" + {n_memory:,} generic memory" if n_memory else "")
+    if memory_llama:
+        params += f" ({sum(p.numel() for p in model.parameters() if p.requires_grad):,} trainable)"
+        memory_schedule, lora_schedule = lr_at(recipe, "memory"), lr_at(recipe, "lora")
+        lora_trains = any(p.requires_grad for p in model.lora_parameters())
     _log(f"{params} | {world} rank(s) via {dist_env.launcher} on {device.type} ({prec}) | "
          f"ZeRO {recipe.parallel.zero_stage} | {recipe.sequences_per_step} x {recipe.data.seq_len} tokens per step "
          f"= {recipe.train.micro_batch_size} per micro-batch x {world} ranks x {accum} accumulation", rank)
@@ -287,7 +312,7 @@ def train(recipe: Recipe) -> dict:
             loss_sum = torch.zeros((), device=device)
             for _ in range(accum):
                 t0 = time.perf_counter()
-                batch = _to_device(next(train_batches), device)
+                batch = _to_device(_next_batch(train_batches), device)
                 data_wait += time.perf_counter() - t0
                 memory = None
                 if bank is not None:
@@ -302,7 +327,7 @@ def train(recipe: Recipe) -> dict:
                 if engine.is_gradient_accumulation_boundary():
                     if bank is not None:
                         bank.reduce_gradients()
-                        bank_norm = clip_memory(engine, bank, recipe)
+                        bank_norm = clip_memory(engine, bank, recipe, joint)
                         pre_clip_norm = bank_norm["total"]
                     elif recipe.parallel.zero_stage == 0:
                         # DeepSpeed reports no norm without ZeRO or bf16; take it before clipping here.
@@ -315,7 +340,7 @@ def train(recipe: Recipe) -> dict:
             step += 1
             tokens_seen += recipe.tokens_per_step
             grad_norm = global_grad_norm(engine)
-            if math.isnan(grad_norm) or (bank is not None and joint_clipping(recipe)):
+            if math.isnan(grad_norm) or (bank is not None and joint):
                 grad_norm = pre_clip_norm  # ZeRO 0: DeepSpeed reports none; joint: anchor and bank together
             train_loss = _all_mean([float(loss_sum) / accum], device)[0]
             step_time = time.perf_counter() - t_start
@@ -336,6 +361,15 @@ def train(recipe: Recipe) -> dict:
                 values.update(bank.stats(norms=logging_now))
                 values["memory_module/grad_norm"] = bank_norm["bank"]
                 values["optim/memory_lr"] = memory_schedule(step - 1)
+            if memory_llama:
+                # The base model does not train: optim/lr is the memory blocks' learning rate.
+                values["optim/lr"] = values["optim/memory_lr"] = memory_schedule(step - 1)
+                if lora_trains:
+                    values["optim/lora_lr"] = lora_schedule(step - 1)
+                if step % log_every == 0 or step == max_steps:
+                    # Section 4.2.2's gate / contribution / ||W_h|| statistics of the last training micro-batch
+                    # (before evaluation runs forwards of its own); rank 0's batch, like the other stats.
+                    values.update(model.gate_stats())
             if peak:
                 values["throughput/mfu"] = fpt * values["throughput/device/tokens_per_sec"] / peak
             if device.type == "cuda":

@@ -27,6 +27,10 @@ The interface is :class:`memtrain.model.anchor.DecoderLM`'s: ``memory_layout``, 
 ``forward(input_ids, doc_ids=None, memory=None) -> ModelOutput``. Positions run 0..T-1 over the
 whole packed sequence and attention is causal over it (``doc_ids`` is accepted and ignored, A.6).
 
+:class:`MemoryLlamaLM` (``memory.type: memory_llama``) is the same wrapper around a pretrained Llama
+with frozen weights, ``peft`` LoRA adapters and the gated Titans memory blocks of the MemoryLlama
+thesis (:mod:`memtrain.model.memory_llama`) inside its decoder layers; it has no memory bank.
+
 Imports torch only at module level; transformers is imported when a model is built.
 """
 
@@ -39,7 +43,7 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
-from memtrain.config import MemoryConfig, ModelConfig, RecipeError
+from memtrain.config import MemoryConfig, MemoryLlamaConfig, ModelConfig, RecipeError
 from memtrain.model.anchor import ModelOutput
 from memtrain.model.hierarchical import AnchorDims, FetchedMemory, GenericMemory, MemoryLayout, ffn_memory
 
@@ -230,7 +234,10 @@ class HFMemoryLM(nn.Module):
     @classmethod
     def from_config(cls, model_cfg: ModelConfig, memory_cfg: Optional[MemoryConfig] = None,
                     branching: int = 16) -> "HFMemoryLM":
-        """Load ``model_cfg.pretrained`` (float32; config only on the meta device) and attach memories."""
+        """Load ``model_cfg.pretrained`` (float32; config only on the meta device) and attach memories
+        (``memory.type: memory_llama``: a :class:`MemoryLlamaLM`)."""
+        if memory_cfg is not None and memory_cfg.is_memory_llama:
+            return MemoryLlamaLM(load_causal_lm(model_cfg.pretrained), memory_cfg, model_cfg)
         return cls(load_causal_lm(model_cfg.pretrained), memory_cfg, branching, model_cfg)
 
     # -- parameters --------------------------------------------------------------------------------
@@ -290,4 +297,147 @@ class HFMemoryLM(nn.Module):
         return ModelOutput(logits=out.logits)
 
 
-__all__ = ["HFMemoryLM", "check_gated_mlps", "decoder_layers", "hf_anchor_dims", "load_causal_lm", "text_config"]
+# --------------------------------------------------------------------------------------------------
+# MemoryLlama: Titans memories inside the model (memory.type memory_llama)
+
+
+def memory_llama_kwargs(ml: MemoryLlamaConfig) -> dict:
+    """:class:`memtrain.model.titans.NeuralMemory` arguments from ``memory.memory_llama``."""
+    return {"heads": ml.heads, "head_dim": ml.head_dim, "depth": ml.depth, "expansion": ml.expansion,
+            "chunk_size": ml.chunk_size, "gate_mode": ml.gate_mode, "conv_kernel": ml.conv_kernel,
+            "max_lr": ml.max_lr, "init_lr": ml.init_lr}
+
+
+def lora_kwargs(ml: MemoryLlamaConfig) -> Optional[dict]:
+    """``peft.LoraConfig`` arguments from ``memory.memory_llama.lora`` (None: no LoRA)."""
+    lo = ml.lora
+    if not lo.enabled:
+        return None
+    return {"r": lo.r, "lora_alpha": lo.alpha, "lora_dropout": lo.dropout, "target_modules": list(lo.target_modules)}
+
+
+class MemoryLlamaLM(HFMemoryLM):
+    """MemoryLlama (thesis Sections 4.1-4.2; :mod:`memtrain.model.memory_llama`) behind memtrain's model
+    interface: ``hf_model`` is the pretrained causal LM with every base weight frozen, LoRA adapters
+    (``peft``; ``hf_model`` is then the ``PeftModel``) unless ``memory.memory_llama.lora.enabled`` is
+    false, frozen with ``lora.freeze``, and gated Titans memory blocks injected into the decoder layers
+    of ``memory.memory_llama.position`` / ``layers``.
+
+    ``memory_parameters()``: the memory blocks and the LoRA adapters; ``anchor_parameters()``: the
+    rest (the frozen base). There is no memory bank: ``forward`` takes ``memory=None`` only.
+
+    Memory state: the blocks run in ``"auto"`` mode -- every forward of this wrapper (no KV cache)
+    starts each sample of the batch from the initial memory ``M_0``, zero momentum and an empty
+    convolution cache (per batch element; thesis Section 4.2.3's reset per sample). Switching between
+    train and eval mode additionally drops any state a block kept (eval mode keeps the last state for
+    KV-cached decoding), so evaluation never sees a state from before and none lingers in memory.
+    """
+
+    def __init__(self, hf_model: nn.Module, memory_cfg: MemoryConfig, model_cfg: Optional[ModelConfig] = None):
+        from memtrain.model.memory_llama import augment
+
+        ml = memory_cfg.memory_llama or MemoryLlamaConfig()
+        n_layers = text_config(hf_model.config).num_hidden_layers
+        layers = decoder_layers(hf_model, n_layers)
+        arch = type(hf_model).__name__
+        inner = getattr(hf_model, "model", None)
+        if layers is None or getattr(inner, "layers", None) is not layers:
+            raise RecipeError(_KEY, f"{arch} is not supported by memory.type 'memory_llama': it needs a Llama-style "
+                                    "causal LM with decoder layers at model.layers (LlamaForCausalLM)")
+        for i, layer in enumerate(layers):
+            missing = [a for a in ("input_layernorm", "self_attn")
+                       if not isinstance(getattr(layer, a, None), nn.Module)]
+            if missing:
+                raise RecipeError(_KEY, f"{arch} is not supported by memory.type 'memory_llama': decoder layer {i} "
+                                        f"({type(layer).__name__}) has no {', '.join(missing)}")
+        if ml.layers is not None and any(i >= n_layers for i in ml.layers):
+            raise RecipeError("memory.memory_llama.layers", f"{ml.layers} names blocks beyond the {n_layers} decoder "
+                              f"layers of {model_cfg.pretrained if model_cfg else arch} (0-based: 0..{n_layers - 1})")
+        model = augment(hf_model, ml.position, ml.layers, memory_llama_kwargs(ml), lora_kwargs(ml), ml.lora.freeze,
+                        every=ml.every, gate_bias_init=ml.gate_bias_init, residual=ml.residual)
+        super().__init__(model, None, model_cfg=model_cfg)
+        self.memory_llama = ml
+
+    # -- parameters --------------------------------------------------------------------------------
+
+    def blocks(self) -> list:
+        from memtrain.model.memory_llama import memory_blocks
+
+        return memory_blocks(self.hf_model)
+
+    def memory_block_parameters(self) -> list[nn.Parameter]:
+        seen: set[int] = set()
+        out = []
+        for b in self.blocks():
+            for p in b.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+        return out
+
+    def lora_parameters(self) -> list[nn.Parameter]:
+        return [p for n, p in self.hf_model.named_parameters() if "lora_" in n]
+
+    def memory_parameters(self) -> list[nn.Parameter]:
+        """The memory blocks and the LoRA adapters (trainable or frozen)."""
+        return self.memory_block_parameters() + self.lora_parameters()
+
+    def anchor_parameters(self) -> list[nn.Parameter]:
+        """The pretrained base model's parameters (frozen)."""
+        mem = {id(p) for p in self.memory_parameters()}
+        return [p for p in self.hf_model.parameters() if id(p) not in mem]
+
+    def param_groups(self, memory_lr: float, lora_lr: float, weight_decay: float) -> list[dict]:
+        """AdamW groups (:func:`memtrain.model.memory_llama.param_groups`) with the schedule's ``role``:
+        ``memory`` (memory blocks) and ``lora`` (LoRA adapters, when they train)."""
+        from memtrain.model.memory_llama import param_groups
+
+        groups = param_groups(self.hf_model, memory_lr, lora_lr, weight_decay)
+        for g in groups:
+            g["role"] = "lora" if g["name"].startswith("lora") else "memory"
+        return groups
+
+    def describe(self) -> list[str]:
+        """Lines for `memtrain recipe show` and the training log: where the memories are and the sizes."""
+        ml = self.memory_llama
+        mem = sum(p.numel() for p in self.memory_block_parameters())
+        lora = sum(p.numel() for p in self.lora_parameters())
+        base = sum(p.numel() for p in self.anchor_parameters())
+        layers = [b.layer_idx for b in self.blocks()]
+        lines = [f"memory_llama: {ml.position} memory blocks in decoder layers {layers}: {mem:,} parameters "
+                 f"(trainable, lr {ml.memory_lr:g})"]
+        if ml.lora.enabled:
+            state = "frozen" if ml.lora.freeze else f"trainable, lr {ml.lora_lr:g}"
+            lines.append(f"memory_llama: LoRA r={ml.lora.r} alpha={ml.lora.alpha:g} on "
+                         f"{', '.join(ml.lora.target_modules)}: {lora:,} parameters ({state})")
+        else:
+            lines.append("memory_llama: no LoRA")
+        lines.append(f"memory_llama: frozen base model: {base:,} parameters")
+        return lines
+
+    # -- memory state and statistics ---------------------------------------------------------------
+
+    def train(self, mode: bool = True) -> "MemoryLlamaLM":
+        super().train(mode)
+        from memtrain.model.memory_llama import reset_memory
+
+        reset_memory(self.hf_model)
+        return self
+
+    def gate_stats(self) -> dict[str, float]:
+        """The ``memory_module/*`` scalars of the last forward (:func:`memtrain.model.memory_llama.gate_stats`)."""
+        from memtrain.model.memory_llama import gate_stats
+
+        return gate_stats(self.hf_model)
+
+    def forward(self, input_ids: torch.Tensor, doc_ids: Optional[torch.Tensor] = None,
+                memory: Optional[FetchedMemory] = None) -> ModelOutput:
+        """``input_ids [B, T]``; every sample starts from a reset memory (see the class docstring)."""
+        if memory is not None:
+            raise ValueError("memory.type 'memory_llama' keeps its memories inside the model (no bank); "
+                             "pass memory=None")
+        return super().forward(input_ids, doc_ids)
+
+
+__all__ = ["HFMemoryLM", "MemoryLlamaLM", "check_gated_mlps", "decoder_layers", "hf_anchor_dims", "load_causal_lm",
+           "lora_kwargs", "memory_llama_kwargs", "text_config"]

@@ -84,8 +84,10 @@ search is not supported (the cache is reordered, the memory state is not).
 
 Monitoring: :func:`gate_stats` returns the Section 4.2.2 statistics of the last forward as
 TensorBoard scalars. Optimiser: :func:`param_groups` (separate learning rates for memory and LoRA).
-Loading: :func:`load_memory_llama` (frozen base, optional ``peft`` LoRA, optionally frozen).
-The learning-rate schedule (cosine with warmup) and gradient clipping are the training loop's job.
+Loading: :func:`load_memory_llama` (frozen base, optional ``peft`` LoRA, optionally frozen), or
+:func:`augment` on an already loaded model. The learning-rate schedule (cosine with warmup) and
+gradient clipping are the training loop's job: in memtrain, ``memory.type: memory_llama`` recipes
+(:class:`memtrain.model.hf.MemoryLlamaLM`, :func:`memtrain.parallel.engine.build_optimizer`).
 """
 
 from __future__ import annotations
@@ -438,6 +440,18 @@ def load_memory_llama(path_or_hub_id: str, position: str = "alma", layers: Optio
     from transformers import LlamaForCausalLM
 
     model = LlamaForCausalLM.from_pretrained(path_or_hub_id, local_files_only=True, **_dtype_kwarg(torch_dtype))
+    return augment(model, position, layers, memory_kwargs, lora, freeze_lora, every=every,
+                   gate_bias_init=gate_bias_init, residual=residual, memory_dtype=memory_dtype,
+                   track_stats=track_stats)
+
+
+def augment(model: nn.Module, position: str = "alma", layers: Optional[Iterable[int]] = None,
+            memory_kwargs: Optional[dict] = None, lora: Optional[dict] = None, freeze_lora: bool = False, *,
+            every: int = 2, gate_bias_init: float = THESIS_GATE_BIAS, residual: str = "input",
+            memory_dtype: Optional[torch.dtype] = torch.float32, track_stats: bool = True) -> nn.Module:
+    """:func:`load_memory_llama` on an already loaded ``LlamaForCausalLM``: freeze every base parameter,
+    apply LoRA (``lora``: ``peft.LoraConfig`` arguments over :data:`THESIS_LORA`; None: no LoRA),
+    optionally freeze it, inject the memory. Returns the model or the ``peft.PeftModel`` wrapping it."""
     model.requires_grad_(False)
     if lora is not None:
         try:
@@ -459,7 +473,8 @@ def num_trainable(model: nn.Module) -> int:
 
 
 __all__ = [
-    "GatedMemoryBlock", "MODES", "POSITIONS", "RESIDUALS", "THESIS_GATE_BIAS", "THESIS_LORA", "default_layers",
+    "GatedMemoryBlock", "MODES", "POSITIONS", "RESIDUALS", "THESIS_GATE_BIAS", "THESIS_LORA", "augment",
+    "default_layers",
     "gate_stats", "inject_memory", "load_memory_llama", "memory_blocks", "num_trainable", "param_groups",
     "reset_memory", "set_memory_mode",
 ]

@@ -8,6 +8,12 @@ as a client optimizer so that ZeRO shards its state; the learning-rate schedule 
 
 Schedule (hierarchical-memories paper, Appendix A.1): linear warmup to ``lr`` over the warmup steps,
 then a cosine from ``lr`` down to the cool-down floor ``min_lr`` reached at ``train.max_steps``.
+Every parameter group has a ``role`` (``anchor``, ``memory``, ``lora``) with its own peak and floor
+(:func:`peak_lr`) on that shared warmup and cosine. With ``memory.type: memory_llama`` the base model
+is frozen and the groups are the memory blocks (role ``memory``, memory.memory_llama.memory_lr) and
+the LoRA adapters (role ``lora``, memory.memory_llama.lora_lr), each split into decayed matrices and
+undecayed vectors (and the identity-initialised W_x); gradient clipping is DeepSpeed's
+(train.grad_clip) over all of them together.
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ def deepspeed_config(recipe: Recipe, world_size: int, precision_name: str = "fp3
         "train_micro_batch_size_per_gpu": recipe.train.micro_batch_size,
         "gradient_accumulation_steps": accum,
         # Joint clipping with the memory bank is done by the training loop over both (joint_clipping).
-        "gradient_clipping": 0.0 if joint_clipping(recipe) else recipe.train.grad_clip,
+        "gradient_clipping": 0.0 if joint_clipping(recipe, precision_name) else recipe.train.grad_clip,
         "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,
         "bf16": {"enabled": precision_name == "bf16"},
@@ -65,10 +71,16 @@ def deepspeed_config(recipe: Recipe, world_size: int, precision_name: str = "fp3
     }
 
 
-def joint_clipping(recipe: Recipe) -> bool:
+def joint_clipping(recipe: Recipe, precision_name: str) -> bool:
     """Anchor and memory gradients clipped by their global norm together, by the training loop (the
-    DeepSpeed module's gradients must then be plain ``.grad`` tensors: ZeRO 0, fp32)."""
-    return recipe.memory.enabled and recipe.memory.grad_clip == "joint" and recipe.train.grad_clip > 0
+    DeepSpeed module's gradients must then be plain ``.grad`` tensors: ZeRO 0, fp32). ``auto`` picks
+    joint exactly then; an explicit ``joint`` elsewhere is refused by the recipe check and the loop."""
+    m = recipe.memory
+    if not m.enabled or recipe.train.grad_clip <= 0 or m.grad_clip == "separate":
+        return False
+    if m.grad_clip == "joint":
+        return True
+    return recipe.parallel.zero_stage == 0 and precision_name == "fp32"
 
 
 def param_groups(model: nn.Module, weight_decay: float, memory: Optional[list] = None,
@@ -94,22 +106,56 @@ def param_groups(model: nn.Module, weight_decay: float, memory: Optional[list] =
 
 def build_optimizer(model: nn.Module, recipe: Recipe) -> torch.optim.Optimizer:
     o = recipe.train.optimizer
-    memory = model.memory_parameters() if hasattr(model, "memory_parameters") else []
-    groups = param_groups(model, o.weight_decay, memory, recipe.memory.optimizer.weight_decay)
+    if recipe.memory.is_memory_llama:
+        # Frozen base: only the memory blocks (role memory) and the LoRA adapters (role lora) train.
+        ml = _memory_llama(recipe)
+        groups = model.param_groups(ml.memory_lr, ml.lora_lr, ml.weight_decay)
+    else:
+        memory = model.memory_parameters() if hasattr(model, "memory_parameters") else []
+        groups = param_groups(model, o.weight_decay, memory, recipe.memory.optimizer.weight_decay)
     for g in groups:
-        g["lr"] = recipe.memory.optimizer.lr if g["role"] == "memory" else o.lr
+        g["lr"] = peak_lr(recipe, g["role"])[0]
     if not groups:
         raise LaunchError("nothing to train: every parameter is frozen")
     return torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, foreach=False)
 
 
+def _memory_llama(recipe: Recipe):
+    from memtrain.config import MemoryLlamaConfig
+
+    return recipe.memory.memory_llama or MemoryLlamaConfig()
+
+
+ROLES = ("anchor", "memory", "lora")
+
+
+def peak_lr(recipe: Recipe, role: str = "anchor") -> tuple[float, float]:
+    """``(peak, floor)`` learning rates of a parameter-group role.
+
+    - ``anchor``: train.optimizer.lr -> train.schedule.min_lr;
+    - ``memory``: memory.optimizer.lr -> memory.optimizer.min_lr (hierarchical memories, Appendix A.2),
+      or, with memory.type memory_llama, memory.memory_llama.memory_lr -> min_lr_ratio x memory_lr;
+    - ``lora`` (memory_llama): memory.memory_llama.lora_lr -> min_lr_ratio x lora_lr.
+    """
+    if role not in ROLES:
+        raise ValueError(f"unknown parameter-group role {role!r}; expected one of {', '.join(ROLES)}")
+    if role == "anchor":
+        return recipe.train.optimizer.lr, recipe.train.schedule.min_lr
+    if recipe.memory.is_memory_llama:
+        ml = _memory_llama(recipe)
+        lr = ml.memory_lr if role == "memory" else ml.lora_lr
+        return lr, lr * ml.min_lr_ratio
+    if role == "lora":
+        raise ValueError("role 'lora' (LoRA adapters at their own learning rate) needs memory.type memory_llama")
+    return recipe.memory.optimizer.lr, recipe.memory.optimizer.min_lr
+
+
 def lr_at(recipe: Recipe, role: str = "anchor") -> Callable[[int], float]:
-    """``step -> learning rate`` for optimizer step ``step`` (0-based). ``role`` ``memory`` follows the
-    same warmup and cosine from memory.optimizer.lr to memory.optimizer.min_lr (Appendix A.2)."""
-    if role == "memory":
-        lr, floor = recipe.memory.optimizer.lr, recipe.memory.optimizer.min_lr
-    else:
-        lr, floor = recipe.train.optimizer.lr, recipe.train.schedule.min_lr
+    """``step -> learning rate`` for optimizer step ``step`` (0-based). Every role follows the same
+    warmup and cosine (train.schedule) between its own peak and floor (:func:`peak_lr`): the memory
+    role from memory.optimizer.lr to memory.optimizer.min_lr (Appendix A.2); with memory_llama the
+    memory and lora roles from their own peak to min_lr_ratio times it."""
+    lr, floor = peak_lr(recipe, role)
     warmup, total = recipe.steps(recipe.train.schedule.warmup), recipe.max_steps
     kind = recipe.train.schedule.kind
 
@@ -128,7 +174,7 @@ def build_scheduler(optimizer: torch.optim.Optimizer, recipe: Recipe) -> torch.o
     lambdas = []
     for group in optimizer.param_groups:
         role = group.get("role", "anchor")
-        base = recipe.memory.optimizer.lr if role == "memory" else recipe.train.optimizer.lr
+        base = peak_lr(recipe, role)[0]
         schedule = lr_at(recipe, role)
         lambdas.append(lambda step, schedule=schedule, base=base: schedule(step) / base)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)
