@@ -5,7 +5,9 @@
     memtrain recipe show RECIPE [key=value ...]        resolved recipe, DeepSpeed config, parameters
     memtrain submit  RECIPE [key=value ...] [--dry-run] write an sbatch script and submit it to Slurm
     memtrain eval    RECIPE [key=value ...] [checkpoint=PATH] [--batches N] [--out FILE] [--modes M,...]
-                                                       val perplexity and long-tail fact probes of a checkpoint
+                     [--tasks T,...] [--lengths N,...] [--samples N] [--max-new-tokens N]
+                                                       val perplexity, long-tail fact probes and long-context
+                                                       tasks (S-NIAH, BABILong-style) of a checkpoint
 
 Errors the user can fix are printed as one line and exit with code 2.
 """
@@ -46,11 +48,14 @@ def _parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("submit", help="write an sbatch script for the recipe and submit it with sbatch")
     recipe_args(sp)
     sp.add_argument("--dry-run", action="store_true", help="print the script; write and submit nothing")
-    sp = sub.add_parser("eval", help="evaluate a checkpoint: val perplexity (fetched / generic memory) and the "
-                        "builtin:longtail fact probes (fetched, generic, blocked, corrupted retrieval)",
+    sp = sub.add_parser("eval", help="evaluate a checkpoint: val perplexity (fetched / generic memory), the "
+                        "builtin:longtail fact probes (fetched, generic, blocked, corrupted retrieval) and the "
+                        "long-context tasks (S-NIAH, BABILong-style qa1-qa5)",
                         description="Evaluate a checkpoint in one process. checkpoint=PATH (a run dir or its "
                         "checkpoints/global_stepN) picks it; default: the newest complete checkpoint in run.dir. "
-                        "Other key=value overrides apply to the recipe as in `memtrain train`.")
+                        "Other key=value overrides apply to the recipe as in `memtrain train`. Long-context tasks "
+                        "(generated offline, greedy generation, whole-word answer match) run by default for "
+                        "model.type titans and memory.type memory_llama, for other models with --tasks.")
     recipe_args(sp)
     sp.add_argument("--batches", type=_non_negative_int, default=None, metavar="N",
                     help="val micro-batches for perplexity (default train.eval.batches; 0 skips it)")
@@ -59,6 +64,19 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--modes", default=None, metavar="M,...",
                     help="comma-separated memory modes (default: fetched, generic, blocked, corrupt_from_level_p.."
                          "1 with memories; none without)")
+    sp.add_argument("--tasks", default=None, metavar="T,...",
+                    help="long-context tasks: niah (passkey, number, word needles; RULER S-NIAH), babilong "
+                         "(qa1-qa5 fact chaining), single task names, or none (default: niah,babilong for "
+                         "model.type titans and memory.type memory_llama, none otherwise)")
+    sp.add_argument("--lengths", default=None, metavar="N,...",
+                    help="prompt lengths in tokens of the run's tokenizer, 2K = 2048 (default 512,1024: small "
+                         "enough for the tiny CPU models; the Titans paper uses 2K,4K,8K,16K). Titans models read "
+                         "longer prompts in max_seq_len calls carrying their memory; other models keep the last "
+                         "tokens that fit their context (counted as truncated)")
+    sp.add_argument("--samples", type=int, default=None, metavar="N",
+                    help="examples per task and length (default 5; S-NIAH needles at N evenly spaced depths)")
+    sp.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
+                    help="greedy tokens generated per example, stopping at end-of-text (default 16)")
     return p
 
 
@@ -89,12 +107,16 @@ def recipe_show(recipe, world_size: Optional[int]) -> str:
              json.dumps(deepspeed_config(recipe, world_size, precision), indent=2), "",
              f"model parameters: {count_parameters(model) - _generic_parameters(model)}",
              *memory_lines(model),
+             *(model.describe() if hasattr(model, "describe") else []),
              f"tokens per step: {recipe.tokens_per_step} ({recipe.sequences_per_step} sequences of {recipe.data.seq_len})",
              f"max steps: {recipe.max_steps} ({recipe.max_steps * recipe.tokens_per_step} tokens)"]
     return "\n".join(lines)
 
 
 def _generic_parameters(model) -> int:
+    """The generic memory's parameters (hierarchical memories); MemoryLlama's memory is described apart."""
+    if getattr(model, "memory_llama", None) is not None:
+        return 0
     memory = getattr(model, "memory_parameters", None)
     return sum(p.numel() for p in memory()) if memory is not None else 0
 
@@ -154,7 +176,9 @@ def run(argv: Optional[list[str]] = None) -> int:
         from memtrain.launcher.evaluate import evaluate, format_table
 
         modes = [m.strip() for m in args.modes.split(",") if m.strip()] if args.modes is not None else None
-        print(format_table(evaluate(recipe, checkpoint, batches=args.batches, out=args.out, modes=modes)), flush=True)
+        report = evaluate(recipe, checkpoint, batches=args.batches, out=args.out, modes=modes, tasks=args.tasks,
+                          lengths=args.lengths, samples=args.samples, max_new_tokens=args.max_new_tokens)
+        print(format_table(report), flush=True)
     return 0
 
 
