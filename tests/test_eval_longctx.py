@@ -18,10 +18,11 @@ import yaml
 from torch import nn
 
 from memtrain.config import ModelConfig, RecipeError, TitansConfig
-from memtrain.launcher.evaluate import (
-    PromptEncoder, check_long_context, fresh_memory_per_forward, greedy_generate, niah_depths, parse_lengths,
-    parse_tasks, run_long_context, stream_call_tokens, task_examples,
+from memtrain.launcher.eval_longctx import (
+    PromptEncoder, fresh_memory_per_forward, greedy_generate, niah_depths, parse_lengths, parse_tasks,
+    run_long_context, stream_call_tokens, task_examples,
 )
+from memtrain.launcher.evaluate import check_long_context
 from memtrain.model.anchor import ModelOutput
 from memtrain.model.titans.arch import TitansOutput
 from memtrain.model.titans.eval_tasks import format_prompt

@@ -382,3 +382,23 @@ def test_titans_cpu_mac_recipe_end_to_end(tmp_path):
     assert rows[-1]["loss/train"] < rows[0]["loss/train"], [r["loss/train"] for r in rows]
     assert "loss/val" in rows[-1]
     assert (tmp_path / "run" / "checkpoints" / "global_step4").is_dir()
+
+
+@pytest.mark.parametrize("variant", ["lmm", "mac", "mag", "mal"])
+def test_flops_estimate_counts_linears_attention_context_and_the_inner_loop(variant):
+    """Titans MFU uses 6 x linear weights + 12 L_attn H d_h C + 24 x memory-MLP weights (flops.py)."""
+    from memtrain.model.flops import titans_flops_per_token
+
+    cfg = tiny(variant)
+    torch.manual_seed(0)
+    model = build(cfg)
+    t = cfg.titans
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    memory = sum(p.numel() for n, p in model.named_parameters() if ".init_weights." in n)
+    assert memory > 0
+    head_dim = cfg.head_dim or cfg.d_model // cfg.n_heads
+    context = {"lmm": 0, "mac": 2 * t.segment_len, "mag": t.window, "mal": t.window}[variant] + t.persistent_tokens
+    layers = 0 if variant == "lmm" else cfg.n_layers
+    expected = 6 * linear + 12 * layers * cfg.n_heads * head_dim * context + 24 * memory
+    assert titans_flops_per_token(model, cfg) == expected
+    assert expected > 6 * linear  # the memory is counted

@@ -54,15 +54,12 @@ by the functions that use them.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import json
 import math
 import os
-import re
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -70,6 +67,25 @@ import torch.nn.functional as F
 
 from memtrain.config import Recipe, RecipeError, TitansConfig
 from memtrain.errors import CheckpointError, DataError
+from memtrain.launcher.eval_longctx import (  # noqa: F401 (re-exported)
+    long_context_by_default,
+    parse_tasks,
+    parse_lengths,
+    niah_depths,
+    PromptEncoder,
+    task_examples,
+    stream_call_tokens,
+    model_context,
+    fresh_memory_per_forward,
+    greedy_generate,
+    run_long_context,
+    long_context,
+    long_context_lines,
+    DEFAULT_TASKS,
+    DEFAULT_TASK_SAMPLES,
+    DEFAULT_MAX_NEW_TOKENS,
+    TASK_BATCH_SIZE,
+)
 
 CHECKPOINT_KEY = "checkpoint"
 BUCKETS = ("head", "torso", "tail")
@@ -425,351 +441,6 @@ def probe_accuracy(model: torch.nn.Module, bank: Any, recipe: Recipe, data_dir: 
 
 
 # --------------------------------------------------------------------------------------------------
-# Long-context tasks: S-NIAH and BABILong-style qa1-qa5 (memtrain.model.titans.eval_tasks), greedy
-
-
-TASK_GROUPS = {"niah": ("passkey", "number", "word"), "babilong": ("qa1", "qa2", "qa3", "qa4", "qa5")}
-DEFAULT_TASKS = ("niah", "babilong")
-DEFAULT_TASK_LENGTHS = (512, 1024)  # tokens; sized for the tiny CPU models (the Titans paper: 2K-16K)
-DEFAULT_TASK_SAMPLES = 5
-DEFAULT_MAX_NEW_TOKENS = 16
-TASK_SEED = 0
-TASK_BATCH_SIZE = 8
-LOGITS_BUDGET = 2 * 2**30  # bytes of fp32 logits one generation forward may produce (caps the batch)
-
-
-def long_context_by_default(recipe: Recipe) -> bool:
-    """``model.type: titans`` and ``memory.type: memory_llama`` runs are evaluated on the long-context
-    tasks unless ``--tasks none``; other models only when ``--tasks`` is given."""
-    return recipe.model.type == "titans" or recipe.memory.type == "memory_llama"
-
-
-def parse_tasks(spec: Optional[str | Sequence[str]]) -> list[str]:
-    """Task names from ``"niah,babilong"``-style input: the groups ``niah`` (passkey, number, word) and
-    ``babilong`` (qa1-qa5) or single task names, in order, without repeats; ``none`` (or nothing) is
-    no task. RecipeError for unknown names."""
-    from memtrain.model.titans.eval_tasks import TASKS
-
-    items = spec.split(",") if isinstance(spec, str) else list(spec or [])
-    out: list[str] = []
-    for item in (str(i).strip().lower() for i in items):
-        if not item or item == "none":
-            continue
-        if item in TASK_GROUPS:
-            out += TASK_GROUPS[item]
-        elif item in TASKS:
-            out.append(item)
-        else:
-            raise RecipeError("", f"unknown long-context task {item!r} in --tasks; choose from niah, babilong, "
-                              f"{', '.join(TASKS)} or none")
-    return list(dict.fromkeys(out))
-
-
-def parse_lengths(spec: Optional[str | Sequence[int]]) -> list[int]:
-    """Prompt lengths in tokens from ``"512,1024"`` (``2K`` = 2048, as in RULER); RecipeError unless
-    every one is a whole number >= 64."""
-    items = spec.split(",") if isinstance(spec, str) else list(spec if spec is not None else DEFAULT_TASK_LENGTHS)
-    out = []
-    for item in items:
-        text = str(item).strip()
-        if not text:
-            continue
-        m = re.fullmatch(r"(\d+)\s*([kK])?", text)
-        if m is None:
-            raise RecipeError("", f"--lengths: {text!r} is not a whole number of tokens (e.g. 512,1024 or "
-                              "2K,4K,8K,16K)")
-        n = int(m.group(1)) * (1024 if m.group(2) else 1)
-        if n < 64:
-            raise RecipeError("", f"--lengths: {n} is too short for the tasks' prompts; use 64 tokens or more")
-        out.append(n)
-    if not out:
-        raise RecipeError("", "--lengths is empty; give prompt lengths in tokens, e.g. 512,1024")
-    return list(dict.fromkeys(out))
-
-
-def niah_depths(samples: int) -> list[float]:
-    """Needle depths for ``samples`` S-NIAH examples per task and length: evenly spaced over [0, 1]
-    (0.5 for one sample)."""
-    if samples == 1:
-        return [0.5]
-    return [round(i / (samples - 1), 4) for i in range(samples)]
-
-
-class PromptEncoder:
-    """Token ids of a prompt with the run's tokenizer: memtrain's SentencePiece model as the training
-    data was tokenized (no BOS); a Hugging Face tokenizer gets its BOS first when it adds one by default
-    (Llama's does), as pretrained models expect. ``count`` is the length without the BOS (the generator
-    measures haystack units with it)."""
-
-    def __init__(self, tokenizer: Any):
-        self.tokenizer = tokenizer
-        self.prefix: list[int] = []
-        tok = getattr(tokenizer, "tok", None)  # memtrain.data.tokenizer.HFTokenizer
-        bos = getattr(tok, "bos_token_id", None)
-        if tok is not None and bos is not None:
-            try:
-                first = tok("a").input_ids[:1]
-            except Exception:  # pragma: no cover - exotic tokenizers
-                first = []
-            if first == [bos]:
-                self.prefix = [int(bos)]
-        self._count = functools.lru_cache(maxsize=1 << 16)(lambda s: len(tokenizer.encode(s)))
-
-    def count(self, text: str) -> int:
-        return self._count(text) if len(text) <= 4096 else len(self.tokenizer.encode(text))
-
-    def encode(self, text: str) -> list[int]:
-        return self.prefix + [int(t) for t in self.tokenizer.encode(text)]
-
-
-def task_examples(tasks: Sequence[str], lengths: Sequence[int], samples: int, encoder: PromptEncoder,
-                  seed: int = TASK_SEED) -> list[dict]:
-    """``samples`` examples per task and length (:func:`memtrain.model.titans.eval_tasks.generate`, whose
-    prompts fit ``length`` tokens of ``encoder``): S-NIAH with its needles at :func:`niah_depths`,
-    BABILong with the facts where they land. Deterministic in the arguments."""
-    from memtrain.model.titans.eval_tasks import NIAH_TASKS, generate
-
-    extra = len(encoder.prefix)
-    out = []
-    for task in tasks:
-        for length in lengths:
-            try:
-                if task in NIAH_TASKS:
-                    batch = generate(task, 1, lengths=[length - extra], depths=niah_depths(samples), seed=seed,
-                                     length_fn=encoder.count)
-                else:
-                    batch = generate(task, samples, lengths=[length - extra], seed=seed, length_fn=encoder.count)
-            except ValueError as e:
-                need = re.search(r"\((\d+)\)", str(e))
-                raise RecipeError("", f"--lengths: {length} tokens is too short for {task}'s question and facts"
-                                  + (f" ({int(need.group(1)) + extra} tokens)" if need else f" ({e})")
-                                  + f"; use longer lengths or leave {task} out of --tasks") from None
-            for e in batch:
-                e["length"], e["n_tokens"] = length, e["n_tokens"] + extra
-            out += batch
-    return out
-
-
-def stream_call_tokens(model: torch.nn.Module) -> Optional[int]:
-    """Titans models read long prompts in calls of this many tokens, carrying the memory state from
-    one call to the next (:func:`greedy_generate`): ``model.max_seq_len`` rounded down to whole MAC
-    segments (the carried state is then exact); None for other models."""
-    from memtrain.model.titans.arch import TitansLM
-
-    if not isinstance(model, TitansLM):
-        return None
-    n, t = model.cfg.max_seq_len, model.titans
-    if t.variant == "mac" and n >= t.segment_len:
-        n = n // t.segment_len * t.segment_len
-    return n
-
-
-def model_context(model: torch.nn.Module, recipe: Recipe) -> int:
-    """The longest input the model takes: a Hugging Face model's ``max_position_embeddings`` (its
-    pretrained context), else ``model.max_seq_len``."""
-    if recipe.model.type == "hf":
-        for module in model.modules():
-            config = getattr(module, "config", None)
-            if config is not None and not isinstance(config, type(recipe.model)):
-                get = getattr(config, "get_text_config", None)
-                config = get() if callable(get) else config
-                n = getattr(config, "max_position_embeddings", None)
-                if isinstance(n, int) and n > 0:
-                    return n
-    return recipe.model.max_seq_len
-
-
-@contextlib.contextmanager
-def fresh_memory_per_forward(model: torch.nn.Module) -> Iterator[None]:
-    """MemoryLlama blocks (:mod:`memtrain.model.memory_llama`) in ``per_forward`` mode while generating
-    without a KV cache: every forward re-reads its sample from the start, so it must start from the
-    initial memory M_0 (``auto`` does the same for cache-less forwards; ``stream`` would carry the
-    previous call's state). The blocks' modes are restored afterwards. No-op for other models."""
-    from memtrain.model.memory_llama import GatedMemoryBlock
-
-    blocks = [m for m in model.modules() if isinstance(m, GatedMemoryBlock)]
-    modes = [b.mode for b in blocks]
-    for b in blocks:
-        b.mode = "per_forward"
-        b.reset_memory()
-    try:
-        yield
-    finally:
-        for b, mode in zip(blocks, modes):
-            b.mode = mode
-            b.reset_memory()
-
-
-def _batches(order: Sequence[int], lengths: Sequence[int], batch_size: int, max_rows_fn,
-             same_length: bool) -> list[list[int]]:
-    out: list[list[int]] = []
-    for i in order:
-        cur = out[-1] if out else None
-        if (cur is not None and len(cur) < batch_size and (not same_length or lengths[cur[0]] == lengths[i])
-                and len(cur) < max_rows_fn(lengths[cur[0]])):
-            cur.append(i)
-        else:
-            out.append([i])
-    return out
-
-
-@torch.no_grad()
-def greedy_generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int, eot_id: int,
-                    max_context: int, *, stream_tokens: Optional[int] = None, batch_size: int = TASK_BATCH_SIZE,
-                    memory_fn: Callable[[int], Any] = lambda n: None, device: torch.device | str = "cpu",
-                    pad_id: Optional[int] = None, vocab_size: Optional[int] = None,
-                    logits_budget: int = LOGITS_BUDGET) -> tuple[list[list[int]], list[bool]]:
-    """Greedy decoding without a KV cache: each new token re-runs the model on the whole prefix (or, for
-    a streamed model, on the part after its carried memory). Stops at ``eot_id`` (not returned) or after
-    ``max_new_tokens``. Returns (new tokens per prompt, whether the prompt was truncated).
-
-    - **window** (``stream_tokens`` None: decoders, Hugging Face models): a prompt longer than
-      ``max_context - max_new_tokens + 1`` tokens keeps its last that many (left truncation, flagged),
-      so every forward fits ``max_context``. Prompts are sorted by length and batched right-padded
-      (``pad_id``, default ``eot_id``; the models are causal, so padding after a row never changes its
-      logits); each row's next token is read at its own last position. ``memory_fn(batch)`` is the
-      ``memory`` argument (e.g. the generic memory of a hierarchical-memory model).
-    - **stream** (``stream_tokens`` = C: Titans): every sample starts from a fresh memory; while the
-      unread part of a sequence exceeds ``max_context`` its first C tokens are run and the memory state
-      the model returns (``output.memory``) is carried into the next call, so nothing is truncated.
-      For MAC with C a multiple of the segment length the result equals one forward over the whole
-      sequence; MAG / MAL sliding windows restart at each call (their memory state is exact). Prompts of
-      equal length are batched (no padding).
-
-    The batch is capped so that one forward's fp32 logits stay within ``logits_budget`` bytes
-    (``vocab_size`` known)."""
-    n = len(prompts)
-    device = torch.device(device)
-    pad = eot_id if pad_id is None else pad_id
-    if max_new_tokens < 1:
-        raise ValueError("max_new_tokens must be >= 1")
-    if stream_tokens is None:
-        budget = max_context - max_new_tokens + 1
-        if budget < 1:
-            raise ValueError(f"max_new_tokens {max_new_tokens} leaves no room for a prompt in {max_context} tokens")
-        seqs = [list(map(int, p))[-budget:] for p in prompts]
-        truncated = [len(p) > budget for p in prompts]
-        span = lambda length: length + max_new_tokens - 1  # noqa: E731 - the longest forward of a row
-    else:
-        if not 1 <= stream_tokens <= max_context:
-            raise ValueError(f"stream_tokens must lie in [1, {max_context}], got {stream_tokens}")
-        seqs = [list(map(int, p)) for p in prompts]
-        truncated = [False] * n
-        span = lambda length: min(max_context, length + max_new_tokens - 1)  # noqa: E731
-    if any(len(s) == 0 for s in seqs):
-        raise ValueError("empty prompt")
-    lengths = [len(s) for s in seqs]
-
-    def max_rows(length: int) -> int:
-        if not vocab_size:
-            return batch_size
-        return max(1, logits_budget // (4 * vocab_size * max(1, span(length))))
-
-    order = sorted(range(n), key=lambda i: (-lengths[i], i))
-    outputs: list[list[int]] = [[] for _ in range(n)]
-    for rows in _batches(order, lengths, batch_size, max_rows, same_length=stream_tokens is not None):
-        if stream_tokens is None:
-            _generate_window(model, rows, seqs, outputs, max_new_tokens, eot_id, pad, memory_fn, device)
-        else:
-            _generate_stream(model, rows, seqs, outputs, max_new_tokens, eot_id, max_context, stream_tokens,
-                             device)
-    return outputs, truncated
-
-
-def _generate_window(model, rows, seqs, outputs, max_new_tokens, eot_id, pad, memory_fn, device) -> None:
-    cur = {i: list(seqs[i]) for i in rows}
-    active = list(rows)
-    for _ in range(max_new_tokens):
-        if not active:
-            break
-        lens = torch.tensor([len(cur[i]) for i in active])
-        tokens = torch.full((len(active), int(lens.max())), pad, dtype=torch.long)
-        for r, i in enumerate(active):
-            tokens[r, :len(cur[i])] = torch.tensor(cur[i], dtype=torch.long)
-        logits = model(tokens.to(device), doc_ids=None, memory=memory_fn(len(active))).logits
-        nxt = logits[torch.arange(len(active), device=logits.device), (lens - 1).to(logits.device)].argmax(-1).tolist()
-        still = []
-        for i, t in zip(active, nxt):
-            if t == eot_id:
-                continue
-            outputs[i].append(int(t))
-            cur[i].append(int(t))
-            still.append(i)
-        active = still
-
-
-def _generate_stream(model, rows, seqs, outputs, max_new_tokens, eot_id, max_context, call_tokens, device) -> None:
-    seq = torch.tensor([seqs[i] for i in rows], dtype=torch.long, device=device)  # equal lengths
-    state, done = None, [False] * len(rows)  # None: a fresh memory for every sample
-    start = 0  # tokens already in the carried state
-    for _ in range(max_new_tokens):
-        while seq.shape[1] - start > max_context:
-            state = model(seq[:, start:start + call_tokens], doc_ids=None, memory=state).memory
-            start += call_tokens
-        nxt = model(seq[:, start:], doc_ids=None, memory=state).logits[:, -1].argmax(-1)
-        for r, t in enumerate(nxt.tolist()):
-            if not done[r]:
-                if t == eot_id:
-                    done[r] = True
-                else:
-                    outputs[rows[r]].append(int(t))
-        if all(done):
-            break
-        seq = torch.cat([seq, nxt[:, None].to(seq.dtype)], dim=1)
-
-
-def _cell(hits: Sequence[bool], cut: Sequence[bool]) -> dict[str, Any]:
-    count, right = len(hits), int(sum(hits))
-    return {"accuracy": right / count if count else None, "correct": right, "count": count,
-            "truncated": int(sum(cut))}
-
-
-def run_long_context(model: torch.nn.Module, tokenizer: Any, examples: Sequence[dict], max_new_tokens: int,
-                     max_context: int, *, stream_tokens: Optional[int] = None, batch_size: int = TASK_BATCH_SIZE,
-                     memory_fn: Callable[[int], Any] = lambda n: None, device: torch.device | str = "cpu",
-                     vocab_size: Optional[int] = None, encoder: Optional[PromptEncoder] = None) -> dict[str, Any]:
-    """Tokenize each example's prompt (:func:`memtrain.model.titans.eval_tasks.format_prompt`), generate
-    greedily (:func:`greedy_generate`; MemoryLlama blocks start every forward from M_0), decode and score
-    (:func:`memtrain.model.titans.eval_tasks.score`, whole-word answer match). Returns accuracy with
-    counts and truncated prompts overall, per task, per length, per task and length, per needle depth,
-    and every example's prediction."""
-    from memtrain.model.titans.eval_tasks import format_prompt, is_correct, score
-
-    encoder = encoder or PromptEncoder(tokenizer)
-    prompts = [encoder.encode(format_prompt(e)) for e in examples]
-    eot = int(tokenizer.eot_id)
-    with fresh_memory_per_forward(model):
-        generated, truncated = greedy_generate(model, prompts, max_new_tokens, eot, max_context,
-                                               stream_tokens=stream_tokens, batch_size=batch_size,
-                                               memory_fn=memory_fn, device=device, vocab_size=vocab_size)
-    predictions = [tokenizer.decode(g) if g else "" for g in generated]
-    scored = score(predictions, examples)
-    hits = [is_correct(p, e["answer"]) for p, e in zip(predictions, examples)]
-
-    def cells(key: Callable[[dict], Any], where: Callable[[dict], bool] = lambda e: True) -> dict[str, Any]:
-        groups: dict[str, tuple[list, list]] = {}
-        for h, c, e in zip(hits, truncated, examples):
-            if where(e):
-                g = groups.setdefault(str(key(e)), ([], []))
-                g[0].append(h)
-                g[1].append(c)
-        return {k: _cell(*v) for k, v in groups.items()}
-
-    tasks = list(dict.fromkeys(e["task"] for e in examples))
-    return {
-        "all": _cell(hits, truncated),
-        "by_task": cells(lambda e: e["task"]),
-        "by_length": cells(lambda e: e["length"]),
-        "by_task_length": {t: cells(lambda e: e["length"], lambda e, t=t: e["task"] == t) for t in tasks},
-        "by_depth": {str(k): v for k, v in scored["by_depth"].items()},
-        "truncated": int(sum(truncated)),
-        "examples": [{"task": e["task"], "length": e["length"], "depth": e["depth"], "prompt_tokens": len(p),
-                      "truncated": c, "answer": e["answer"], "prediction": pred[:200], "correct": h}
-                     for e, p, c, pred, h in zip(examples, prompts, truncated, predictions, hits)],
-    }
-
-
-# --------------------------------------------------------------------------------------------------
 # Entry point
 
 
@@ -893,44 +564,6 @@ def evaluate(recipe: Recipe, checkpoint: Optional[str | Path] = None, batches: O
     return report
 
 
-def long_context(model: torch.nn.Module, bank: Any, recipe: Recipe, tokenizer: Any, encoder: PromptEncoder,
-                 examples: Sequence[dict], tasks: Sequence[str], lengths: Sequence[int], samples: int,
-                 max_new_tokens: int, device: torch.device, batch_size: int = TASK_BATCH_SIZE) -> dict[str, Any]:
-    """The ``long_context`` entry of the report: the settings and :func:`run_long_context`'s results.
-    Titans models stream (:func:`stream_call_tokens`); others see a window of :func:`model_context`
-    tokens; a hierarchical-memory model uses its generic memory (no retrieval for these prompts)."""
-    t0 = time.perf_counter()
-    stream = stream_call_tokens(model)
-    max_context = recipe.model.max_seq_len if stream is not None else model_context(model, recipe)
-    memory_fn: Callable[[int], Any] = lambda n: None  # noqa: E731
-    if bank is not None:
-        memory_fn = lambda n: batch_memory(bank, "generic", n, None, device)  # noqa: E731
-        memory = "generic (the hierarchical memory's generic blocks; nothing is retrieved)"
-    elif stream is not None:
-        memory = "fresh per sample (the Titans memory state carried across calls within a sample)"
-    elif recipe.memory.type == "memory_llama":
-        memory = "fresh per sample (every forward starts from M_0)"
-    else:
-        memory = "none"
-    vocab = getattr(model, "vocab_size", None) or recipe.model.vocab_size
-    results = run_long_context(model, tokenizer, examples, max_new_tokens, max_context, stream_tokens=stream,
-                               batch_size=batch_size, memory_fn=memory_fn, device=device, vocab_size=vocab,
-                               encoder=encoder)
-    from memtrain.model.titans.eval_tasks import NIAH_TASKS
-
-    return {
-        "tasks": list(tasks), "lengths": list(lengths), "samples": samples, "seed": TASK_SEED,
-        "niah_depths": niah_depths(samples) if any(t in NIAH_TASKS for t in tasks) else [],
-        "max_new_tokens": max_new_tokens, "length_unit": "tokens", "bos": bool(encoder.prefix),
-        "context": {"mode": "stream" if stream is not None else "window", "max_context": max_context,
-                    "call_tokens": stream,
-                    "prompt_budget": None if stream is not None else max_context - max_new_tokens + 1},
-        "memory": memory,
-        **results,
-        "seconds": round(time.perf_counter() - t0, 3),
-    }
-
-
 def write_json_atomic(path: Path, data: dict) -> None:
     """Write ``data`` as JSON through a temporary file and a rename (readers never see half a file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -981,37 +614,6 @@ def format_table(report: dict[str, Any]) -> str:
     if "path" in report:
         lines.append(f"wrote {report['path']}")
     return "\n".join(lines)
-
-
-def long_context_lines(lc: dict[str, Any]) -> list[str]:
-    """The long-context part of :func:`format_table`: accuracy (%) per task and length, per task, per
-    length and overall, then how the prompts were fed."""
-    lengths = [str(n) for n in lc["lengths"]]
-    width = max(len("task"), *(len(t) for t in lc["tasks"]))
-
-    def pct(cell: Optional[dict]) -> str:
-        return f"{100 * cell['accuracy']:7.1f}%" if cell and cell.get("accuracy") is not None else f"{'-':>8}"
-
-    lines = [f"long-context tasks (greedy, <= {lc['max_new_tokens']} new tokens, answer as a whole word); "
-             f"accuracy by prompt length in tokens:",
-             f"{'task':<{width}}  " + "  ".join(f"{n:>8}" for n in lengths) + f"  {'all':>8}"]
-    for task in lc["tasks"]:
-        row = lc["by_task_length"].get(task, {})
-        lines.append(f"{task:<{width}}  " + "  ".join(pct(row.get(n)) for n in lengths)
-                     + f"  {pct(lc['by_task'].get(task))}")
-    lines.append(f"{'all':<{width}}  " + "  ".join(pct(lc["by_length"].get(n)) for n in lengths)
-                 + f"  {pct(lc['all'])}")
-    ctx = lc["context"]
-    if ctx["mode"] == "stream":
-        how = (f"read in calls of {ctx['call_tokens']} tokens with the memory carried between them "
-               f"(nothing truncated)")
-    else:
-        how = (f"{lc['truncated']} left-truncated to {ctx['prompt_budget']} tokens to fit the model's "
-               f"{ctx['max_context']}-token context")
-    lines.append(f"prompts: {lc['all']['count']} ({lc['samples']} per task and length), {how}; memory: "
-                 f"{lc['memory'].split(' (')[0]}; predictions in the JSON")
-    return lines
-
 
 __all__ = [
     "PromptEncoder", "accuracy_table", "batch_memory", "blocked_ids", "check_long_context", "check_modes",

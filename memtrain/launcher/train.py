@@ -262,6 +262,10 @@ def train(recipe: Recipe) -> dict:
                            resume_step=step if latest is not None else None)
     if recipe.model.type == "hf":  # 6N for a pretrained model whose shape the recipe does not describe
         fpt = 6.0 * count_parameters(model.hf_model)
+    elif recipe.model.type == "titans":
+        from memtrain.model.flops import titans_flops_per_token
+
+        fpt = titans_flops_per_token(model, recipe.model)
     else:
         fpt = flops_per_token(recipe.model, recipe.data.seq_len)
     if bank is not None:  # the fetched memory's matmuls, forward and backward

@@ -53,6 +53,30 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     return float(6 * matmul_parameters(cfg) + 12 * cfg.n_layers * cfg.n_heads * head_dim * seq_len)
 
 
+def titans_flops_per_token(model: nn.Module, cfg: ModelConfig) -> float:
+    """Training FLOPs per token of a Titans model (``model.type: titans``), an estimate:
+
+    - ``6 x`` the weights of every ``nn.Linear`` (attention, FFN, memory projections and gates, head);
+    - attention as ``12 * L_attn * H * d_h * C`` with the context C a query sees: MAC
+      ``2 * segment_len + persistent_tokens`` (persistent tokens, the retrieved memory of the segment and
+      the segment), MAG / MAL ``window + persistent_tokens``, LMM none;
+    - the inner loop: per token and memory module, ``8 P`` forward (retrieval 2P, associative-loss
+      forward 2P and its weight gradient 4P, with P the weights of all heads' memory MLPs), times 3
+      for the outer forward + backward: ``24 P``.
+    """
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    t = cfg.titans
+    head_dim = cfg.head_dim or cfg.d_model // cfg.n_heads
+    attn_layers = sum(1 for b in getattr(model, "blocks", []) if getattr(b, "attn", None) is not None)
+    context = {"mac": 2 * t.segment_len, "mag": t.window, "mal": t.window}.get(t.variant, 0) + t.persistent_tokens
+    memory = 0
+    for m in model.modules():
+        init = getattr(m, "init_weights", None)
+        if isinstance(init, nn.ParameterList):
+            memory += sum(p.numel() for p in init)
+    return float(6 * linear + 12 * attn_layers * cfg.n_heads * head_dim * context + 24 * memory)
+
+
 # Dense bf16 peak per device, first match wins (so "H100 PCIe" precedes the SXM default).
 _PEAK_BF16 = [
     (re.compile(r"H100.*PCIe", re.IGNORECASE), 756e12),
@@ -79,4 +103,5 @@ def peak_flops(device: torch.device) -> Optional[float]:
     return peak_flops_from_name(torch.cuda.get_device_name(device))
 
 
-__all__ = ["count_parameters", "flops_per_token", "matmul_parameters", "peak_flops", "peak_flops_from_name"]
+__all__ = ["count_parameters", "flops_per_token", "matmul_parameters", "peak_flops", "peak_flops_from_name",
+           "titans_flops_per_token"]
