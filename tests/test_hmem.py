@@ -289,3 +289,16 @@ def test_memory_needs_clustered_data_and_a_decoder():
     assert recipe_from_dict({**memory_recipe(), "parallel": {"zero_stage": 2}})  # auto: separate there
     with pytest.raises(RecipeError, match="FFN memories"):
         recipe_from_dict({**memory_recipe(type="kv"), "model": {"type": "hf", "pretrained": "x"}})
+
+
+def test_a_level_nobody_fetched_still_takes_a_dense_step():
+    """All sequences generic: no row gets a gradient, yet every table decays (dense AdamW over the whole
+    bank, the same in one process as on many ranks, where the all-reduce fills zeros)."""
+    model, _, bank = models(TINY, "ffn", "ffn")
+    bank.build_optimizer(1e-2, (0.9, 0.95), 1e-8, 0.1)
+    before = [t.detach().clone() for t in bank.parameters()]
+    x, ids = batch()
+    model(x, memory=bank.fetch(ids, torch.ones(4, dtype=torch.bool))).logits.square().mean().backward()
+    bank.step(1e-2)
+    for b, t in zip(before, bank.parameters()):
+        torch.testing.assert_close(t.detach(), b * (1 - 1e-2 * 0.1))

@@ -129,6 +129,9 @@ class MemoryBank:
             raise RuntimeError("call build_optimizer() before step()")
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        for t in self.parameters():
+            if t.grad is None:  # no sequence fetched this level: still a dense step (decay, momentum)
+                t.grad = torch.zeros_like(t)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
