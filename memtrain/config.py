@@ -266,6 +266,12 @@ class MemoryConfig:
     # needs ZeRO 0 and fp32); separate: each by its own norm to train.grad_clip; auto: joint where
     # possible, else separate.
     grad_clip: Literal["auto", "joint", "separate"] = "auto"
+    # replicated: every rank holds the whole bank (dense all-reduce of its gradients); sharded: rows
+    # spread over the ranks, fetched from and stepped on their owners (memtrain.parallel.sharded_bank).
+    bank: Literal["replicated", "sharded"] = "replicated"
+    # dense: AdamW over every row each step (exact); lazy: touched rows only, SparseAdam semantics
+    # (sharded bank, no weight decay).
+    bank_optimizer: Literal["dense", "lazy"] = "dense"
     # memory.type memory_llama only; None (the default, and what other recipes keep) means the defaults.
     memory_llama: Optional[MemoryLlamaConfig] = None
 
@@ -763,6 +769,13 @@ def _validate_memory(recipe: Recipe) -> None:
         raise RecipeError("memory.grad_clip", f"'joint' clips the anchor and the bank together in the training loop, "
                           f"which needs parallel.zero_stage 0 (it is {recipe.parallel.zero_stage}); set "
                           "memory.grad_clip: separate (each clipped by its own norm)")
+    if mem.bank_optimizer == "lazy":
+        if mem.bank != "sharded":
+            raise RecipeError("memory.bank_optimizer", "'lazy' (SparseAdam semantics) is a mode of the sharded "
+                              "bank; set memory.bank: sharded or use 'dense'")
+        if mem.optimizer.weight_decay != 0:
+            raise RecipeError("memory.bank_optimizer", "'lazy' follows SparseAdam, which has no weight decay; set "
+                              "memory.optimizer.weight_decay: 0 or use 'dense'")
     o = mem.optimizer
     if not o.lr > 0:
         raise RecipeError("memory.optimizer.lr", f"must be positive, got {o.lr}")
@@ -774,7 +787,7 @@ def _validate_memory(recipe: Recipe) -> None:
 
 # The hierarchical-memory keys of MemoryConfig; memory_llama leaves them at their defaults.
 _HIERARCHICAL_KEYS = ("levels", "lora_target", "lora_alpha", "placement", "placement_layers", "generic_prob",
-                      "freeze_anchor", "optimizer", "grad_clip")
+                      "freeze_anchor", "optimizer", "grad_clip", "bank", "bank_optimizer")
 
 
 def _validate_memory_llama(recipe: Recipe) -> None:
@@ -888,7 +901,7 @@ def recipe_hash_fields(recipe: Recipe) -> dict:
 
 
 _RESUMABLE_MODEL_KEYS = ("init_from",)
-_RESUMABLE_MEMORY_KEYS = ("optimizer", "grad_clip", "generic_prob", "freeze_anchor")
+_RESUMABLE_MEMORY_KEYS = ("optimizer", "grad_clip", "generic_prob", "freeze_anchor", "bank", "bank_optimizer")
 
 
 __all__ = [

@@ -177,3 +177,50 @@ def test_recipe_show_prints_the_paper_memory_sizes():
     assert out.returncode == 0, out.stderr
     assert "fetched memory parameters: 18063360" in out.stdout
     assert "memory bank parameters: 4624220160" in out.stdout
+
+
+def _bank_state(root: Path, run: str, step: int) -> dict:
+    from memtrain.parallel.checkpoint import read_bank_state
+
+    return read_bank_state(root / "runs" / run / "checkpoints" / f"global_step{step}")
+
+
+def test_sharded_bank_equals_replicated_and_resumes_on_another_world_size(root):
+    """memory.bank sharded (rows on their owners, all-to-all fetch, owner AdamW) trains exactly like the
+    replicated bank on 2 ranks; its per-rank shard files resume the run on 1 rank, as a sharded or as a
+    replicated bank, continuing the same trajectory."""
+    import shutil
+
+    no_generic = "memory.generic_prob=0.0"
+    train(root, "rep2", no_generic, nproc=2)
+    train(root, "sh2", no_generic, "memory.bank=sharded", nproc=2)
+    rep, sh = metrics(root, "rep2"), metrics(root, "sh2")
+    for a, b in zip(rep, sh):
+        assert b["loss/train"] == pytest.approx(a["loss/train"], rel=1e-5)
+    assert "comm/bank_bytes_sent" in sh[-1] and sh[-1]["comm/bank_zero3_bytes"] > 0
+    shards = sorted(p.name for p in (root / "runs" / "sh2" / "checkpoints" / "global_step6").glob("memory_bank*"))
+    assert shards == ["memory_bank_rank00000.pt", "memory_bank_rank00001.pt"]
+    for level, table in bank_tables(root, "rep2", 6).items():
+        torch.testing.assert_close(_bank_state(root, "sh2", 6)["tables"][level], table, rtol=1e-4, atol=1e-6)
+    for kind in ("sharded", "replicated"):
+        run = f"sh2-to-1-{kind}"
+        shutil.copytree(root / "runs" / "sh2", root / "runs" / run)
+        shutil.rmtree(root / "runs" / run / "checkpoints" / "global_step6")
+        out = train(root, run, no_generic, f"memory.bank={kind}")
+        assert "resuming from" in out.stdout
+        resumed = metrics(root, run)[-3:]
+        for a, b in zip(sh[-3:], resumed):
+            assert b["step"] == a["step"]
+            assert b["loss/train"] == pytest.approx(a["loss/train"], rel=1e-5)
+        for level, table in _bank_state(root, "sh2", 6)["tables"].items():
+            torch.testing.assert_close(_bank_state(root, run, 6)["tables"][level], table, rtol=1e-4, atol=1e-6)
+
+
+def test_lazy_bank_needs_the_sharded_bank_and_no_weight_decay():
+    base = {"data": {"clustering": {"enabled": True, "depth": 1}}, "memory": {"type": "ffn", "levels": [1]}}
+    with pytest.raises(Exception, match="memory.bank: sharded"):
+        recipe_from_dict({**base, "memory": {**base["memory"], "bank_optimizer": "lazy"}})
+    with pytest.raises(Exception, match="weight_decay"):
+        recipe_from_dict({**base, "memory": {**base["memory"], "bank": "sharded", "bank_optimizer": "lazy"}})
+    assert recipe_from_dict({**base, "memory": {**base["memory"], "bank": "sharded", "bank_optimizer": "lazy",
+                                                  "optimizer": {"weight_decay": 0.0}}})

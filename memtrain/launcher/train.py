@@ -211,14 +211,20 @@ def train(recipe: Recipe) -> dict:
         if joint and prec != "fp32":
             raise LaunchError(f"memory.grad_clip joint needs fp32 DeepSpeed gradients, but this run is {prec}; "
                               "set memory.grad_clip: separate (or parallel.precision: fp32)")
-        bank = MemoryBank(model.memory_layout, device, seed=recipe.run.seed)
+        if mem.bank == "sharded":
+            from memtrain.parallel.sharded_bank import ShardedMemoryBank
+
+            bank = ShardedMemoryBank(model.memory_layout, device, seed=recipe.run.seed, mode=mem.bank_optimizer)
+        else:
+            bank = MemoryBank(model.memory_layout, device, seed=recipe.run.seed)
         o = recipe.train.optimizer
         bank.build_optimizer(mem.optimizer.lr, tuple(o.betas), o.eps, mem.optimizer.weight_decay)
         memory_schedule = lr_at(recipe, "memory")
         # The generic draws have their own generator (saved per rank): the global RNG is also consumed
         # by whatever creates DataLoader iterators, which a resumed run does at other times.
         generic_rng = torch.Generator().manual_seed(recipe.run.seed * 1_000_003 + rank)
-        _log(level_sizes_line(model.memory_layout) + f" | generic memory p={recipe.generic_prob:.4f}"
+        _log(level_sizes_line(model.memory_layout) + f" | {mem.bank} bank ({mem.bank_optimizer} AdamW)"
+             + f" | generic memory p={recipe.generic_prob:.4f}"
              + f" | clipping {'joint' if joint else 'separate'}" + (" | anchor frozen" if mem.freeze_anchor else ""),
              rank)
 
@@ -287,8 +293,8 @@ def train(recipe: Recipe) -> dict:
     def save(at_step: int) -> None:
         loader_state = train_batches.state_dict()
         write_bank = None
-        if bank is not None and rank == 0:  # replicated: one copy
-            write_bank = lambda path: ckpt.save_bank(bank, path)  # noqa: E731
+        if bank is not None:  # replicated: rank 0 writes it; sharded: every rank its rows
+            write_bank = lambda path: ckpt.save_bank(bank, path, rank)  # noqa: E731
         path = ckpt.save(engine, recipe, step=at_step, rank=rank, world_size=world,
                          trainer_state={"step": at_step, "tokens_seen": tokens_seen,
                                         "loader": loader_state, "world_size": world},

@@ -252,29 +252,62 @@ def load(engine, info: CheckpointInfo, rank: int) -> tuple[dict, dict]:
 # Memory bank and anchor weights
 
 BANK_FILE = "memory_bank.pt"
+BANK_SHARD = "memory_bank_rank{rank:05d}.pt"
 
 
-def save_bank(bank, path: Path) -> None:
-    """The bank's rows and optimizer state (replicated bank: written once, by rank 0)."""
-    tmp = path / (BANK_FILE + ".tmp")
+def save_bank(bank, path: Path, rank: int) -> None:
+    """The bank's rows and optimizer state: a replicated bank once (rank 0, ``memory_bank.pt``), a
+    sharded bank one file per rank (``memory_bank_rank<r>.pt``, rows keyed by global row id, so the
+    run can resume on any number of ranks)."""
+    sharded = hasattr(bank, "owner")
+    if not sharded and rank != 0:
+        return
+    name = BANK_SHARD.format(rank=rank) if sharded else BANK_FILE
+    tmp = path / (name + ".tmp")
     torch.save(bank.state_dict(), tmp)
-    os.replace(tmp, path / BANK_FILE)
+    os.replace(tmp, path / name)
+
+
+def read_bank_state(path: Path) -> dict:
+    """The bank state of checkpoint ``path``, whichever form wrote it (shard files are merged)."""
+    damaged = (f"; delete {path / MARKER} to resume from the checkpoint before it, or start a new run.dir")
+    files = [path / BANK_FILE] if (path / BANK_FILE).is_file() else sorted(path.glob("memory_bank_rank*.pt"))
+    if not files:
+        raise CheckpointError(f"checkpoint {path} has no {BANK_FILE} or memory_bank_rank*.pt although the recipe "
+                              "trains memories" + damaged)
+    try:
+        states = [torch.load(f, weights_only=True, map_location="cpu") for f in files]
+    except (RuntimeError, OSError, EOFError, KeyError, pickle.UnpicklingError) as e:
+        raise CheckpointError(f"cannot load the memory bank of {path} ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0][:200]})" + damaged) from None
+    if "levels_state" in states[0]:
+        from memtrain.parallel.sharded_bank import merge_states
+
+        return merge_states(states)
+    return states[0]
+
+
+def _adamw_state(bank, state: dict) -> Optional[dict]:
+    """A merged sharded state's moments as the replicated bank's torch AdamW state (None when the bank
+    has no optimizer, as in evaluation, or the shards carry no moments)."""
+    if bank.optimizer is None or any(v is None for v in state["exp_avg"].values()):
+        return None
+    opt = bank.optimizer.state_dict()
+    active = [l for l, t in enumerate(bank.tables) if t is not None]
+    opt["state"] = {i: {"step": torch.tensor(float(state["step"])), "exp_avg": state["exp_avg"][str(l)],
+                        "exp_avg_sq": state["exp_avg_sq"][str(l)]} for i, l in enumerate(active)}
+    return opt
 
 
 def load_bank(bank, path: Path) -> None:
-    file = path / BANK_FILE
-    damaged = (f"; delete {path / MARKER} to resume from the checkpoint before it, or start a new run.dir")
-    if not file.is_file():
-        raise CheckpointError(f"checkpoint {path} has no {BANK_FILE} although the recipe trains memories"
-                              + damaged)
+    """Load the bank of checkpoint ``path`` into ``bank`` (replicated or sharded, any world size)."""
+    state = read_bank_state(path)
     try:
-        state = torch.load(file, weights_only=True, map_location="cpu")
+        if "levels_state" in state and not hasattr(bank, "owner"):
+            state = {**state, "optimizer": _adamw_state(bank, state)}  # sharded -> replicated
         bank.load_state_dict(state)
-    except (RuntimeError, OSError, EOFError, KeyError, pickle.UnpicklingError) as e:
-        raise CheckpointError(f"cannot load {file} ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
-                              + damaged) from None
     except ValueError as e:
-        raise CheckpointError(f"{file}: {e}; the recipe's memory settings differ from the checkpoint's") from None
+        raise CheckpointError(f"{path}: {e}; the recipe's memory settings differ from the checkpoint's") from None
 
 
 def resolve(path: str | Path) -> CheckpointInfo:

@@ -501,18 +501,25 @@ class ShardedMemoryBank:
             d.all_gather_object(parts, mine, group=self.group)
         else:
             parts = [mine]
-        levels, tables, exp_avg, exp_avg_sq = {}, {}, {}, {}
-        for key in mine["levels_state"]:
-            l = int(key)
-            ids = torch.cat([p["levels_state"][key]["ids"] for p in parts])
-            order = torch.argsort(ids)
-            entry = {"ids": ids[order]}
-            for name in ("rows", "exp_avg", "exp_avg_sq"):
-                vals = [p["levels_state"][key][name] for p in parts]
-                entry[name] = torch.cat(vals)[order] if all(v is not None for v in vals) else None
-            levels[key] = entry
-            tables[key], exp_avg[key], exp_avg_sq[key] = entry["rows"], entry["exp_avg"], entry["exp_avg_sq"]
-        return {**mine, "levels_state": levels, "tables": tables, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+        return merge_states(parts)
 
 
-__all__ = ["ShardedMemoryBank"]
+def merge_states(parts: list[dict]) -> dict:
+    """Per-rank :meth:`ShardedMemoryBank.state_dict` s (from any world size, e.g. the shard files of a
+    checkpoint) -> one state with every row id, loadable by a bank of any world size and, through its
+    ``tables`` (full ``[k^l, s_l]`` in global row order), by :class:`MemoryBank` (rows only)."""
+    first = parts[0]
+    levels, tables, exp_avg, exp_avg_sq = {}, {}, {}, {}
+    for key in first["levels_state"]:
+        ids = torch.cat([p["levels_state"][key]["ids"] for p in parts])
+        order = torch.argsort(ids)
+        entry = {"ids": ids[order]}
+        for name in ("rows", "exp_avg", "exp_avg_sq"):
+            vals = [p["levels_state"][key][name] for p in parts]
+            entry[name] = torch.cat(vals)[order] if all(v is not None for v in vals) else None
+        levels[key] = entry
+        tables[key], exp_avg[key], exp_avg_sq[key] = entry["rows"], entry["exp_avg"], entry["exp_avg_sq"]
+    return {**first, "levels_state": levels, "tables": tables, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+
+
+__all__ = ["ShardedMemoryBank", "merge_states"]
