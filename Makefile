@@ -41,6 +41,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/attention.py --quick
 	$(PY) benchmarks/prepare.py --quick
 	$(PY) benchmarks/titans.py --quick
+	$(PY) benchmarks/bank_comm.py --quick
 
 clean:
 	rm -rf runs data/quickstart data/quickstart-memory .pytest_cache

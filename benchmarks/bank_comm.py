@@ -1,0 +1,364 @@
+"""Communication of the row-sharded memory bank (memtrain.parallel.sharded_bank) against dense ZeRO-3.
+
+Three parts, one JSON line each (``"kind"`` says which):
+
+1. ``"measured"``: W = 2 and 4 gloo processes on CPU run a few training steps of a
+   :class:`ShardedMemoryBank` for the paper's two bank configurations, levels (256, 64, 16, 0) on the
+   160M anchor and (768, 256, 16, 0) on the 1.4B anchor (k = 16, p = 4), *scaled to fit*: the anchor
+   is shrunk (d_model / 32 and 1 layer with ``--quick``; d_model / 16 and 1 layer otherwise) while the
+   level multipliers, k and p stay, so every level keeps its k^l rows and only the row width
+   s_l = c0 r_l shrinks. Each rank draws ``--micro-batch`` sequences' leaf ids uniformly over k^p
+   leaves (seeded by step, rank and micro-batch), then ``fetch`` -> loss = sum of squares of the
+   fetched rows (no model) -> backward -> ``reduce_gradients()`` -> ``step(lr)``. Reported per rank per
+   step: the counted bytes (``comm_bytes()``: every all-to-all payload, self-sends excluded), the wall
+   time of fetch + backward + reduce + step (after a barrier; step 0 is a warm-up and not timed), and
+   ``zero3_reference_bytes`` (3 m (W-1)/W P 4: all-gather forward, all-gather backward,
+   reduce-scatter, fp32). ``ratio_vs_zero3`` there is the measured one at that W.
+2. The byte model :func:`predict_bytes` counts what ShardedMemoryBank sends from the layout, W and every
+   rank's ids (it needs all ranks' ids: what a rank serves depends on what the others ask for). Every
+   measured line carries ``model_matches_measured``: the prediction equals ``comm_bytes()`` exactly for
+   every rank and step (the script fails otherwise).
+3. ``"derived_64_ranks"``: the paper's global batch (1,024 sequences of 2,048 tokens per step, Appendix
+   A.2) on 64 ranks is 16 sequences per rank per step (one micro-batch of 16), with the *full-size*
+   layouts. Per-rank bank bytes come from the validated byte model (mean over ``--draws`` seeded draws
+   of uniform leaf ids and over the 64 ranks; no real cluster-size distribution is available here, so
+   the draws are uniform), ZeRO-3's from the same formula as ``zero3_reference_bytes``. Headline
+   ``ratio_vs_zero3`` = ZeRO-3 fp32 bytes / bank bytes as counted (the bank sends fp32 rows and
+   gradients), per rank per step, mean over ranks (mean sent = mean received). Also reported: ZeRO-3 in
+   bf16 against the fp32 bank (``ratio_vs_zero3_bf16``), both in bf16 (``ratio_bf16_both``: rows and
+   gradients at 2 bytes, ids still int64), the busiest rank, the worst case (every sequence of a rank
+   in a different cluster at every level) and the share of each level.
+
+    python benchmarks/bank_comm.py --quick          # CPU, gloo, about a minute or two
+    python benchmarks/bank_comm.py --world 2,4 --steps 6 --out bank_comm.jsonl
+
+Not part of the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from memtrain.config import MemoryConfig, ModelConfig  # noqa: E402
+from memtrain.model.anchor import anchor_dims  # noqa: E402
+from memtrain.model.hierarchical import MemoryLayout  # noqa: E402
+
+K = 16  # branching
+ANCHORS = {  # the paper's anchors (memtrain ModelConfig)
+    "160M": ModelConfig(d_model=512, n_layers=35, n_heads=12, head_dim=32, ffn_dim=2048),
+    "1.4B": ModelConfig(d_model=2048, n_layers=24, n_heads=16, ffn_dim=5632),
+}
+CONFIGS = [("160M", (256, 64, 16, 0)), ("1.4B", (768, 256, 16, 0))]
+GLOBAL_BATCH_SEQS, SEQ_LEN, RANKS_64 = 1024, 2048, 64  # Appendix A.2
+ID_BYTES = 8  # int64 ids and split sizes
+LR = 1e-3
+
+
+# --------------------------------------------------------------------------------------------------
+# Layouts
+
+
+def scaled_anchor(name: str, quick: bool) -> ModelConfig:
+    """The anchor with d_model / 32 (quick) or / 16, one layer; heads and ffn scaled alike (an ffn
+    memory's row width depends only on d_model and n_layers: s_l = 3 L d r_l)."""
+    cfg = ANCHORS[name]
+    div = 32 if quick else 16
+    d = cfg.d_model // div
+    heads = max(1, cfg.n_heads // div)
+    return ModelConfig(d_model=d, n_layers=1, n_heads=heads, head_dim=max(1, d // heads),
+                       ffn_dim=max(1, cfg.ffn_dim // div))
+
+
+def build_layout(model_cfg: ModelConfig, levels) -> MemoryLayout:
+    return MemoryLayout.build(MemoryConfig(type="ffn", levels=list(levels)), anchor_dims(model_cfg), K)
+
+
+def layout_info(lay: MemoryLayout) -> dict:
+    d = lay.dims
+    return {"d_model": d.d_model, "n_layers": d.n_layers, "c0": lay.c0,
+            "block_sizes": [lay.block_size(l) for l in range(lay.depth)],
+            "rows": [lay.rows(l) if lay.levels[l] else 0 for l in range(lay.depth)],
+            "fetched_params": lay.fetched_parameters, "bank_params": lay.bank_parameters}
+
+
+def draw_ids(B: int, depth: int, gen: torch.Generator) -> torch.Tensor:
+    """[B, depth] cluster ids of B leaves drawn uniformly over K^depth: level l's id = leaf // K^(p-l)."""
+    leaf = torch.randint(0, K ** depth, (B,), generator=gen)
+    return torch.stack([leaf // K ** (depth - 1 - l) for l in range(depth)], 1)
+
+
+def micro_ids(step: int, rank: int, micro: int, B: int, depth: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 1_000_003 + 100_003 * step + 101 * rank + micro)
+    return draw_ids(B, depth, g)
+
+
+# --------------------------------------------------------------------------------------------------
+# The byte model
+
+
+def predict_bytes(lay: MemoryLayout, world: int, ids, row_bytes: int = 4, id_bytes: int = ID_BYTES) -> list[dict]:
+    """Bank bytes each rank sends and receives in one step, as ShardedMemoryBank counts them.
+
+    ``ids[r][m]``: rank r's ``[B, p]`` cluster ids of micro-batch m (no generic sequences; every fetched
+    row gets a gradient). Owner of row g = g % world. Self-sends are excluded. Per active level
+    (r_l > 0), per micro-batch (fetch), with U_r = rank r's unique ids of the level:
+
+    - split sizes: one int64 to every other rank, and one from each: (W-1) * 8 each way;
+    - id requests: a_r = |{g in U_r: owner(g) != r}| ids sent; b_r = sum_{q != r} |{g in U_q:
+      owner(g) = r}| ids received;
+    - rows: owners answer, so rank r sends b_r rows and receives a_r rows of s_l * 4 bytes.
+
+    Per active level at ``reduce_gradients`` (once per step), with U_r = the union of rank r's unique
+    ids over the step's micro-batches: split sizes as above, then a_r ids and a_r gradient rows sent,
+    b_r ids and b_r rows received. Returns per rank ``{"sent", "received", "sent_by_level",
+    "received_by_level"}``.
+    """
+    W = len(ids)
+    assert W == world
+    out = [{"sent": 0, "received": 0, "sent_by_level": [0] * lay.depth, "received_by_level": [0] * lay.depth}
+           for _ in range(W)]
+
+    def add(r: int, level: int, sent: int, recv: int) -> None:
+        out[r]["sent"] += sent
+        out[r]["received"] += recv
+        out[r]["sent_by_level"][level] += sent
+        out[r]["received_by_level"][level] += recv
+
+    n_micro = len(ids[0])
+    for level in lay.active_levels:
+        rb = row_bytes * lay.block_size(level)
+        splits = (W - 1) * id_bytes
+        for m in range(n_micro):  # fetch: ids go to the owners, rows come back
+            a, b = _requests([torch.unique(ids[r][m][:, level]) for r in range(W)], W)
+            for r in range(W):
+                add(r, level, splits + a[r] * id_bytes + b[r] * rb, splits + b[r] * id_bytes + a[r] * rb)
+        # reduce_gradients: (id, gradient row) pairs of the step's union go to the owners
+        a, b = _requests([torch.unique(torch.cat([ids[r][m][:, level] for m in range(n_micro)])) for r in range(W)], W)
+        for r in range(W):
+            add(r, level, splits + a[r] * (id_bytes + rb), splits + b[r] * (id_bytes + rb))
+    return out
+
+
+def _requests(uniq: list[torch.Tensor], W: int) -> tuple[list[int], list[int]]:
+    """a[r]: rank r's unique ids owned by other ranks; b[r]: other ranks' unique ids owned by r."""
+    a, b = [0] * W, [0] * W
+    for q in range(W):
+        counts = torch.bincount(uniq[q] % W, minlength=W).tolist()
+        a[q] = sum(counts) - counts[q]
+        for r in range(W):
+            if r != q:
+                b[r] += counts[r]
+    return a, b
+
+
+def zero3_bytes(bank_params: int, world: int, micro_batches: int, bytes_per_param: int) -> int:
+    """Per-rank bytes of ZeRO-3 for the bank as a dense parameter (as zero3_reference_bytes)."""
+    return 3 * micro_batches * (world - 1) * bank_params * bytes_per_param // world
+
+
+# --------------------------------------------------------------------------------------------------
+# Measured runs (worker processes)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str, spec: dict) -> None:
+    import torch.distributed as dist
+
+    from memtrain.parallel.sharded_bank import ShardedMemoryBank
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        lay = build_layout(ModelConfig(**spec["model"]), spec["levels"])
+        t0 = time.perf_counter()
+        bank = ShardedMemoryBank(lay, seed=0)
+        bank.build_optimizer(LR, (0.9, 0.95), 1e-8, 0.1)
+        init_s = time.perf_counter() - t0
+        steps = []
+        for step in range(spec["steps"]):
+            dist.barrier()
+            t0 = time.perf_counter()
+            for micro in range(spec["accum"]):
+                mem = bank.fetch(micro_ids(step, rank, micro, spec["B"], lay.depth))
+                loss = sum(r.square().sum() for r in mem.levels if r is not None)
+                loss.backward()
+            bank.reduce_gradients()
+            bank.step(LR)
+            secs = time.perf_counter() - t0
+            steps.append({"secs": secs, **bank.comm_bytes(), "zero3": bank.zero3_reference_bytes()})
+        torch.save({"steps": steps, "init_s": init_s}, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def measure(name: str, levels, world: int, quick: bool, B: int, accum: int, steps: int) -> dict:
+    import torch.multiprocessing as mp
+
+    model_cfg = scaled_anchor(name, quick)
+    lay = build_layout(model_cfg, levels)
+    spec = {"model": {k: getattr(model_cfg, k) for k in ("d_model", "n_layers", "n_heads", "head_dim", "ffn_dim")},
+            "levels": list(levels), "B": B, "accum": accum, "steps": steps}
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        mp.spawn(_worker, args=(world, _free_port(), tmp, spec), nprocs=world, join=True)
+        wall = time.perf_counter() - t0
+        res = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(world)]
+
+    # The byte model on the same ids, step by step, rank by rank.
+    mismatches = []
+    for step in range(steps):
+        ids = [[micro_ids(step, r, m, B, lay.depth) for m in range(accum)] for r in range(world)]
+        pred = predict_bytes(lay, world, ids)
+        for r in range(world):
+            got = res[r]["steps"][step]
+            if (got["sent"], got["received"]) != (pred[r]["sent"], pred[r]["received"]):
+                mismatches.append({"step": step, "rank": r, "measured": [got["sent"], got["received"]],
+                                   "model": [pred[r]["sent"], pred[r]["received"]]})
+    timed = range(1, steps) if steps > 1 else range(steps)  # step 0: warm-up
+    sent = [res[r]["steps"][s]["sent"] for r in range(world) for s in range(steps)]
+    recv = [res[r]["steps"][s]["received"] for r in range(world) for s in range(steps)]
+    zero3 = res[0]["steps"][0]["zero3"]
+    assert zero3 == zero3_bytes(lay.bank_parameters, world, accum, 4)
+    step_secs = [max(res[r]["steps"][s]["secs"] for r in range(world)) for s in timed]  # slowest rank
+    mean_sent = statistics.fmean(sent)
+    return {
+        "kind": "measured", "config": f"{name} levels {tuple(levels)}", "anchor": name, "levels": list(levels),
+        "branching": K, "depth": len(levels), "scaled": True, **layout_info(lay),
+        "world": world, "backend": "gloo", "device": "cpu", "threads_per_rank": 1,
+        "micro_batch": B, "micro_batches_per_step": accum, "steps": steps, "timed_steps": len(step_secs),
+        "bank_bytes_sent_per_rank_step_mean": round(mean_sent, 1),
+        "bank_bytes_sent_per_rank_step_max": max(sent),
+        "bank_bytes_received_per_rank_step_mean": round(statistics.fmean(recv), 1),
+        "zero3_bytes_per_rank_step_fp32": zero3,
+        "ratio_vs_zero3": round(zero3 / mean_sent, 3),
+        "ratio_vs_zero3_busiest_rank": round(zero3 / max(sent), 3),
+        "step_s_median": round(statistics.median(step_secs), 5),
+        "step_s_max": round(max(step_secs), 5),
+        "bank_init_s_max": round(max(r["init_s"] for r in res), 3),
+        "spawn_wall_s": round(wall, 2),
+        "model_matches_measured": not mismatches, "model_mismatches": mismatches[:4],
+        "what": "measured: bytes from ShardedMemoryBank.comm_bytes() on every rank and step, time per step "
+                "(fetch+backward+reduce_gradients+step, slowest rank, median over the steps after a warm-up) "
+                "on CPU gloo processes sharing the machine's cores; ZeRO-3 bytes from zero3_reference_bytes()",
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# The 64-rank figure (derived)
+
+
+def derive_64(name: str, levels, draws: int, measured_ok: bool | None) -> dict:
+    lay = build_layout(ANCHORS[name], levels)
+    W = RANKS_64
+    B = GLOBAL_BATCH_SEQS // W  # 16 sequences per rank per step, one micro-batch
+    m = 1
+    mean_sent, max_sent, by_level, bf16_mean = [], [], [0.0] * lay.depth, []
+    for d in range(draws):
+        ids = [[micro_ids(0, r, 0, B, lay.depth, seed=1 + d)] for r in range(W)]
+        pred = predict_bytes(lay, W, ids)
+        pred16 = predict_bytes(lay, W, ids, row_bytes=2)
+        sent = [p["sent"] for p in pred]
+        assert sum(sent) == sum(p["received"] for p in pred)  # every off-rank byte sent is received
+        mean_sent.append(statistics.fmean(sent))
+        max_sent.append(max(sent))
+        bf16_mean.append(statistics.fmean(p["sent"] for p in pred16))
+        for l in range(lay.depth):
+            by_level[l] += sum(p["sent_by_level"][l] for p in pred) / (W * draws)
+    bank = statistics.fmean(mean_sent)
+    bank_bf16 = statistics.fmean(bf16_mean)
+    busiest = statistics.fmean(max_sent)
+    z32 = zero3_bytes(lay.bank_parameters, W, m, 4)
+    z16 = zero3_bytes(lay.bank_parameters, W, m, 2)
+    # Worst case: every rank's B sequences in min(B, k^l) distinct clusters per level, none on the rank
+    # itself (mean over ranks of bytes sent = received = this).
+    worst = sum(2 * (W - 1) * ID_BYTES + min(B, lay.rows(l)) * (2 * ID_BYTES + 2 * 4 * lay.block_size(l))
+                for l in lay.active_levels)
+    return {
+        "kind": "derived_64_ranks", "config": f"{name} levels {tuple(levels)}", "anchor": name,
+        "levels": list(levels), "branching": K, "depth": len(levels), "scaled": False, **layout_info(lay),
+        "world": W, "global_batch_seqs": GLOBAL_BATCH_SEQS, "seq_len": SEQ_LEN, "seqs_per_rank_step": B,
+        "micro_batches_per_step": m, "leaf_distribution": "uniform over 16^4 leaves",
+        "cluster_size_distribution": "none available (no real cluster-size distribution in this repo); uniform used",
+        "draws": draws,
+        "bank_bytes_per_rank_step_mean": round(bank, 1),
+        "bank_bytes_per_rank_step_busiest_rank": round(busiest, 1),
+        "bank_bytes_per_rank_step_worst_case": worst,
+        "bank_bytes_share_by_level": [round(b / bank, 4) for b in by_level],
+        "zero3_bytes_per_rank_step_fp32": z32, "zero3_bytes_per_rank_step_bf16": z16,
+        "ratio_vs_zero3": round(z32 / bank, 3),
+        "ratio_vs_zero3_headline_dtype": "fp32 ZeRO-3 vs the bank's fp32 rows and gradients (as counted)",
+        "ratio_vs_zero3_bf16": round(z16 / bank, 3),
+        "ratio_bf16_both": round(z16 / bank_bf16, 3),
+        "ratio_vs_zero3_busiest_rank": round(z32 / busiest, 3),
+        "ratio_vs_zero3_worst_case": round(z32 / worst, 3),
+        "byte_model_validated_by_measurement": measured_ok,
+        "what": "derived: bank bytes from predict_bytes (validated exactly against comm_bytes() in the measured "
+                "runs) on the full-size layout with 64 ranks and seeded uniform ids, mean over draws and ranks; "
+                "ZeRO-3 bytes from 3 m (W-1)/W P b; nothing here is measured",
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small scaled layouts for a CPU run in a minute or two")
+    ap.add_argument("--world", default="2,4", help="comma-separated numbers of gloo processes")
+    ap.add_argument("--steps", type=int, default=None, help="steps per measured run (first is a warm-up)")
+    ap.add_argument("--micro-batch", type=int, default=GLOBAL_BATCH_SEQS // RANKS_64,
+                    help="sequences per rank per micro-batch (default 16: the paper's batch on 64 ranks)")
+    ap.add_argument("--accum", type=int, default=1, help="micro-batches per step")
+    ap.add_argument("--draws", type=int, default=None, help="seeded id draws for the 64-rank figure")
+    ap.add_argument("--out", default=None, help="also write the JSON lines to this file")
+    args = ap.parse_args()
+    steps = args.steps or (3 if args.quick else 6)
+    draws = args.draws or (8 if args.quick else 32)
+    worlds = [int(w) for w in args.world.split(",") if w]
+    out = open(args.out, "w") if args.out else None
+    t_start = time.perf_counter()
+
+    def emit(rec: dict) -> None:
+        line = json.dumps(rec)
+        print(line, flush=True)
+        if out:
+            out.write(line + "\n")
+            out.flush()
+
+    env = {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
+           "quick": args.quick}
+    ok_all = True if worlds else None
+    for name, levels in CONFIGS:
+        for world in worlds:
+            rec = measure(name, levels, world, args.quick, args.micro_batch, args.accum, steps)
+            ok_all = ok_all and rec["model_matches_measured"]
+            emit({**rec, **env})
+            if not rec["model_matches_measured"]:
+                raise SystemExit(f"byte model differs from the measured bytes: {rec['model_mismatches']}")
+    for name, levels in CONFIGS:
+        emit({**derive_64(name, levels, draws, ok_all), **env})
+    emit({"kind": "summary", "total_s": round(time.perf_counter() - t_start, 1), **env})
+    if out:
+        out.close()
+
+
+if __name__ == "__main__":
+    main()
