@@ -22,7 +22,9 @@ Three parts, one JSON line each (``"kind"`` says which):
    A.2) on 64 ranks is 16 sequences per rank per step (one micro-batch of 16), with the *full-size*
    layouts. Per-rank bank bytes come from the validated byte model (mean over ``--draws`` seeded draws
    of uniform leaf ids and over the 64 ranks; no real cluster-size distribution is available here, so
-   the draws are uniform), ZeRO-3's from the same formula as ``zero3_reference_bytes``. Headline
+   the draws are uniform), ZeRO-3's from the same formula as ``zero3_reference_bytes``. Also with
+   cluster-affine placement (``ratio_vs_zero3_affine``: 16 groups of 4 ranks, each group's sequences
+   from its level-1 subtree and the rows owned within the group, :func:`affine_owner`). Headline
    ``ratio_vs_zero3`` = ZeRO-3 fp32 bytes / bank bytes as counted (the bank sends fp32 rows and
    gradients), per rank per step, mean over ranks (mean sent = mean received). Also reported: ZeRO-3 in
    bf16 against the fp32 bank (``ratio_vs_zero3_bf16``), both in bf16 (``ratio_bf16_both``: rows and
@@ -109,11 +111,13 @@ def micro_ids(step: int, rank: int, micro: int, B: int, depth: int, seed: int = 
 # The byte model
 
 
-def predict_bytes(lay: MemoryLayout, world: int, ids, row_bytes: int = 4, id_bytes: int = ID_BYTES) -> list[dict]:
+def predict_bytes(lay: MemoryLayout, world: int, ids, row_bytes: int = 4, id_bytes: int = ID_BYTES,
+                  owner=None) -> list[dict]:
     """Bank bytes each rank sends and receives in one step, as ShardedMemoryBank counts them.
 
     ``ids[r][m]``: rank r's ``[B, p]`` cluster ids of micro-batch m (no generic sequences; every fetched
-    row gets a gradient). Owner of row g = g % world. Self-sends are excluded. Per active level
+    row gets a gradient). Owner of row g = g % world, or ``owner(level, ids)`` (e.g. the affine map of
+    :func:`affine_owner`). Self-sends are excluded. Per active level
     (r_l > 0), per micro-batch (fetch), with U_r = rank r's unique ids of the level:
 
     - split sizes: one int64 to every other rank, and one from each: (W-1) * 8 each way;
@@ -142,26 +146,47 @@ def predict_bytes(lay: MemoryLayout, world: int, ids, row_bytes: int = 4, id_byt
         rb = row_bytes * lay.block_size(level)
         splits = (W - 1) * id_bytes
         for m in range(n_micro):  # fetch: ids go to the owners, rows come back
-            a, b = _requests([torch.unique(ids[r][m][:, level]) for r in range(W)], W)
+            a, b = _requests([torch.unique(ids[r][m][:, level]) for r in range(W)], W, level, owner)
             for r in range(W):
                 add(r, level, splits + a[r] * id_bytes + b[r] * rb, splits + b[r] * id_bytes + a[r] * rb)
         # reduce_gradients: (id, gradient row) pairs of the step's union go to the owners
-        a, b = _requests([torch.unique(torch.cat([ids[r][m][:, level] for m in range(n_micro)])) for r in range(W)], W)
+        a, b = _requests([torch.unique(torch.cat([ids[r][m][:, level] for m in range(n_micro)])) for r in range(W)], W,
+                         level, owner)
         for r in range(W):
             add(r, level, splits + a[r] * (id_bytes + rb), splits + b[r] * (id_bytes + rb))
     return out
 
 
-def _requests(uniq: list[torch.Tensor], W: int) -> tuple[list[int], list[int]]:
+def _requests(uniq: list[torch.Tensor], W: int, level: int = 0, owner=None) -> tuple[list[int], list[int]]:
     """a[r]: rank r's unique ids owned by other ranks; b[r]: other ranks' unique ids owned by r."""
     a, b = [0] * W, [0] * W
     for q in range(W):
-        counts = torch.bincount(uniq[q] % W, minlength=W).tolist()
+        owners = uniq[q] % W if owner is None else owner(level, uniq[q])
+        counts = torch.bincount(owners, minlength=W).tolist()
         a[q] = sum(counts) - counts[q]
         for r in range(W):
             if r != q:
                 b[r] += counts[r]
     return a, b
+
+
+def affine_owner(world: int):
+    """ShardedMemoryBank's cluster-affine owner map for ``world`` ranks in K groups of world / K (one
+    level-1 subtree per group, as memtrain.data.loader.affine_groups forms them for equal subtrees):
+    row g of level l belongs to rank ``per_group * (g // K^l) + g % per_group``."""
+    per_group = world // K
+
+    def owner(level: int, rows: torch.Tensor) -> torch.Tensor:
+        return per_group * (rows // K ** level) + rows % per_group
+
+    return owner
+
+
+def affine_ids(rank: int, world: int, B: int, depth: int, gen: torch.Generator) -> torch.Tensor:
+    """Rank ``rank``'s ids under affine placement: its group's level-1 subtree, leaves uniform within it."""
+    subtree = rank // (world // K)
+    leaf = subtree * K ** (depth - 1) + torch.randint(0, K ** (depth - 1), (B,), generator=gen)
+    return torch.stack([leaf // K ** (depth - 1 - l) for l in range(depth)], 1)
 
 
 def zero3_bytes(bank_params: int, world: int, micro_batches: int, bytes_per_param: int) -> int:
@@ -282,6 +307,13 @@ def derive_64(name: str, levels, draws: int, measured_ok: bool | None) -> dict:
         bf16_mean.append(statistics.fmean(p["sent"] for p in pred16))
         for l in range(lay.depth):
             by_level[l] += sum(p["sent_by_level"][l] for p in pred) / (W * draws)
+    # Cluster-affine placement (data.placement affine + the affine owner map): 16 groups of 4 ranks.
+    affine_mean = []
+    for d in range(draws):
+        gens = [torch.Generator().manual_seed(7919 * (1 + d) + r) for r in range(W)]
+        ids = [[affine_ids(r, W, B, lay.depth, gens[r])] for r in range(W)]
+        affine_mean.append(statistics.fmean(p["sent"] for p in predict_bytes(lay, W, ids, owner=affine_owner(W))))
+    bank_affine = statistics.fmean(affine_mean)
     bank = statistics.fmean(mean_sent)
     bank_bf16 = statistics.fmean(bf16_mean)
     busiest = statistics.fmean(max_sent)
@@ -309,6 +341,12 @@ def derive_64(name: str, levels, draws: int, measured_ok: bool | None) -> dict:
         "ratio_bf16_both": round(z16 / bank_bf16, 3),
         "ratio_vs_zero3_busiest_rank": round(z32 / busiest, 3),
         "ratio_vs_zero3_worst_case": round(z32 / worst, 3),
+        "bank_bytes_per_rank_step_affine": round(bank_affine, 1),
+        "ratio_vs_zero3_affine": round(z32 / bank_affine, 3),
+        "affine": "data.placement affine + ShardedMemoryBank(subtree_ranks=...): 16 groups of 4 ranks, a rank's "
+                  "sequences from its group's level-1 subtree (leaves uniform within it), rows owned within the "
+                  "group; same byte model with the affine owner map (the map itself is exercised end to end in "
+                  "tests/test_hmem_train.py, where only split sizes cross ranks)",
         "byte_model_validated_by_measurement": measured_ok,
         "what": "derived: bank bytes from predict_bytes (validated exactly against comm_bytes() in the measured "
                 "runs) on the full-size layout with 64 ranks and seeded uniform ids, mean over draws and ranks; "

@@ -224,3 +224,26 @@ def test_lazy_bank_needs_the_sharded_bank_and_no_weight_decay():
         recipe_from_dict({**base, "memory": {**base["memory"], "bank": "sharded", "bank_optimizer": "lazy"}})
     assert recipe_from_dict({**base, "memory": {**base["memory"], "bank": "sharded", "bank_optimizer": "lazy",
                                                   "optimizer": {"weight_decay": 0.0}}})
+
+
+def test_affine_sharded_bank_keeps_rows_on_the_ranks_that_read_them(root):
+    """data.placement affine + memory.bank sharded: each rank reads one level-1 subtree (k = 2, 2 ranks)
+    and owns that subtree's rows at every level, so no row or gradient crosses ranks (only the split
+    sizes of the all-to-alls: 8 bytes per peer per exchange); training equals the replicated bank."""
+    common = ("memory.generic_prob=0.0", "data.placement=affine")
+    train(root, "aff-rep", *common, nproc=2)
+    train(root, "aff-sh", *common, "memory.bank=sharded", nproc=2)
+    rep, sh = metrics(root, "aff-rep"), metrics(root, "aff-sh")
+    for a, b in zip(rep, sh):
+        assert b["loss/train"] == pytest.approx(a["loss/train"], rel=1e-5)
+    accum = 8 // (2 * 2)  # sequences per step / (micro-batch 2 x 2 ranks)
+    levels = 2
+    # per step and level: one split exchange per fetch (accum fetches) and one in reduce_gradients
+    split_only = levels * (accum + 1) * 8
+    for row in sh:
+        assert row["comm/bank_bytes_sent"] == split_only, row["comm/bank_bytes_sent"]
+    for level, table in bank_tables(root, "aff-rep", 6).items():
+        torch.testing.assert_close(_bank_state(root, "aff-sh", 6)["tables"][level], table, rtol=1e-4, atol=1e-6)
+    # the round-robin map on the same data sends rows across ranks
+    train(root, "aff-rr", *common[:1], "memory.bank=sharded", nproc=2)
+    assert max(r["comm/bank_bytes_sent"] for r in metrics(root, "aff-rr")) > 10 * split_only

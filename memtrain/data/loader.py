@@ -277,6 +277,22 @@ def affine_groups(samples_per_subtree: dict[int, int], world_size: int) -> tuple
     return [sorted(g) for g in groups], world_size // n_groups
 
 
+def affine_subtree_ranks(recipe: Recipe, world_size: int) -> list[list[int]]:
+    """For cluster-affine placement: the ranks that read each level-1 subtree (the same groups the
+    train loader forms with :func:`affine_groups`), for owning the subtree's memory rows."""
+    meta = recipe_meta(recipe)
+    streams = meta["streams"]["train"]
+    groups, per_group = affine_groups({s["subtree"]: s["samples"] for s in streams}, world_size)
+    out: list[list[int]] = [[] for _ in range(recipe.data.clustering.branching)]
+    for g, subtrees in enumerate(groups):
+        for st in subtrees:
+            out[st] = list(range(g * per_group, (g + 1) * per_group))
+    empty = [i for i, r in enumerate(out) if not r]
+    for i in empty:  # a subtree without training data: any group (its rows are never fetched in training)
+        out[i] = list(range((i % len(groups)) * per_group, (i % len(groups) + 1) * per_group))
+    return out
+
+
 class _Stripe:
     """Collate a group batch and keep this rank's rows."""
 

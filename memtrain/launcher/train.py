@@ -214,7 +214,13 @@ def train(recipe: Recipe) -> dict:
         if mem.bank == "sharded":
             from memtrain.parallel.sharded_bank import ShardedMemoryBank
 
-            bank = ShardedMemoryBank(model.memory_layout, device, seed=recipe.run.seed, mode=mem.bank_optimizer)
+            subtree_ranks = None
+            if recipe.data.placement == "affine":  # a subtree's rows live on the ranks that read it
+                from memtrain.data.loader import affine_subtree_ranks
+
+                subtree_ranks = affine_subtree_ranks(recipe, world)
+            bank = ShardedMemoryBank(model.memory_layout, device, seed=recipe.run.seed, mode=mem.bank_optimizer,
+                                     subtree_ranks=subtree_ranks)
         else:
             bank = MemoryBank(model.memory_layout, device, seed=recipe.run.seed)
         o = recipe.train.optimizer

@@ -89,7 +89,11 @@ class ShardedMemoryBank:
     MODES = ("dense", "lazy")
 
     def __init__(self, layout: MemoryLayout, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 seed: int = 0, mode: str = "dense", group=None):
+                 seed: int = 0, mode: str = "dense", group=None, subtree_ranks: Optional[list[list[int]]] = None):
+        """``subtree_ranks[s]``: the ranks that read level-1 subtree ``s`` (cluster-affine placement,
+        :func:`memtrain.data.loader.affine_groups`; every subtree the same number of ranks). Then a row
+        of any level is owned by one of the ranks of its level-1 ancestor, so its traffic never leaves
+        that group; None: round robin over all ranks."""
         if mode not in self.MODES:
             raise ValueError(f"sharded bank mode must be one of {self.MODES}, got {mode!r}")
         if dtype != torch.float32:
@@ -101,6 +105,15 @@ class ShardedMemoryBank:
         d = _dist()
         self.world = d.get_world_size(group) if d is not None else 1
         self.rank = d.get_rank(group) if d is not None else 0
+        self._subtree_ranks: Optional[torch.Tensor] = None
+        if subtree_ranks is not None:
+            k = layout.branching
+            sizes = {len(r) for r in subtree_ranks}
+            if len(subtree_ranks) != k or len(sizes) != 1 or any(not 0 <= x < self.world for r in subtree_ranks
+                                                                  for x in r):
+                raise ValueError(f"subtree_ranks must give the same number of ranks in [0, {self.world}) for each "
+                                 f"of the {k} level-1 subtrees; got {subtree_ranks}")
+            self._subtree_ranks = torch.tensor(subtree_ranks, dtype=_ID_DTYPE, device=self.device)
         self.owned: list[Optional[torch.Tensor]] = []  # sorted global ids of this rank's rows
         self.shards: list[Optional[torch.Tensor]] = []  # [n_owned, s_l] fp32
         for level in range(layout.depth):
@@ -141,8 +154,14 @@ class ShardedMemoryBank:
         The only place that decides placement: everything else (init, fetch routing, gradient routing,
         state dicts) goes through it and :attr:`owned`, so a cluster-affine map (a level-1 subtree's
         rows on a fixed group of ranks) can replace it. It must be a pure function of (level, row)
-        that every rank evaluates identically."""
-        return row % self.world
+        that every rank evaluates identically. With ``subtree_ranks`` (cluster-affine), the row's owner is
+        one of the ranks reading its level-1 ancestor (``row // k^level``), round robin among them."""
+        if self._subtree_ranks is None:
+            return row % self.world
+        ranks = self._subtree_ranks
+        ancestor = row // self.layout.branching ** level
+        return ranks[ancestor, row % ranks.shape[1]] if isinstance(row, torch.Tensor) else \
+            int(ranks[ancestor, row % ranks.shape[1]])
 
     def _local_index(self, level: int, rows: torch.Tensor) -> torch.Tensor:
         """Global ids owned by this rank -> positions in this rank's shard."""
