@@ -25,6 +25,16 @@ from torch import nn
 from memtrain.model.hierarchical import FetchedMemory, MemoryLayout
 
 
+def per_sequence_rows(rows: torch.Tensor, inverse: torch.Tensor, used: torch.Tensor) -> torch.Tensor:
+    """A level's unique fetched rows ``[U, s_l]`` -> one row per sequence ``[B, s_l]``: sequence ``b``
+    with ``used[b]`` gets ``rows[inverse[i]]`` (its position among the used ones), generic sequences a
+    zero row that the model replaces by the generic block."""
+    rows = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])
+    index = torch.full((used.shape[0],), rows.shape[0] - 1, dtype=torch.long, device=rows.device)
+    index[used] = inverse
+    return rows.index_select(0, index)
+
+
 class MemoryBank:
     """Row tables ``[k^l, s_l]`` for every level with r_l > 0 (see the module docstring)."""
 
@@ -92,11 +102,7 @@ class MemoryBank:
             if count:
                 self._touched[level][uniq] = True
             rows = table.index_select(0, uniq)  # [U, s_l]: gradients reach these rows only
-            # Generic sequences point at a zero row that the model replaces by the generic block.
-            rows = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])
-            index = torch.full((B,), len(uniq), dtype=torch.long, device=self.device)
-            index[used] = inverse
-            levels.append(rows.index_select(0, index))
+            levels.append(per_sequence_rows(rows, inverse, used))
         return FetchedMemory(levels=levels, generic=generic.to(self.device) if generic is not None else None,
                              ids=ids)
 
@@ -211,4 +217,4 @@ def level_sizes_line(layout: MemoryLayout) -> str:
             f"({bank_bytes(layout) / 2**30:.2f} GiB fp32)")
 
 
-__all__ = ["MemoryBank", "bank_bytes", "level_sizes_line"]
+__all__ = ["MemoryBank", "bank_bytes", "level_sizes_line", "per_sequence_rows"]

@@ -59,6 +59,7 @@ from typing import Optional
 import torch
 
 from memtrain.model.hierarchical import FetchedMemory, MemoryLayout
+from memtrain.parallel.bank import per_sequence_rows
 
 _ID_DTYPE = torch.int64
 
@@ -276,11 +277,7 @@ class ShardedMemoryBank:
                 levels.append(None)
                 continue
             rows = _FetchedRows.apply(rows, self._token, self, level, uniq)
-            # Generic sequences point at a zero row that the model replaces by the generic block.
-            rows = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])
-            index = torch.full((B,), len(uniq), dtype=torch.long, device=self.device)
-            index[used] = inverse
-            levels.append(rows.index_select(0, index))
+            levels.append(per_sequence_rows(rows, inverse, used))
         return FetchedMemory(levels=levels, generic=generic.to(self.device) if generic is not None else None,
                              ids=ids)
 
