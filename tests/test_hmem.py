@@ -302,3 +302,55 @@ def test_a_level_nobody_fetched_still_takes_a_dense_step():
     bank.step(1e-2)
     for b, t in zip(before, bank.parameters()):
         torch.testing.assert_close(t.detach(), b * (1 - 1e-2 * 0.1))
+
+
+@pytest.mark.parametrize("name, fetched, bank", [
+    ("hmem-160m-a3-frozen", 18_063_360, 4_624_220_160), ("hmem-160m-a2-cotrain", 18_063_360, 4_624_220_160),
+    ("hmem-160m-a4-scratch", 18_063_360, 4_624_220_160), ("hmem-160m-table9", 18_063_360, 4_624_220_160),
+    ("hmem-410m-b2", 49_545_216, 12_683_575_296), ("hmem-1b-c2", 153_354_240, 21_139_292_160),
+])
+def test_paper_recipes_resolve_to_their_table_sizes(name, fetched, bank):
+    from pathlib import Path
+
+    from memtrain.config import load_recipe
+
+    recipe = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / f"{name}.yaml")
+    with torch.device("meta"):
+        model = build(recipe.model, recipe.memory, recipe.data.clustering.branching)
+    assert (model.memory_layout.fetched_parameters, model.memory_layout.bank_parameters) == (fetched, bank)
+    assert recipe.memory.optimizer.weight_decay == 1e-3 and recipe.data.clustering.branching == 16
+    assert recipe.memory.freeze_anchor == (name in ("hmem-160m-a3-frozen", "hmem-160m-table9"))
+    assert (recipe.model.init_from is None) == (name == "hmem-160m-a4-scratch")
+
+
+@pytest.mark.parametrize("name", ["hmem-posthoc-gemma3-270m", "hmem-posthoc-qwen2.5-0.5b", "hmem-posthoc-llama3.2-1b"])
+def test_posthoc_recipes_load(name):
+    from pathlib import Path
+
+    from memtrain.config import load_recipe
+
+    recipe = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / f"{name}.yaml")
+    assert recipe.model.type == "hf" and recipe.memory.type == "ffn" and recipe.memory.freeze_anchor
+    assert recipe.data.tokenizer.path == recipe.model.pretrained
+
+
+def test_memory_parameters_get_their_own_group_lr_and_decay():
+    """Appendices A.2 / A.5: the memories (here the generic memory, part of the DeepSpeed module) have their
+    own learning rate, schedule floor and weight decay; the anchor keeps train.optimizer's."""
+    from memtrain.parallel.engine import build_optimizer, build_scheduler
+
+    recipe = recipe_from_dict({**memory_recipe(optimizer={"lr": 1e-4, "min_lr": 1e-5, "weight_decay": 1e-3}),
+                               "train": {"optimizer": {"lr": 1e-3, "weight_decay": 0.05}, "max_steps": 10,
+                                         "schedule": {"warmup": 2, "min_lr": 1e-4}}})
+    model = build(TINY, recipe.memory, branching=4)
+    opt = build_optimizer(model, recipe)
+    roles = {g["role"]: g for g in opt.param_groups}
+    assert roles["memory"]["weight_decay"] == 1e-3 and roles["memory"]["lr"] == 1e-4
+    assert {id(p) for p in roles["memory"]["params"]} == {id(p) for p in model.memory_parameters()}
+    anchor = [g for g in opt.param_groups if g["role"] == "anchor"]
+    assert max(g["weight_decay"] for g in anchor) == 0.05 and all(g["lr"] == 1e-3 for g in anchor)
+    sched = build_scheduler(opt, recipe)
+    for _ in range(10):
+        opt.step()
+        sched.step()
+    assert roles["memory"]["lr"] == pytest.approx(1e-5) and anchor[0]["lr"] == pytest.approx(1e-4)
