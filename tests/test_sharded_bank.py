@@ -1,7 +1,10 @@
 """The row-sharded memory bank (memtrain.parallel.sharded_bank) on CPU with gloo, 2 and 3 processes:
 training equals one process with the replicated MemoryBank stepped by torch.optim.AdamW (dense mode)
-or torch.optim.SparseAdam (lazy mode); counted bank bytes follow the fetched rows, not the bank size;
-bad ids fail on every rank; state round-trips across world sizes."""
+or torch.optim.SparseAdam (lazy mode); deferred mode equals dense (rows left stale for many steps,
+caught up on read, write and save, through a state round trip); bf16 storage equals fp32 math rounded
+to bf16 every step and halves the fetched row bytes; CPU offload equals the resident bank; every rank's
+initial rows are MemoryBank's, drawn in row chunks; counted bank bytes follow the fetched rows, not the
+bank size; bad ids fail on every rank; state round-trips across world sizes."""
 
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import torch.nn.functional as F
 from memtrain.config import MemoryConfig, ModelConfig
 from memtrain.model import build
 from memtrain.model.anchor import anchor_dims
-from memtrain.model.hierarchical import MemoryLayout
+from memtrain.model.hierarchical import MemoryLayout, _trunc_normal
 from memtrain.parallel.bank import MemoryBank
 from memtrain.parallel.sharded_bank import ShardedMemoryBank
 
@@ -57,6 +60,49 @@ def clip_coef(norm: float) -> float:
     return min(1.0, CLIP / (norm + 1e-6))
 
 
+# Synthetic runs (no model): a quadratic loss on the fetched rows, whose gradient depends on the values
+# served (a stale row would show), and skewed ids over 27 leaves (high leaves are rarely fetched, so
+# their rows stay stale for many steps in deferred mode). Level 2 has no table (r = 0).
+SYN = MemoryConfig(type="ffn", levels=[2, 0, 1])
+SYN_STEPS, SYN_SAVE, SYN_CLIP = 12, 5, 10.0  # clipping bites on some steps
+
+
+def syn_layout() -> MemoryLayout:
+    return MemoryLayout.build(SYN, anchor_dims(TINY), K)
+
+
+def syn_lr(step: int) -> float:
+    return 1e-2 / (1 + 0.3 * step)  # a different lr every step
+
+
+def syn_clip(norm: float) -> float:
+    return min(1.0, SYN_CLIP / (norm + 1e-6))
+
+
+def syn_batch(step: int, rank: int, micro: int):
+    g = torch.Generator().manual_seed(7919 * step + 31 * rank + micro)
+    leaf = (torch.rand(MB, generator=g) ** 3 * K ** 3).long()
+    generic = torch.rand(MB, generator=g) < 0.2
+    if (step, rank, micro) == (2, 1, 0):
+        generic[:] = True
+    return torch.stack([leaf // K ** 2, leaf // K, leaf], 1), generic
+
+
+def syn_targets(layout: MemoryLayout) -> list:
+    g = torch.Generator().manual_seed(11)
+    return [torch.randn(layout.block_size(l), generator=g) * 0.1 if layout.levels[l] else None
+            for l in range(layout.depth)]
+
+
+def syn_loss(memory, targets):
+    terms = [((rows.float() - t) ** 2).sum() for rows, t in zip(memory.levels, targets) if rows is not None]
+    return sum(terms) / ACCUM if terms else None
+
+
+def _stalest(bank) -> int:
+    return bank._step - min(int(t.min()) for t in bank.last_step if t is not None and t.numel())
+
+
 # --------------------------------------------------------------------------------------------------
 # Worker processes
 
@@ -84,20 +130,76 @@ def _train_sharded(model, mode: str, rank: int):
     return bank, norms
 
 
-def _byte_run(levels, branching, leaves, rank):
+def _byte_run(levels, branching, leaves, rank, dtype=torch.float32):
     """One step fetching ``leaves`` (same on every rank, shifted by rank) -> (this rank's bytes, zero3)."""
     lay = MemoryLayout.build(MemoryConfig(type="ffn", levels=list(levels)), anchor_dims(TINY), branching)
-    bank = ShardedMemoryBank(lay, seed=SEED)
+    bank = ShardedMemoryBank(lay, seed=SEED, dtype=dtype)
     bank.build_optimizer(1e-2, BETAS, EPS, WD)
     leaf = torch.tensor(leaves) + rank
     ids = torch.stack([leaf // K, leaf], 1)  # level-1 ids in [0, 3), level-2 in [0, 9) for leaves < 8
     mem = bank.fetch(ids)
-    sum(r.sum() for r in mem.levels if r is not None).backward()
+    fetch_bytes = list(bank._bytes)
+    sum(r.float().sum() for r in mem.levels if r is not None).backward()
     bank.reduce_gradients()
     bank.step(1e-2)
     stats = bank.stats()
-    return {"bytes": bank.comm_bytes(), "zero3": bank.zero3_reference_bytes(),
-            "stats": {k: v for k, v in stats.items() if k.startswith("comm/")}}
+    return {"bytes": bank.comm_bytes(), "zero3": bank.zero3_reference_bytes(), "fetch": fetch_bytes,
+            "dtype": mem.levels[0].dtype, "stats": {k: v for k, v in stats.items() if k.startswith("comm/")}}
+
+
+def _train_syn(rank: int, mode: str, dtype=torch.float32, offload: bool = False, round_trip: bool = False):
+    """The synthetic run on this rank; ``round_trip``: state_dict() after step SYN_SAVE, loaded into a
+    fresh bank (other seed) that continues. Returns the gathered bank and what the tests check."""
+    lay, targets = syn_layout(), syn_targets(syn_layout())
+    wd = 0.0 if mode == "lazy" else WD
+
+    def make(seed):
+        b = ShardedMemoryBank(lay, seed=seed, mode=mode, dtype=dtype, compute_dtype=torch.float32, offload=offload)
+        b.build_optimizer(syn_lr(0), BETAS, EPS, wd)
+        return b
+
+    bank = make(SEED)
+    norms, stalest, saved_last = [], 0, None
+    for step in range(SYN_STEPS):
+        for micro in range(ACCUM):
+            ids, generic = syn_batch(step, rank, micro)
+            loss = syn_loss(bank.fetch(ids, generic), targets)
+            if loss is not None:
+                loss.backward()
+        bank.reduce_gradients()
+        norms.append(bank.grad_norm())
+        bank.scale_gradients(syn_clip(norms[-1]))
+        bank.step(syn_lr(step))
+        stalest = max(stalest, _stalest(bank))
+        if round_trip and step == SYN_SAVE:
+            state = bank.state_dict()
+            saved_last = {k: v["last_step"] for k, v in state["levels_state"].items()}
+            bank = make(SEED + 1)
+            bank.load_state_dict(state)
+    stats = bank.stats()  # norms of the up-to-date bank
+    full = bank.gather_full_state()
+    return {"tables": full["tables"], "exp_avg": full["exp_avg"], "exp_avg_sq": full["exp_avg_sq"],
+            "norms": norms, "stalest": stalest, "saved_last": saved_last, "lrs_left": len(bank._lrs),
+            "param_norms": {k: v for k, v in stats.items() if "param_norm" in k},
+            "last_step": {k: v["last_step"] for k, v in full["levels_state"].items()},
+            "store": [str(t.device) for t in bank.parameters() + bank.exp_avg if t is not None]}
+
+
+INIT_LAYOUTS = [MemoryConfig(type="ffn", levels=[2, 0, 1], placement="early", placement_layers=2),
+                MemoryConfig(type="lora", lora_target="ffn", levels=[1, 2]),
+                MemoryConfig(type="lora", lora_target="qk", levels=[3])]
+
+
+def _init_rows() -> list[dict]:
+    """This rank's initial rows, drawn 2 rows at a time, for each INIT_LAYOUTS entry and storage dtype."""
+    out = []
+    for cfg in INIT_LAYOUTS:
+        for dtype in (torch.float32, torch.bfloat16):
+            bank = ShardedMemoryBank(MemoryLayout.build(cfg, anchor_dims(TINY), K), seed=SEED, dtype=dtype,
+                                     init_chunk_rows=2)
+            out.append({l: (bank.owned[l], bank.shards[l]) for l in range(bank.layout.depth)
+                        if bank.shards[l] is not None})
+    return out
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str, extras: bool):
@@ -112,13 +214,19 @@ def _worker(rank: int, world: int, port: int, out_dir: str, extras: bool):
         full = bank.gather_full_state()
         result["dense"] = {"tables": full["tables"], "exp_avg": full["exp_avg"], "norms": norms,
                            "state": full, "step": full["step"], "stats": bank.stats()}
+        result["init"] = _init_rows()
+        result["syn"] = {"dense": _train_syn(rank, "dense"), "deferred": _train_syn(rank, "deferred", round_trip=True)}
         if extras:
+            for mode in ("lazy", "dense", "deferred"):
+                result["syn"][f"{mode}_offload"] = _train_syn(rank, mode, offload=True, round_trip=mode == "deferred")
+            result["syn"]["lazy"] = _train_syn(rank, "lazy")
             bank, norms = _train_sharded(model, "lazy", rank)
             result["lazy"] = {"tables": bank.gather_full_state()["tables"], "norms": norms}
             result["bytes"] = {
                 "few_small": _byte_run((2, 3), K, [0, 4], rank),
                 "few_big": _byte_run((2, 3), 2 * K, [0, 4], rank),  # 2x level-1 rows, 4x level-2 rows
                 "many_small": _byte_run((2, 3), K, [0, 1, 3, 4, 6, 7], rank),
+                "few_small_bf16": _byte_run((2, 3), K, [0, 4], rank, torch.bfloat16),
             }
             bad = torch.tensor([[0, 9 if rank == 1 else 0]])
             try:
@@ -342,3 +450,222 @@ def test_single_process_matches_memory_bank():
         assert all(torch.equal(u, v) for u, v in zip(a.levels, b.levels))
     s_ref, s_bank = ref.stats(), bank.stats()
     assert {k: v for k, v in s_bank.items() if not k.startswith("comm/")} == pytest.approx(s_ref)
+
+
+# --------------------------------------------------------------------------------------------------
+# Deferred mode, bf16 storage, CPU offload, chunked initialisation
+
+
+def reference_syn(world: int):
+    """The synthetic run on one process: MemoryBank + torch.optim.AdamW on the global batch."""
+    lay = syn_layout()
+    targets = syn_targets(lay)
+    bank = MemoryBank(lay, seed=SEED)
+    bank.build_optimizer(syn_lr(0), BETAS, EPS, WD)
+    norms = []
+    for step in range(SYN_STEPS):
+        for rank in range(world):
+            for micro in range(ACCUM):
+                loss = syn_loss(bank.fetch(*syn_batch(step, rank, micro)), targets)
+                if loss is not None:
+                    (loss / world).backward()
+        for t in bank.parameters():
+            if t.grad is None:
+                t.grad = torch.zeros_like(t)
+        norms.append(bank.grad_norm())
+        bank.scale_gradients(syn_clip(norms[-1]))
+        bank.step(syn_lr(step))
+    return bank, norms
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_deferred_equals_dense_with_stale_rows_and_a_state_round_trip(runs, world):
+    """Deferred mode (rows replayed only when read, written or saved) gives dense AdamW's bank: rows
+    left stale for the whole run, weight decay, a new lr every step, clipping, a state_dict() /
+    load_state_dict() round trip mid-run. Dense itself matches MemoryBank + torch AdamW."""
+    ref, ref_norms = reference_syn(world)
+    assert min(map(syn_clip, ref_norms)) < 1 == max(map(syn_clip, ref_norms))
+    for res in runs(world):
+        dense, deferred = res["syn"]["dense"], res["syn"]["deferred"]
+        assert deferred["stalest"] == SYN_STEPS - SYN_SAVE - 1  # some rows untouched since the reload
+        assert dense["stalest"] == 0
+        for name in ("tables", "exp_avg", "exp_avg_sq"):
+            diff = _max_diff(deferred[name], dense[name])
+            assert diff <= 1e-7, (name, diff)
+        assert deferred["norms"] == pytest.approx(dense["norms"], rel=1e-7, abs=0)
+        assert deferred["param_norms"] == pytest.approx(dense["param_norms"], rel=1e-7, abs=0)
+        assert all(bool((v == SYN_SAVE + 1).all()) for v in deferred["saved_last"].values())  # saved current
+        assert all(bool((v == SYN_STEPS).all()) for v in deferred["last_step"].values())
+        assert deferred["lrs_left"] == 0
+        for level, table in enumerate(ref.tables):
+            if table is not None:
+                torch.testing.assert_close(deferred["tables"][str(level)], table.detach(), rtol=0, atol=1e-5)
+        torch.testing.assert_close(torch.tensor(deferred["norms"]), torch.tensor(ref_norms), rtol=1e-5, atol=0)
+        assert deferred["param_norms"] == pytest.approx(
+            {k: v for k, v in ref.stats().items() if "param_norm" in k}, rel=1e-5)
+
+
+def test_offload_equals_the_resident_bank_in_every_mode(runs):
+    for res in runs(2):
+        syn = res["syn"]
+        for mode in ("dense", "deferred", "lazy"):
+            on, off = syn[f"{mode}_offload"], syn[mode]
+            assert set(on["store"]) == {"cpu"}
+            for name in ("tables", "exp_avg", "exp_avg_sq"):
+                assert all(torch.equal(on[name][k], off[name][k]) for k in off[name]), (mode, name)
+            assert on["norms"] == off["norms"]
+        assert _max_diff(syn["lazy"]["tables"], syn["dense"]["tables"]) > 1e-4  # the modes differ
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_initial_rows_are_memory_banks_drawn_in_chunks(runs, world):
+    """Every rank draws MemoryBank's values, bitwise (fp32 and bf16 storage, ffn and LoRA layouts with
+    several layers and parts), 2 rows at a time, keeping its own rows."""
+    results = runs(world)
+    for i, (cfg, dtype) in enumerate((c, d) for c in INIT_LAYOUTS for d in (torch.float32, torch.bfloat16)):
+        ref = MemoryBank(MemoryLayout.build(cfg, anchor_dims(TINY), K), seed=SEED, dtype=dtype)
+        for level, table in enumerate(ref.tables):
+            if table is None:
+                continue
+            ids = torch.cat([res["init"][i][level][0] for res in results])
+            assert torch.equal(ids.sort().values, torch.arange(table.shape[0]))
+            for res in results:
+                owned, rows = res["init"][i][level]
+                assert rows.dtype == dtype and torch.equal(rows, table.detach()[owned]), (cfg, dtype, level)
+        assert any(bool(t.abs().sum() > 0) for t in ref.parameters())
+
+
+def test_chunked_draws_consume_the_generator_like_one_draw():
+    """What chunked initialisation relies on: on a CPU generator, torch.rand and the truncated normal of
+    shape [a + b, ...] equal the [a, ...] draw followed by the [b, ...] draw (and leave the generator
+    in the same state); init_rows with row_ids gives the full table's rows."""
+    for shape in [(7, 3, 5), (29, 2, 33), (64, 1, 96), (5, 16, 1)]:
+        for a in {0, 1, 3, shape[0] // 2, shape[0] - 1}:
+            for draw in (lambda s, g: torch.rand(s, generator=g),
+                         lambda s, g: _trunc_normal(s, 0.02, torch.float32, "cpu", g)):
+                g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+                whole = draw(shape, g1)
+                parts = torch.cat([draw((a, *shape[1:]), g2), draw((shape[0] - a, *shape[1:]), g2)])
+                assert torch.equal(whole, parts) and torch.equal(g1.get_state(), g2.get_state()), (shape, a)
+    lay = MemoryLayout.build(INIT_LAYOUTS[1], anchor_dims(TINY), K)
+    full = torch.empty(lay.rows(1), lay.block_size(1))
+    lay.init_rows(full, 1, torch.Generator().manual_seed(4))
+    ids = torch.tensor([0, 2, 3, 7, 8])
+    some = torch.empty(len(ids), lay.block_size(1))
+    lay.init_rows(some, 1, torch.Generator().manual_seed(4), row_ids=ids, n_rows=lay.rows(1), chunk_rows=3)
+    assert torch.equal(some, full[ids])
+
+
+def _train_world_one(bank, steps: int, clip: bool = True):
+    """The synthetic run's rank-0 batches on a world of one."""
+    targets = syn_targets(bank.layout)
+    for step in range(steps):
+        for micro in range(ACCUM):
+            loss = syn_loss(bank.fetch(*syn_batch(step, 0, micro)), targets)
+            if loss is not None:
+                loss.backward()
+        bank.reduce_gradients()
+        if clip:
+            bank.scale_gradients(syn_clip(bank.grad_norm()))
+        bank.step(syn_lr(step))
+
+
+@pytest.mark.parametrize("mode", ["dense", "deferred"])
+def test_bf16_bank_is_fp32_math_rounded_to_bf16_every_step(mode):
+    """bf16 rows, fp32 moments: each step is torch AdamW in fp32 on the upcast rows, then rounded to
+    bf16 (reference: MemoryBank's fp32 tables started from the bf16 initial rows, rounded after every
+    step). World of one, no clipping (MemoryBank's norm is computed differently), so bitwise."""
+    lay = syn_layout()
+    bank = ShardedMemoryBank(lay, seed=SEED, mode=mode, dtype=torch.bfloat16, compute_dtype=torch.float32)
+    bank.build_optimizer(syn_lr(0), BETAS, EPS, WD)
+    ref = MemoryBank(lay, seed=SEED)
+    init = MemoryBank(lay, seed=SEED, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for t, b in zip(ref.parameters(), init.parameters()):
+            t.copy_(b.float())
+    ref.build_optimizer(syn_lr(0), BETAS, EPS, WD)
+    targets = syn_targets(lay)
+    for step in range(SYN_STEPS):
+        for micro in range(ACCUM):
+            for b in (bank, ref):
+                loss = syn_loss(b.fetch(*syn_batch(step, 0, micro)), targets)
+                if loss is not None:
+                    loss.backward()
+        for t in ref.parameters():
+            if t.grad is None:
+                t.grad = torch.zeros_like(t)
+        bank.step(syn_lr(step))
+        ref.step(syn_lr(step))
+        with torch.no_grad():
+            for t in ref.parameters():
+                t.copy_(t.bfloat16().float())
+    bank.catch_up()
+    for level, table in enumerate(ref.tables):
+        if table is not None:
+            assert bank.shards[level].dtype == torch.bfloat16 and bank.exp_avg[level].dtype == torch.float32
+            assert torch.equal(bank.shards[level].float(), table.detach()), float(
+                (bank.shards[level].float() - table.detach()).abs().max())
+            assert torch.equal(bank.exp_avg_sq[level], ref.optimizer.state[table]["exp_avg_sq"])
+    fp32 = ShardedMemoryBank(lay, seed=SEED, mode=mode)  # rounding matters: fp32 storage ends elsewhere
+    fp32.build_optimizer(syn_lr(0), BETAS, EPS, WD)
+    _train_world_one(fp32, SYN_STEPS, clip=False)
+    assert not torch.equal(fp32.shards[0].bfloat16(), bank.shards[0])
+    mem = bank.fetch(torch.tensor([[0, 1, 2]]))  # compute_dtype fp32
+    assert mem.levels[0].dtype == torch.float32
+    assert ShardedMemoryBank(lay, dtype=torch.bfloat16).fetch(torch.tensor([[0, 1, 2]])).levels[0].dtype == \
+        torch.bfloat16
+
+
+def test_bf16_fetch_moves_half_the_row_bytes(runs):
+    """The same ids as few_small: rows cross in bf16 (half the bytes), ids, split sizes and the fp32
+    gradients unchanged."""
+    s1 = 4 * make_model().memory_layout.block_size(0)
+    for res in runs(2):
+        fp32, bf16 = res["bytes"]["few_small"], res["bytes"]["few_small_bf16"]
+        assert fp32["fetch"] == [2 * 8 + 8 + s1] * 2 and bf16["fetch"] == [2 * 8 + 8 + s1 // 2] * 2
+        assert bf16["dtype"] == torch.bfloat16
+        assert bf16["bytes"]["sent"] == fp32["bytes"]["sent"] - s1 // 2
+        assert bf16["zero3"] == fp32["zero3"] * 8 // 12  # (2 e + 4) P bytes per micro-batch and (W-1)/W
+
+
+def test_catch_up_state_dict_and_dtypes():
+    """catch_up() brings every stale row current (then equal to a dense bank); state_dict() carries
+    last_step and loads across storage dtypes; only float32 and bfloat16 storage is accepted."""
+    lay = syn_layout()
+    banks = {}
+    for mode in ("dense", "deferred"):
+        banks[mode] = ShardedMemoryBank(lay, seed=SEED, mode=mode)
+        banks[mode].build_optimizer(syn_lr(0), BETAS, EPS, WD)
+        _train_world_one(banks[mode], 6)
+    deferred, dense = banks["deferred"], banks["dense"]
+    assert _stalest(deferred) >= 3 and len(deferred._lrs) >= 3
+    assert not torch.equal(deferred.shards[2], dense.shards[2])  # stale rows not yet replayed
+    deferred.catch_up()
+    assert all(bool((t == 6).all()) for t in deferred.last_step if t is not None) and deferred._lrs == []
+    for a, b in zip(deferred.parameters(), dense.parameters()):
+        assert float((a - b).abs().max()) <= 1e-7
+    state = deferred.state_dict()
+    assert set(state["levels_state"]) == {"0", "2"} and state["levels_state"]["2"]["last_step"].tolist() == [6] * 27
+    bf16 = ShardedMemoryBank(lay, seed=1, mode="deferred", dtype=torch.bfloat16)
+    bf16.build_optimizer(syn_lr(0), BETAS, EPS, WD)
+    bf16.load_state_dict(state)  # fp32 -> bf16: rows rounded, moments fp32
+    assert bf16._step == 6 and torch.equal(bf16.shards[0], deferred.shards[0].bfloat16())
+    assert torch.equal(bf16.exp_avg[0], deferred.exp_avg[0])
+    back = ShardedMemoryBank(lay, seed=1, offload=True)
+    back.load_state_dict(bf16.state_dict())  # bf16 -> fp32
+    assert back.shards[0].dtype == torch.float32 and torch.equal(back.shards[0], bf16.shards[0].float())
+    stale = {**state, "levels_state": {k: {**v, "last_step": v["last_step"] - 1} for k, v in
+                                       state["levels_state"].items()}}
+    with pytest.raises(ValueError, match="not caught up"):
+        back.load_state_dict(stale)
+    with pytest.raises(ValueError, match="float32 or torch.bfloat16"):
+        ShardedMemoryBank(lay, dtype=torch.float16)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        ShardedMemoryBank(lay, mode="sparse")
+    bank = ShardedMemoryBank(lay, dtype=torch.bfloat16)
+    bank.world = 4
+    assert bank.zero3_reference_bytes(micro_batches=2) == 2 * 3 * lay.bank_parameters * (2 * 2 + 4) // 4

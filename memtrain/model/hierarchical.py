@@ -162,10 +162,31 @@ class MemoryLayout:
 
     # -- rows <-> per-layer memories ---------------------------------------------------------------
 
-    def init_rows(self, rows: torch.Tensor, level: int, generator: Optional[torch.Generator] = None) -> None:
-        """Initialise ``rows [n, s_l]`` of ``level`` in place so that the memories have no effect."""
+    def init_rows(self, rows: torch.Tensor, level: int, generator: Optional[torch.Generator] = None, *,
+                  row_ids: Optional[torch.Tensor] = None, n_rows: Optional[int] = None,
+                  chunk_rows: Optional[int] = None) -> None:
+        """Initialise ``rows [n, s_l]`` of ``level`` in place so that the memories have no effect.
+
+        Draws come from ``generator`` (the global RNG when None) on the generator's device, then are
+        copied to ``rows``' device: for each memory layer and each random part (in storage order), one
+        ``[n, units, width]`` draw. ``row_ids`` (sorted global ids, one per row of ``rows``) with
+        ``n_rows`` (the level's row count): ``rows`` receives exactly those rows of the ``[n_rows, s_l]``
+        table the same generator would give -- every part is still drawn for all ``n_rows`` rows, in
+        the same order, but ``chunk_rows`` rows at a time (default: all), keeping only the wanted ones.
+        That is bitwise the full draw because a generator's draws are sequential: one ``[a + b, ...]``
+        draw equals an ``[a, ...]`` draw followed by a ``[b, ...]`` draw (CPU generators; checked by
+        tests/test_sharded_bank.py). Time O(n_rows s_l), memory O(chunk + rows)."""
         if rows.is_meta or rows.numel() == 0:
             return
+        if row_ids is None:
+            if n_rows is not None and n_rows != rows.shape[0]:
+                raise ValueError(f"n_rows={n_rows} without row_ids must equal the rows given ({rows.shape[0]})")
+            n_rows = rows.shape[0]
+        elif n_rows is None or row_ids.shape != (rows.shape[0],):
+            raise ValueError("row_ids needs n_rows and one id per row of rows")
+        draw_device = generator.device if generator is not None else rows.device
+        ids = row_ids.to("cpu") if row_ids is not None else None
+        step = max(1, chunk_rows or n_rows)
         with torch.no_grad():
             views = self.split_level(rows, level)
             for view in views:  # [n, units, unit]
@@ -177,13 +198,25 @@ class MemoryLayout:
                     offset += part.width
                     if part.init == "zeros":
                         block.zero_()
-                    elif part.init == "normal":
-                        std = self.dims.init_std
-                        block.copy_(_trunc_normal(block.shape, std, block.dtype, block.device, generator))
-                    else:
-                        bound = 1.0 / math.sqrt(part.fan_in)
-                        u = torch.rand(block.shape, generator=generator, device=block.device, dtype=torch.float32)
-                        block.copy_((u * 2 - 1) * bound)
+                        continue
+                    for start in range(0, n_rows, step):
+                        stop = min(start + step, n_rows)
+                        drawn = self._draw(part, (stop - start, *block.shape[1:]), draw_device, generator)
+                        if ids is None:
+                            block[start:stop].copy_(drawn)
+                            continue
+                        lo, hi = (int(i) for i in torch.searchsorted(ids, torch.tensor([start, stop])))
+                        if hi > lo:
+                            block[lo:hi].copy_(drawn.index_select(0, ids[lo:hi] - start))
+
+    def _draw(self, part: Part, shape: tuple[int, ...], device: torch.device,
+              generator: Optional[torch.Generator]) -> torch.Tensor:
+        """One fp32 draw of a random part: truncated normal (anchor sigma) or Kaiming uniform."""
+        if part.init == "normal":
+            return _trunc_normal(shape, self.dims.init_std, torch.float32, device, generator)
+        bound = 1.0 / math.sqrt(part.fan_in)
+        u = torch.rand(shape, generator=generator, device=device, dtype=torch.float32)
+        return (u * 2 - 1) * bound
 
     def split_level(self, rows: torch.Tensor, level: int) -> list[torch.Tensor]:
         """``rows [n, s_l]`` -> one view ``[n, units, unit]`` per memory layer (no copies)."""

@@ -50,8 +50,10 @@ class MemoryBank:
             table = nn.Parameter(torch.empty(layout.rows(level), layout.block_size(level), dtype=dtype,
                                              device=self.device))
             # One generator per level: the bank's initial values depend on the seed alone, not on what
-            # else drew from the global RNG before, so every rank builds the same bank.
-            gen = torch.Generator(device=self.device).manual_seed(seed * 1000 + level)
+            # else drew from the global RNG before, so every rank builds the same bank. A CPU generator
+            # (draws copied to the device): the values do not depend on the device either, and the
+            # sharded bank draws the same stream in row chunks (ShardedMemoryBank, "Initialisation").
+            gen = torch.Generator().manual_seed(seed * 1000 + level)
             layout.init_rows(table.data, level, gen)
             self.tables.append(table)
         self.optimizer: Optional[torch.optim.Optimizer] = None
