@@ -214,22 +214,76 @@ def check_compatible(info: CheckpointInfo, state: dict, recipe: Recipe, world_si
         raise CheckpointError(
             f"checkpoint {info.path} was written by {info.world_size} ranks with data.placement affine; each rank's "
             f"position in its own subtrees is only meaningful for that layout. Resume on {info.world_size} ranks.")
-    stage = (saved.get("parallel") or {}).get("zero_stage", 0)
-    if info.world_size != world_size and stage > 0:
+    saved_stage = (saved.get("parallel") or {}).get("zero_stage", 0)
+    stage = recipe.parallel.zero_stage
+    if (saved_stage == 0) != (stage == 0):
         raise CheckpointError(
-            f"checkpoint {info.path} was written by {info.world_size} ranks with ZeRO stage {stage}; its optimizer "
-            f"state is partitioned for that many ranks. Resume on {info.world_size} ranks (this run has "
-            f"{world_size}).")
+            f"checkpoint {info.path} was written with parallel.zero_stage={saved_stage} but the recipe has {stage}; "
+            "the optimizer state of ZeRO stage 0 (one torch optimizer per rank) and of ZeRO stages 1-3 "
+            f"(partitioned) do not convert into each other. Set parallel.zero_stage={saved_stage}"
+            + (" (or any stage 1-3)" if saved_stage > 0 else ""))
 
 
-def load(engine, info: CheckpointInfo, rank: int) -> tuple[dict, dict]:
+def needs_universal(info: CheckpointInfo, state: dict, recipe: Recipe, world_size: int) -> bool:
+    """Whether resuming ``info`` needs DeepSpeed's universal checkpoint: its ZeRO-partitioned optimizer
+    state was written for another data-parallel size or another ZeRO stage (1-3)."""
+    saved_stage = ((state.get("recipe") or {}).get("parallel") or {}).get("zero_stage", 0)
+    if saved_stage == 0:
+        return False  # ZeRO 0: every rank's model-states file holds the whole optimizer state
+    return info.world_size != world_size or saved_stage != recipe.parallel.zero_stage
+
+
+UNIVERSAL = "universal"
+
+
+def ensure_universal(info: CheckpointInfo, rank: int) -> Path:
+    """Convert checkpoint ``info`` into a DeepSpeed universal checkpoint at ``<info.path>/universal``
+    (once: rank 0 runs DeepSpeed's ``ds_to_universal`` into a temporary folder and renames it when it
+    succeeds; every rank waits at a barrier). Returns the folder. A later resume on the new size loads
+    the new checkpoints written by this run, not this folder."""
+    import subprocess
+    import sys
+
+    import torch.distributed as dist
+
+    out = info.path / UNIVERSAL
+    if rank == 0 and not (out / "zero").is_dir():
+        tmp = info.path / (UNIVERSAL + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(info.path),
+               "--output_folder", str(tmp), "--inject_missing_state", "--num_extract_workers", "2",
+               "--num_merge_workers", "2"]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+            failure = f"converting {info.path} to a universal checkpoint failed: {tail[0][:300]}"
+        else:
+            shutil.rmtree(out, ignore_errors=True)
+            os.replace(tmp, out)
+            failure = ""
+    else:
+        failure = ""
+    if dist.is_initialized():
+        flag = [failure]
+        dist.broadcast_object_list(flag, src=0)
+        failure = flag[0]
+    if failure:
+        raise CheckpointError(failure + f"; resume on {info.world_size} ranks with the checkpoint's ZeRO stage")
+    return out
+
+
+def load(engine, info: CheckpointInfo, rank: int, universal: bool = False) -> tuple[dict, dict]:
     """Load engine and RNG state for this rank from ``info``; returns (trainer state, this rank's
-    extra state such as its data-loader position)."""
+    extra state such as its data-loader position). ``universal``: load the engine from the universal
+    checkpoint made by :func:`ensure_universal` (the engine must be built with ``load_universal``).
+    A rank the checkpoint had no rank file for (more ranks than before) keeps its fresh RNG state."""
     state = read_trainer_state(info)
     damaged = (f"; the folder is damaged. Delete {info.path / MARKER} to resume from the checkpoint before it, "
                "or start a new run.dir")
+    load_dir, tag = (str(info.path), UNIVERSAL) if universal else (str(info.path.parent), info.tag)
     try:
-        load_path, _ = engine.load_checkpoint(str(info.path.parent), tag=info.tag, load_optimizer_states=True,
+        load_path, _ = engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=True,
                                               load_lr_scheduler_states=True)
     except (RuntimeError, OSError, EOFError, KeyError, ValueError, pickle.UnpicklingError) as e:
         # A truncated or overwritten shard; DeepSpeed's own error names the file deep inside torch.load.
@@ -251,30 +305,43 @@ def load(engine, info: CheckpointInfo, rank: int) -> tuple[dict, dict]:
 # --------------------------------------------------------------------------------------------------
 # Memory bank and anchor weights
 
-BANK_FILE = "memory_bank.pt"
-BANK_SHARD = "memory_bank_rank{rank:05d}.pt"
+BANK_DIR = "memory_bank"  # memtrain.parallel.bank_checkpoint.FOLDER: the DCP bank checkpoint
+BANK_FILE = "memory_bank.pt"  # legacy (read only): a replicated bank's torch.save
+BANK_SHARD = "memory_bank_rank{rank:05d}.pt"  # legacy (read only): one sharded-bank state_dict per rank
 
 
 def save_bank(bank, path: Path, rank: int) -> None:
-    """The bank's rows and optimizer state: a replicated bank once (rank 0, ``memory_bank.pt``), a
-    sharded bank one file per rank (``memory_bank_rank<r>.pt``, rows keyed by global row id, so the
-    run can resume on any number of ranks)."""
-    sharded = hasattr(bank, "owner")
-    if not sharded and rank != 0:
+    """The bank's rows and optimizer state as a torch.distributed.checkpoint folder ``path/memory_bank``
+    keyed by global row, with the owner map (:mod:`memtrain.parallel.bank_checkpoint`): the run resumes
+    on any number of ranks, as either bank kind. Call on every rank: a sharded bank saves collectively
+    over its group; a replicated bank is written by rank 0 alone. Runs before the caller's barrier and
+    ``COMPLETE.json``; a same-step rerun replaces the folder."""
+    from memtrain.parallel import bank_checkpoint
+
+    if not hasattr(bank, "owner") and rank != 0:
         return
-    name = BANK_SHARD.format(rank=rank) if sharded else BANK_FILE
-    tmp = path / (name + ".tmp")
-    torch.save(bank.state_dict(), tmp)
-    os.replace(tmp, path / name)
+    bank_checkpoint.save(bank, Path(path) / BANK_DIR)
+
+
+def _legacy_bank_files(path: Path) -> list[Path]:
+    return [path / BANK_FILE] if (path / BANK_FILE).is_file() else sorted(path.glob("memory_bank_rank*.pt"))
 
 
 def read_bank_state(path: Path) -> dict:
-    """The bank state of checkpoint ``path``, whichever form wrote it (shard files are merged)."""
+    """The whole bank state of checkpoint ``path`` in one process (no process group needed), whichever
+    form wrote it: the DCP folder ``memory_bank/`` (the merged format of
+    :func:`memtrain.parallel.sharded_bank.merge_states` plus the owner map), or the legacy
+    ``memory_bank.pt`` / ``memory_bank_rank*.pt`` files (shard files are merged)."""
+    from memtrain.parallel import bank_checkpoint
+
+    path = Path(path)
     damaged = (f"; delete {path / MARKER} to resume from the checkpoint before it, or start a new run.dir")
-    files = [path / BANK_FILE] if (path / BANK_FILE).is_file() else sorted(path.glob("memory_bank_rank*.pt"))
+    if (path / BANK_DIR).exists():
+        return bank_checkpoint.read_full_state(path / BANK_DIR)
+    files = _legacy_bank_files(path)
     if not files:
-        raise CheckpointError(f"checkpoint {path} has no {BANK_FILE} or memory_bank_rank*.pt although the recipe "
-                              "trains memories" + damaged)
+        raise CheckpointError(f"checkpoint {path} has no memory bank ({BANK_DIR}/, or the older {BANK_FILE} or "
+                              "memory_bank_rank*.pt) although the recipe trains memories" + damaged)
     try:
         states = [torch.load(f, weights_only=True, map_location="cpu") for f in files]
     except (RuntimeError, OSError, EOFError, KeyError, pickle.UnpicklingError) as e:
@@ -290,18 +357,25 @@ def read_bank_state(path: Path) -> dict:
 def _adamw_state(bank, state: dict) -> Optional[dict]:
     """A merged sharded state's moments as the replicated bank's torch AdamW state (None when the bank
     has no optimizer, as in evaluation, or the shards carry no moments)."""
-    if bank.optimizer is None or any(v is None for v in state["exp_avg"].values()):
-        return None
-    opt = bank.optimizer.state_dict()
-    active = [l for l, t in enumerate(bank.tables) if t is not None]
-    opt["state"] = {i: {"step": torch.tensor(float(state["step"])), "exp_avg": state["exp_avg"][str(l)],
-                        "exp_avg_sq": state["exp_avg_sq"][str(l)]} for i, l in enumerate(active)}
-    return opt
+    from memtrain.parallel.bank_checkpoint import adamw_state
+
+    return adamw_state(bank, state)
 
 
 def load_bank(bank, path: Path) -> None:
-    """Load the bank of checkpoint ``path`` into ``bank`` (replicated or sharded, any world size)."""
-    state = read_bank_state(path)
+    """Load the bank of checkpoint ``path`` into ``bank`` (replicated or sharded, any world size, from
+    either bank kind). A sharded bank on several ranks loads collectively (every rank calls it); a
+    replicated bank reads alone (no process group needed)."""
+    from memtrain.parallel import bank_checkpoint
+
+    path = Path(path)
+    if (path / BANK_DIR).exists():
+        try:
+            bank_checkpoint.load(bank, path / BANK_DIR)
+        except ValueError as e:
+            raise CheckpointError(f"{path}: {e}; the recipe's memory settings differ from the checkpoint's") from None
+        return
+    state = read_bank_state(path)  # legacy files
     try:
         if "levels_state" in state and not hasattr(bank, "owner"):
             state = {**state, "optimizer": _adamw_state(bank, state)}  # sharded -> replicated
