@@ -263,15 +263,21 @@ class MemoryConfig:
     freeze_anchor: bool = False  # train only the memories (Table 1 row A3; post-hoc memories, A.6)
     optimizer: MemoryOptimizerConfig = field(default_factory=MemoryOptimizerConfig)
     # joint: clip anchor and memory gradients by their global norm together (the paper's FSDP set-up;
-    # needs ZeRO 0 and fp32); separate: each by its own norm to train.grad_clip; auto: joint where
-    # possible, else separate.
+    # needs ZeRO 0 in fp32, or ZeRO 1/2); separate: each by its own norm to train.grad_clip; auto: joint
+    # where possible, else separate.
     grad_clip: Literal["auto", "joint", "separate"] = "auto"
     # replicated: every rank holds the whole bank (dense all-reduce of its gradients); sharded: rows
     # spread over the ranks, fetched from and stepped on their owners (memtrain.parallel.sharded_bank).
     bank: Literal["replicated", "sharded"] = "replicated"
-    # dense: AdamW over every row each step (exact); lazy: touched rows only, SparseAdam semantics
-    # (sharded bank, no weight decay).
-    bank_optimizer: Literal["dense", "lazy"] = "dense"
+    # dense: AdamW over every row each step (exact); deferred (sharded bank): the same result, but a row
+    # no gradient reached is brought up to date only when it is next read, written or checkpointed;
+    # lazy: touched rows only, SparseAdam semantics (sharded bank, no weight decay).
+    bank_optimizer: Literal["dense", "deferred", "lazy"] = "dense"
+    # Storage of the sharded bank's rows (AdamW moments stay fp32): fp32 | bf16 (half the memory and the
+    # fetch bytes; every update computed in fp32 and rounded to bf16).
+    bank_dtype: Literal["fp32", "bf16"] = "fp32"
+    # Keep the sharded bank's rows and optimizer state in CPU memory; fetched rows go to the GPU per step.
+    bank_offload: bool = False
     # memory.type memory_llama only; None (the default, and what other recipes keep) means the defaults.
     memory_llama: Optional[MemoryLlamaConfig] = None
 
@@ -765,10 +771,18 @@ def _validate_memory(recipe: Recipe) -> None:
         raise RecipeError("memory.generic_prob", f"must lie in [0, 1), got {mem.generic_prob}")
     if mem.lora_alpha <= 0:
         raise RecipeError("memory.lora_alpha", f"must be positive, got {mem.lora_alpha}")
-    if mem.grad_clip == "joint" and recipe.train.grad_clip > 0 and recipe.parallel.zero_stage > 0:
-        raise RecipeError("memory.grad_clip", f"'joint' clips the anchor and the bank together in the training loop, "
-                          f"which needs parallel.zero_stage 0 (it is {recipe.parallel.zero_stage}); set "
+    if mem.grad_clip == "joint" and recipe.train.grad_clip > 0 and recipe.parallel.zero_stage > 2:
+        raise RecipeError("memory.grad_clip", f"'joint' clips the anchor and the bank by one norm, which needs "
+                          f"parallel.zero_stage 0, 1 or 2 (it is {recipe.parallel.zero_stage}); set "
                           "memory.grad_clip: separate (each clipped by its own norm)")
+    sharded_only = [(key, value) for key, value, default in (("bank_optimizer", mem.bank_optimizer, "dense"),
+                                                             ("bank_dtype", mem.bank_dtype, "fp32"),
+                                                             ("bank_offload", mem.bank_offload, False))
+                    if value != default and not (key == "bank_optimizer" and value == "lazy")]
+    if sharded_only and mem.bank != "sharded":
+        key, value = sharded_only[0]
+        raise RecipeError(f"memory.{key}", f"{value!r} is a setting of the sharded bank; set memory.bank: sharded "
+                          "or leave it at its default")
     if mem.bank_optimizer == "lazy":
         if mem.bank != "sharded":
             raise RecipeError("memory.bank_optimizer", "'lazy' (SparseAdam semantics) is a mode of the sharded "
@@ -787,7 +801,8 @@ def _validate_memory(recipe: Recipe) -> None:
 
 # The hierarchical-memory keys of MemoryConfig; memory_llama leaves them at their defaults.
 _HIERARCHICAL_KEYS = ("levels", "lora_target", "lora_alpha", "placement", "placement_layers", "generic_prob",
-                      "freeze_anchor", "optimizer", "grad_clip", "bank", "bank_optimizer")
+                      "freeze_anchor", "optimizer", "grad_clip", "bank", "bank_optimizer", "bank_dtype",
+                      "bank_offload")
 
 
 def _validate_memory_llama(recipe: Recipe) -> None:
@@ -901,7 +916,8 @@ def recipe_hash_fields(recipe: Recipe) -> dict:
 
 
 _RESUMABLE_MODEL_KEYS = ("init_from",)
-_RESUMABLE_MEMORY_KEYS = ("optimizer", "grad_clip", "generic_prob", "freeze_anchor", "bank", "bank_optimizer")
+_RESUMABLE_MEMORY_KEYS = ("optimizer", "grad_clip", "generic_prob", "freeze_anchor", "bank", "bank_optimizer",
+                          "bank_dtype", "bank_offload")
 
 
 __all__ = [

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -76,8 +77,9 @@ def metrics(root: Path, run: str) -> list[dict]:
 
 
 def bank_tables(root: Path, run: str, step: int) -> dict:
-    path = root / "runs" / run / "checkpoints" / f"global_step{step}" / "memory_bank.pt"
-    return torch.load(path, weights_only=True)["tables"]
+    from memtrain.parallel.checkpoint import read_bank_state
+
+    return read_bank_state(root / "runs" / run / "checkpoints" / f"global_step{step}")["tables"]
 
 
 def module_state(root: Path, run: str, step: int) -> dict:
@@ -100,9 +102,7 @@ def test_memory_run_resumes_exactly_and_logs_memory_scalars(root):
     # same bank at the end (rows, and through them the restored AdamW moments and generic draws).
     train(root, "resumed", "train.max_steps=6")
     final = root / "runs" / "resumed" / "checkpoints" / "global_step6"
-    for f in final.iterdir():
-        f.unlink()
-    final.rmdir()
+    shutil.rmtree(final)
     out = train(root, "resumed")
     assert "resuming from" in out.stdout
     assert [r["loss/train"] for r in metrics(root, "resumed")][-3:] == [r["loss/train"] for r in full][-3:]
@@ -199,7 +199,9 @@ def test_sharded_bank_equals_replicated_and_resumes_on_another_world_size(root):
         assert b["loss/train"] == pytest.approx(a["loss/train"], rel=1e-5)
     assert "comm/bank_bytes_sent" in sh[-1] and sh[-1]["comm/bank_zero3_bytes"] > 0
     shards = sorted(p.name for p in (root / "runs" / "sh2" / "checkpoints" / "global_step6").glob("memory_bank*"))
-    assert shards == ["memory_bank_rank00000.pt", "memory_bank_rank00001.pt"]
+    assert shards == ["memory_bank"]  # a torch.distributed.checkpoint folder keyed by global row
+    assert sorted(p.name for p in (root / "runs" / "sh2" / "checkpoints" / "global_step6" / "memory_bank").iterdir()
+                  if p.suffix == ".distcp") == ["__0_0.distcp", "__1_0.distcp"]
     for level, table in bank_tables(root, "rep2", 6).items():
         torch.testing.assert_close(_bank_state(root, "sh2", 6)["tables"][level], table, rtol=1e-4, atol=1e-6)
     for kind in ("sharded", "replicated"):
@@ -216,7 +218,7 @@ def test_sharded_bank_equals_replicated_and_resumes_on_another_world_size(root):
             torch.testing.assert_close(_bank_state(root, run, 6)["tables"][level], table, rtol=1e-4, atol=1e-6)
 
 
-def test_lazy_bank_needs_the_sharded_bank_and_no_weight_decay():
+def test_sharded_bank_settings_need_the_sharded_bank():
     base = {"data": {"clustering": {"enabled": True, "depth": 1}}, "memory": {"type": "ffn", "levels": [1]}}
     with pytest.raises(Exception, match="memory.bank: sharded"):
         recipe_from_dict({**base, "memory": {**base["memory"], "bank_optimizer": "lazy"}})
@@ -224,6 +226,10 @@ def test_lazy_bank_needs_the_sharded_bank_and_no_weight_decay():
         recipe_from_dict({**base, "memory": {**base["memory"], "bank": "sharded", "bank_optimizer": "lazy"}})
     assert recipe_from_dict({**base, "memory": {**base["memory"], "bank": "sharded", "bank_optimizer": "lazy",
                                                   "optimizer": {"weight_decay": 0.0}}})
+    for key, value in (("bank_optimizer", "deferred"), ("bank_dtype", "bf16"), ("bank_offload", True)):
+        with pytest.raises(Exception, match=f"memory.{key}.*memory.bank: sharded"):
+            recipe_from_dict({**base, "memory": {**base["memory"], key: value}})
+        assert recipe_from_dict({**base, "memory": {**base["memory"], "bank": "sharded", key: value}})
 
 
 def test_affine_sharded_bank_keeps_rows_on_the_ranks_that_read_them(root):
@@ -247,3 +253,76 @@ def test_affine_sharded_bank_keeps_rows_on_the_ranks_that_read_them(root):
     # the round-robin map on the same data sends rows across ranks
     train(root, "aff-rr", *common[:1], "memory.bank=sharded", nproc=2)
     assert max(r["comm/bank_bytes_sent"] for r in metrics(root, "aff-rr")) > 10 * split_only
+
+
+def test_joint_clipping_under_zero2_equals_zero0(root):
+    """memory.grad_clip joint under ZeRO 2: DeepSpeed clips the anchor by the norm over anchor and bank
+    together (JointNorm wraps its ZeRO optimizer's norm) and the loop scales the bank by the same
+    factor; the run equals the ZeRO-0 run, where the loop clips both itself (clipping bites on every
+    step here: clip 0.05)."""
+    common = ("memory.generic_prob=0.0", "memory.grad_clip=joint", "train.grad_clip=0.05")
+    train(root, "joint0", *common, "parallel.zero_stage=0", nproc=2)
+    train(root, "joint2", *common, "parallel.zero_stage=2", nproc=2)
+    z0, z2 = metrics(root, "joint0"), metrics(root, "joint2")
+    assert len(z0) == len(z2) == 6
+    for a, b in zip(z0, z2):
+        assert a["optim/grad_norm"] > 0.05 * 2  # clipped on every step
+        assert b["optim/grad_norm"] == pytest.approx(a["optim/grad_norm"], rel=1e-5)
+        assert b["loss/train"] == pytest.approx(a["loss/train"], rel=1e-5)
+    for level, table in bank_tables(root, "joint0", 6).items():
+        torch.testing.assert_close(bank_tables(root, "joint2", 6)[level], table, rtol=1e-4, atol=1e-6)
+    # separate clipping (each by its own norm) is a different trajectory
+    train(root, "sep2", *common[:1], "memory.grad_clip=separate", "train.grad_clip=0.05", "parallel.zero_stage=2",
+          nproc=2)
+    assert metrics(root, "sep2")[-1]["loss/train"] != pytest.approx(z2[-1]["loss/train"], rel=1e-6)
+
+
+def _trained(root: Path, run: str, *overrides: str, nproc: int = 1) -> list[dict]:
+    """Metrics of ``run``, training it first unless an earlier test did."""
+    if not (root / "runs" / run / "metrics.jsonl").is_file():
+        train(root, run, *overrides, nproc=nproc)
+    return metrics(root, run)
+
+
+def test_deferred_offloaded_and_bf16_banks_train_from_recipes(root):
+    """memory.bank_optimizer deferred + memory.bank_offload on 2 ranks trains exactly like the dense
+    sharded bank (losses and the saved bank, which the checkpoint brings up to date); bf16 rows train,
+    are saved as bf16, and stay within bf16 rounding of the fp32 run."""
+    no_generic = "memory.generic_prob=0.0"
+    dense = _trained(root, "sh2", no_generic, "memory.bank=sharded", nproc=2)
+    out = train(root, "sh2-deferred", no_generic, "memory.bank=sharded", "memory.bank_optimizer=deferred",
+                "memory.bank_offload=true", nproc=2)
+    assert "sharded, fp32 rows, offloaded to CPU bank (deferred AdamW)" in out.stdout
+    deferred = metrics(root, "sh2-deferred")
+    for a, b in zip(dense, deferred):
+        assert b["loss/train"] == pytest.approx(a["loss/train"], rel=1e-6)
+    for level, table in bank_tables(root, "sh2", 6).items():
+        torch.testing.assert_close(bank_tables(root, "sh2-deferred", 6)[level], table, rtol=0, atol=1e-7)
+    train(root, "sh2-bf16", no_generic, "memory.bank=sharded", "memory.bank_dtype=bf16", nproc=2)
+    half = metrics(root, "sh2-bf16")
+    assert all(abs(b["loss/train"] - a["loss/train"]) < 2e-2 for a, b in zip(dense, half))
+    for level, table in bank_tables(root, "sh2-bf16", 6).items():
+        assert table.dtype == torch.bfloat16
+        torch.testing.assert_close(table.float(), bank_tables(root, "sh2", 6)[level], rtol=2e-2, atol=2e-3)
+
+
+def test_sharded_bank_and_zero2_anchor_resume_on_three_ranks_and_on_one(root):
+    """Save on 2 ranks (sharded bank in its DCP folder, ZeRO-2 anchor), resume on 3 ranks and on 1: the
+    bank reshards by global row, the anchor's optimizer state goes through DeepSpeed's universal
+    checkpoint, and both continue the uninterrupted run (12 sequences per step: 2x2x3, 3x2x2, 1x2x6)."""
+    common = ("memory.generic_prob=0.0", "memory.bank=sharded", "parallel.zero_stage=2",
+              f"train.global_batch_tokens={12 * SEQ}")
+    train(root, "rs2", *common, nproc=2)
+    want = metrics(root, "rs2")
+    for nproc, extra in ((3, ()), (1, ("memory.bank=replicated",))):
+        run = f"rs2-to-{nproc}"
+        shutil.copytree(root / "runs" / "rs2", root / "runs" / run)
+        shutil.rmtree(root / "runs" / run / "checkpoints" / "global_step6")
+        out = train(root, run, *common, *extra, nproc=nproc)
+        assert "converting it to a universal checkpoint" in out.stdout and "resuming from" in out.stdout
+        got = metrics(root, run)[-3:]
+        for a, b in zip(want[-3:], got):
+            assert b["step"] == a["step"]
+            assert b["loss/train"] == pytest.approx(a["loss/train"], rel=1e-5)
+        for level, table in bank_tables(root, "rs2", 6).items():
+            torch.testing.assert_close(bank_tables(root, run, 6)[level], table, rtol=1e-4, atol=1e-6)

@@ -263,6 +263,11 @@ def affine_groups(samples_per_subtree: dict[int, int], world_size: int) -> tuple
     The number of groups is the largest divisor of the world size not above the number of subtrees,
     so every group has the same number of ranks and at least one subtree. Subtrees go, largest first,
     to the group with the fewest samples so far (ties: lowest group), which is deterministic.
+
+    Samples are a token count: every sample holds exactly ``seq_len + 1`` tokens (documents packed with
+    EOT), so a subtree's tokens are its samples times ``seq_len + 1``. The only tokens that carry no
+    document are the EOT padding of each leaf cluster's last sample (``padded_tokens`` in the prepare
+    report): less than one sample per leaf, which does not change the packing at any real scale.
     """
     subtrees = sorted(samples_per_subtree, key=lambda s: (-samples_per_subtree[s], s))
     if not subtrees:

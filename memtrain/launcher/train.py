@@ -120,15 +120,22 @@ def evaluate(engine, loader_factory, batches: int, device: torch.device, bank=No
     return total / count if count else None
 
 
-def clip_memory(engine, bank, recipe: Recipe, joint: bool) -> dict[str, float]:
+def clip_memory(engine, bank, recipe: Recipe, joint: bool, joint_norm=None) -> dict[str, float]:
     """Clip at the accumulation boundary, before the anchor's and the bank's optimizer steps.
 
-    ``joint``: one global norm over the anchor's gradients (plain ``.grad`` under ZeRO 0 / fp32, already
-    averaged over ranks by DeepSpeed's backward) and the bank's, both scaled by
-    ``min(1, clip / (norm + 1e-6))``; DeepSpeed's own clipping is off. ``separate``: DeepSpeed clips
-    the anchor, the bank is clipped by its own norm. Returns the pre-clip norms."""
+    ``joint``: one global norm over the anchor's gradients and the bank's, both scaled by
+    ``min(1, clip / (norm + 1e-6))``. Under ZeRO 0 (fp32) the anchor's gradients are plain ``.grad``
+    (already averaged over ranks by DeepSpeed's backward) and this scales both; DeepSpeed's own clipping
+    is off. Under ZeRO 1/2 (``joint_norm``, a :class:`memtrain.parallel.engine.JointNorm`) DeepSpeed
+    computes the anchor's norm inside ``engine.step()`` and clips by the joint one: this only hands it
+    the bank's norm, and :func:`clip_memory_after_step` scales the bank afterwards. ``separate``:
+    DeepSpeed clips the anchor, the bank is clipped by its own norm. Returns the pre-clip norms (total
+    NaN until the step when DeepSpeed computes it)."""
     clip = recipe.train.grad_clip
     bank_norm = bank.grad_norm()
+    if joint and joint_norm is not None:
+        joint_norm.bank_norm = bank_norm
+        return {"total": float("nan"), "bank": bank_norm}
     if joint:
         grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
         anchor = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
@@ -147,6 +154,15 @@ def clip_memory(engine, bank, recipe: Recipe, joint: bool) -> dict[str, float]:
     if clip > 0:
         bank.scale_gradients(min(1.0, clip / (bank_norm + 1e-6)))
     return {"total": anchor, "bank": bank_norm}
+
+
+def clip_memory_after_step(bank, joint_norm, norms: dict[str, float]) -> dict[str, float]:
+    """ZeRO 1/2 joint clipping, after ``engine.step()``: scale the bank by the factor DeepSpeed applied
+    to the anchor (the joint norm's) and report the joint pre-clip norm."""
+    coef = joint_norm.coefficient()
+    if coef < 1.0:
+        bank.scale_gradients(coef)
+    return {**norms, "total": joint_norm.total}
 
 
 def _log(msg: str, rank: int) -> None:
@@ -208,9 +224,9 @@ def train(recipe: Recipe) -> dict:
         from memtrain.parallel.bank import MemoryBank, level_sizes_line
 
         joint = joint_clipping(recipe, prec)
-        if joint and prec != "fp32":
-            raise LaunchError(f"memory.grad_clip joint needs fp32 DeepSpeed gradients, but this run is {prec}; "
-                              "set memory.grad_clip: separate (or parallel.precision: fp32)")
+        if joint and prec != "fp32" and recipe.parallel.zero_stage == 0:
+            raise LaunchError(f"memory.grad_clip joint under ZeRO 0 needs fp32 DeepSpeed gradients, but this run is "
+                              f"{prec}; set parallel.zero_stage: 1 or 2, or memory.grad_clip: separate")
         if mem.bank == "sharded":
             from memtrain.parallel.sharded_bank import ShardedMemoryBank
 
@@ -220,7 +236,10 @@ def train(recipe: Recipe) -> dict:
 
                 subtree_ranks = affine_subtree_ranks(recipe, world)
             bank = ShardedMemoryBank(model.memory_layout, device, seed=recipe.run.seed, mode=mem.bank_optimizer,
-                                     subtree_ranks=subtree_ranks)
+                                     subtree_ranks=subtree_ranks,
+                                     dtype=torch.bfloat16 if mem.bank_dtype == "bf16" else torch.float32,
+                                     compute_dtype=torch.bfloat16 if prec == "bf16" else torch.float32,
+                                     offload=mem.bank_offload)
         else:
             bank = MemoryBank(model.memory_layout, device, seed=recipe.run.seed)
         o = recipe.train.optimizer
@@ -229,17 +248,39 @@ def train(recipe: Recipe) -> dict:
         # The generic draws have their own generator (saved per rank): the global RNG is also consumed
         # by whatever creates DataLoader iterators, which a resumed run does at other times.
         generic_rng = torch.Generator().manual_seed(recipe.run.seed * 1_000_003 + rank)
-        _log(level_sizes_line(model.memory_layout) + f" | {mem.bank} bank ({mem.bank_optimizer} AdamW)"
+        kind = mem.bank + (f", {mem.bank_dtype} rows" + (", offloaded to CPU" if mem.bank_offload else "")
+                           if mem.bank == "sharded" else "")
+        _log(level_sizes_line(model.memory_layout) + f" | {kind} bank ({mem.bank_optimizer} AdamW)"
              + f" | generic memory p={recipe.generic_prob:.4f}"
              + f" | clipping {'joint' if joint else 'separate'}" + (" | anchor frozen" if mem.freeze_anchor else ""),
              rank)
 
+    universal = False
+    if latest is not None:
+        saved = ckpt.read_trainer_state(latest)
+        ckpt.check_compatible(latest, saved, recipe, world)
+        if ckpt.needs_universal(latest, saved, recipe, world):
+            # The partitioned optimizer state was written for another data-parallel size or ZeRO stage:
+            # DeepSpeed's universal checkpoint re-partitions it for this one.
+            _log(f"{latest.path} was written by {latest.world_size} rank(s) with ZeRO stage "
+                 f"{((saved.get('recipe') or {}).get('parallel') or {}).get('zero_stage')}; converting it to a "
+                 "universal checkpoint", rank)
+            ckpt.ensure_universal(latest, rank)
+            universal = True
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "recipe.yaml").write_text(recipe.to_yaml(), encoding="utf-8")
     dist.barrier()
 
-    engine, optimizer, scheduler = initialize(model, recipe, world, prec)
+    engine, optimizer, scheduler = initialize(model, recipe, world, prec, load_universal=universal)
+    joint_norm = None
+    if bank is not None and joint and recipe.parallel.zero_stage > 0:
+        from memtrain.parallel.engine import JointNorm
+
+        joint_norm = JointNorm(engine, recipe.train.grad_clip)  # DeepSpeed clips the anchor by the joint norm
+    from memtrain.parallel.comm import AnchorCommCounter
+
+    anchor_comm = AnchorCommCounter(engine)  # comm/anchor_bytes_*: DeepSpeed's collectives (nothing with 1 rank)
     train_batches = LoaderIterator(build_loader(recipe, "train", recipe.train.micro_batch_size))
     val_factory = None
     if meta.get("val_samples", 0) > 0:
@@ -250,12 +291,10 @@ def train(recipe: Recipe) -> dict:
     # Per-rank RNG streams, distinct across ranks (restored from the checkpoint on resume).
     torch.manual_seed(recipe.run.seed + 1 + rank)
     if latest is not None:
-        state = ckpt.read_trainer_state(latest)
-        ckpt.check_compatible(latest, state, recipe, world)
         _, incomplete = ckpt.list_checkpoints(run_dir)
         for p in incomplete:
             _log(f"ignoring incomplete checkpoint {p} (no {ckpt.MARKER})", rank)
-        state, rank_state = ckpt.load(engine, latest, rank)
+        state, rank_state = ckpt.load(engine, latest, rank, universal=universal)
         if bank is not None:
             ckpt.load_bank(bank, latest.path)
             if "generic_rng" in rank_state:
@@ -324,6 +363,7 @@ def train(recipe: Recipe) -> dict:
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             t_start = time.perf_counter()
+            anchor_comm.reset()  # evaluation and checkpoints between steps are not charged to this one
             data_wait, pre_clip_norm = 0.0, float("nan")
             loss_sum = torch.zeros((), device=device)
             for _ in range(accum):
@@ -340,16 +380,20 @@ def train(recipe: Recipe) -> dict:
                 if out.aux_loss is not None:
                     loss = loss + out.aux_loss
                 engine.backward(loss)
-                if engine.is_gradient_accumulation_boundary():
+                boundary = engine.is_gradient_accumulation_boundary()
+                if boundary:
                     if bank is not None:
                         bank.reduce_gradients()
-                        bank_norm = clip_memory(engine, bank, recipe, joint)
+                        bank_norm = clip_memory(engine, bank, recipe, joint, joint_norm)
                         pre_clip_norm = bank_norm["total"]
                     elif recipe.parallel.zero_stage == 0:
                         # DeepSpeed reports no norm without ZeRO or bf16; take it before clipping here.
                         grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
                         pre_clip_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
                 engine.step()
+                if boundary and joint_norm is not None:  # ZeRO 1/2: DeepSpeed clipped the anchor by the joint norm
+                    bank_norm = clip_memory_after_step(bank, joint_norm, bank_norm)
+                    pre_clip_norm = bank_norm["total"]
                 loss_sum += loss.detach()
             if bank is not None:
                 bank.step(memory_schedule(step))
@@ -372,6 +416,7 @@ def train(recipe: Recipe) -> dict:
                 "throughput/data_wait_frac": data_frac,
                 "progress/tokens_seen": float(tokens_seen),
             }
+            values.update(anchor_comm.stats())
             if bank is not None:
                 logging_now = step % log_every == 0 or step == max_steps
                 values.update(bank.stats(norms=logging_now))

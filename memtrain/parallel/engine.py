@@ -39,8 +39,11 @@ def precision(recipe: Recipe, device: torch.device) -> str:
     return wanted
 
 
-def deepspeed_config(recipe: Recipe, world_size: int, precision_name: str = "fp32") -> dict:
-    """The DeepSpeed config for ``world_size`` data-parallel ranks."""
+def deepspeed_config(recipe: Recipe, world_size: int, precision_name: str = "fp32",
+                     load_universal: bool = False) -> dict:
+    """The DeepSpeed config for ``world_size`` data-parallel ranks. ``load_universal``: the checkpoint
+    to resume from is a DeepSpeed universal checkpoint (converted because the data-parallel size or the
+    ZeRO stage changed; :func:`memtrain.parallel.checkpoint.ensure_universal`)."""
     accum = recipe.grad_accum_steps(world_size)
     stage = recipe.parallel.zero_stage
     zero: dict = {"stage": stage}
@@ -53,8 +56,9 @@ def deepspeed_config(recipe: Recipe, world_size: int, precision_name: str = "fp3
         "train_batch_size": recipe.sequences_per_step,
         "train_micro_batch_size_per_gpu": recipe.train.micro_batch_size,
         "gradient_accumulation_steps": accum,
-        # Joint clipping with the memory bank is done by the training loop over both (joint_clipping).
-        "gradient_clipping": 0.0 if joint_clipping(recipe, precision_name) else recipe.train.grad_clip,
+        # Joint clipping with the memory bank under ZeRO 0 is done by the training loop over both; under
+        # ZeRO 1/2 DeepSpeed clips the anchor by the joint norm (JointNorm).
+        "gradient_clipping": 0.0 if joint_clipping(recipe, precision_name) and stage == 0 else recipe.train.grad_clip,
         "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,
         "bf16": {"enabled": precision_name == "bf16"},
@@ -68,19 +72,59 @@ def deepspeed_config(recipe: Recipe, world_size: int, precision_name: str = "fp3
         "tensorboard": {"enabled": False},
         "csv_monitor": {"enabled": False},
         "wandb": {"enabled": False},
+        "checkpoint": {"load_universal": bool(load_universal)},
     }
 
 
 def joint_clipping(recipe: Recipe, precision_name: str) -> bool:
-    """Anchor and memory gradients clipped by their global norm together, by the training loop (the
-    DeepSpeed module's gradients must then be plain ``.grad`` tensors: ZeRO 0, fp32). ``auto`` picks
-    joint exactly then; an explicit ``joint`` elsewhere is refused by the recipe check and the loop."""
+    """Anchor and memory gradients clipped by one global norm over both. ZeRO 0 (fp32): the training loop
+    scales the DeepSpeed module's plain ``.grad`` tensors and the bank; ZeRO 1/2 (any precision):
+    DeepSpeed clips the anchor by the joint norm through :class:`JointNorm`, the loop the bank. ``auto``
+    picks joint wherever one of these holds (not ZeRO 3, not bf16 under ZeRO 0); an explicit ``joint``
+    elsewhere is refused by the recipe check and the loop."""
     m = recipe.memory
     if not m.enabled or recipe.train.grad_clip <= 0 or m.grad_clip == "separate":
         return False
     if m.grad_clip == "joint":
         return True
-    return recipe.parallel.zero_stage == 0 and precision_name == "fp32"
+    stage = recipe.parallel.zero_stage
+    return stage in (1, 2) or (stage == 0 and precision_name == "fp32")
+
+
+class JointNorm:
+    """Joint clipping of the anchor and the memory bank under ZeRO 1/2.
+
+    DeepSpeed's ZeRO-1/2 optimizer computes the anchor's global gradient norm (over its partitions and
+    ranks) in ``scaled_global_norm()`` and clips by ``min(1, clip / (norm + 1e-6))``. This wraps that
+    method on the optimizer instance to return ``sqrt(anchor^2 + bank^2)`` (times the loss scale, 1 in
+    fp32/bf16), so DeepSpeed clips the anchor by the joint norm; the training loop sets :attr:`bank_norm`
+    before ``engine.step()`` and afterwards scales the bank by :meth:`coefficient`, the same factor. An
+    invalid norm (DeepSpeed's negative sentinel for inf/NaN) passes through unchanged."""
+
+    def __init__(self, engine, clip: float):
+        opt = engine.optimizer
+        if not hasattr(opt, "scaled_global_norm"):
+            raise TypeError(f"joint clipping under ZeRO needs DeepSpeed's ZeRO-1/2 optimizer, got {type(opt).__name__}")
+        self._opt, self._inner, self.clip = opt, opt.scaled_global_norm, clip
+        self.bank_norm = 0.0
+        self.total: Optional[float] = None
+        opt.scaled_global_norm = self._norm  # an instance attribute shadows the method
+
+    def _norm(self, *args, **kwargs):
+        scaled = self._inner(*args, **kwargs)
+        value = float(scaled)
+        if not math.isfinite(value) or value < 0:
+            self.total = float("nan")
+            return scaled
+        scale = float(getattr(self._opt, "loss_scale", 1.0))
+        self.total = math.sqrt((value / scale) ** 2 + self.bank_norm ** 2)
+        return torch.as_tensor(self.total * scale, dtype=scaled.dtype, device=scaled.device)
+
+    def coefficient(self) -> float:
+        """The clipping factor DeepSpeed applied to the anchor in the step just taken."""
+        if self.total is None or not math.isfinite(self.total):
+            return 1.0
+        return min(1.0, self.clip / (self.total + 1e-6))
 
 
 def param_groups(model: nn.Module, weight_decay: float, memory: Optional[list] = None,
@@ -180,7 +224,8 @@ def build_scheduler(optimizer: torch.optim.Optimizer, recipe: Recipe) -> torch.o
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)
 
 
-def initialize(model: nn.Module, recipe: Recipe, world_size: int, precision_name: str):
+def initialize(model: nn.Module, recipe: Recipe, world_size: int, precision_name: str,
+               load_universal: bool = False):
     """``deepspeed.initialize`` with memtrain's optimizer, schedule and generated config."""
     import deepspeed
 
@@ -188,7 +233,7 @@ def initialize(model: nn.Module, recipe: Recipe, world_size: int, precision_name
     scheduler = build_scheduler(optimizer, recipe)
     engine, optimizer, _, scheduler = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler,
-        config=deepspeed_config(recipe, world_size, precision_name), dist_init_required=False)
+        config=deepspeed_config(recipe, world_size, precision_name, load_universal), dist_init_required=False)
     return engine, optimizer, scheduler
 
 
