@@ -65,9 +65,15 @@ def test_incompatible_checkpoint_names_the_key(tmp_path):
     state = {"recipe": saved.to_dict()}
     with pytest.raises(CheckpointError, match=r"model.d_model=256 but the recipe has 512"):
         ckpt.check_compatible(info, state, recipe_from_dict({}), world_size=2)
-    with pytest.raises(CheckpointError, match="written by 2 ranks with ZeRO stage 2"):
-        ckpt.check_compatible(info, state, recipe_from_dict({"model": {"d_model": 256}}), world_size=4)
-    ckpt.check_compatible(info, state, recipe_from_dict({"model": {"d_model": 256}}), world_size=2)
+    same = {"model": {"d_model": 256}, "parallel": {"zero_stage": 2}}
+    with pytest.raises(CheckpointError, match="parallel.zero_stage=2 but the recipe has 0"):
+        ckpt.check_compatible(info, state, recipe_from_dict({"model": {"d_model": 256}}), world_size=2)
+    for world, stage, universal in ((2, 2, False), (4, 2, True), (1, 2, True), (2, 1, True), (2, 3, True)):
+        recipe = recipe_from_dict({**same, "parallel": {"zero_stage": stage}})
+        ckpt.check_compatible(info, state, recipe, world_size=world)  # another size or stage: converted
+        assert ckpt.needs_universal(info, state, recipe, world) is universal, (world, stage)
+    zero0 = {"recipe": recipe_from_dict({"model": {"d_model": 256}}).to_dict()}
+    assert not ckpt.needs_universal(info, zero0, recipe_from_dict({"model": {"d_model": 256}}), 4)
 
 
 def test_compatibility_ignores_training_only_keys_and_keys_newer_than_the_checkpoint(tmp_path):
