@@ -26,10 +26,10 @@ Three parts, one JSON line each (``"kind"`` says which):
    cluster-affine placement (``ratio_vs_zero3_affine``: 16 groups of 4 ranks, each group's sequences
    from its level-1 subtree and the rows owned within the group, :func:`affine_owner`). Headline
    ``ratio_vs_zero3`` = ZeRO-3 fp32 bytes / bank bytes as counted (the bank sends fp32 rows and
-   gradients), per rank per step, mean over ranks (mean sent = mean received). Also reported: ZeRO-3 in
-   bf16 against the fp32 bank (``ratio_vs_zero3_bf16``), both in bf16 (``ratio_bf16_both``: rows and
-   gradients at 2 bytes, ids still int64), the busiest rank, the worst case (every sequence of a rank
-   in a different cluster at every level) and the share of each level.
+   gradients), per rank per step, mean over ranks (mean sent = mean received). Also reported: a bank
+   with bf16 rows (``memory.bank_dtype: bf16``: rows fetched in bf16, gradients still fp32) against
+   ZeRO-3 of the same bf16 bank (``ratio_vs_zero3_bf16_rows``), the busiest rank, the worst case
+   (every sequence of a rank in a different cluster at every level) and the share of each level.
 
     python benchmarks/bank_comm.py --quick          # CPU, gloo, about a minute or two
     python benchmarks/bank_comm.py --world 2,4 --steps 6 --out bank_comm.jsonl
@@ -112,7 +112,7 @@ def micro_ids(step: int, rank: int, micro: int, B: int, depth: int, seed: int = 
 
 
 def predict_bytes(lay: MemoryLayout, world: int, ids, row_bytes: int = 4, id_bytes: int = ID_BYTES,
-                  owner=None) -> list[dict]:
+                  owner=None, grad_bytes: int = 4) -> list[dict]:
     """Bank bytes each rank sends and receives in one step, as ShardedMemoryBank counts them.
 
     ``ids[r][m]``: rank r's ``[B, p]`` cluster ids of micro-batch m (no generic sequences; every fetched
@@ -123,11 +123,12 @@ def predict_bytes(lay: MemoryLayout, world: int, ids, row_bytes: int = 4, id_byt
     - split sizes: one int64 to every other rank, and one from each: (W-1) * 8 each way;
     - id requests: a_r = |{g in U_r: owner(g) != r}| ids sent; b_r = sum_{q != r} |{g in U_q:
       owner(g) = r}| ids received;
-    - rows: owners answer, so rank r sends b_r rows and receives a_r rows of s_l * 4 bytes.
+    - rows: owners answer, so rank r sends b_r rows and receives a_r rows of s_l * ``row_bytes`` bytes
+      (the storage dtype: 4 fp32, 2 bf16).
 
     Per active level at ``reduce_gradients`` (once per step), with U_r = the union of rank r's unique
     ids over the step's micro-batches: split sizes as above, then a_r ids and a_r gradient rows sent,
-    b_r ids and b_r rows received. Returns per rank ``{"sent", "received", "sent_by_level",
+    b_r ids and b_r rows received (gradients always fp32: s_l * ``grad_bytes`` = 4 bytes a row). Returns per rank ``{"sent", "received", "sent_by_level",
     "received_by_level"}``.
     """
     W = len(ids)
@@ -152,8 +153,9 @@ def predict_bytes(lay: MemoryLayout, world: int, ids, row_bytes: int = 4, id_byt
         # reduce_gradients: (id, gradient row) pairs of the step's union go to the owners
         a, b = _requests([torch.unique(torch.cat([ids[r][m][:, level] for m in range(n_micro)])) for r in range(W)], W,
                          level, owner)
+        gb = grad_bytes * lay.block_size(level)
         for r in range(W):
-            add(r, level, splits + a[r] * (id_bytes + rb), splits + b[r] * (id_bytes + rb))
+            add(r, level, splits + a[r] * (id_bytes + gb), splits + b[r] * (id_bytes + gb))
     return out
 
 
@@ -189,9 +191,11 @@ def affine_ids(rank: int, world: int, B: int, depth: int, gen: torch.Generator) 
     return torch.stack([leaf // K ** (depth - 1 - l) for l in range(depth)], 1)
 
 
-def zero3_bytes(bank_params: int, world: int, micro_batches: int, bytes_per_param: int) -> int:
-    """Per-rank bytes of ZeRO-3 for the bank as a dense parameter (as zero3_reference_bytes)."""
-    return 3 * micro_batches * (world - 1) * bank_params * bytes_per_param // world
+def zero3_bytes(bank_params: int, world: int, micro_batches: int, row_bytes: int) -> int:
+    """Per-rank bytes of ZeRO-3 for the bank as a dense parameter (as zero3_reference_bytes): two
+    all-gathers in the storage dtype (``row_bytes``) and a reduce-scatter of the fp32 gradient per
+    micro-batch, each (W - 1) / W of the bank."""
+    return micro_batches * (world - 1) * bank_params * (2 * row_bytes + 4) // world
 
 
 # --------------------------------------------------------------------------------------------------
@@ -214,7 +218,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, spec: dict) -> None:
     try:
         lay = build_layout(ModelConfig(**spec["model"]), spec["levels"])
         t0 = time.perf_counter()
-        bank = ShardedMemoryBank(lay, seed=0)
+        bank = ShardedMemoryBank(lay, seed=0, dtype=getattr(torch, spec["dtype"]))
         bank.build_optimizer(LR, (0.9, 0.95), 1e-8, 0.1)
         init_s = time.perf_counter() - t0
         steps = []
@@ -234,13 +238,15 @@ def _worker(rank: int, world: int, port: int, out_dir: str, spec: dict) -> None:
         dist.destroy_process_group()
 
 
-def measure(name: str, levels, world: int, quick: bool, B: int, accum: int, steps: int) -> dict:
+def measure(name: str, levels, world: int, quick: bool, B: int, accum: int, steps: int,
+            dtype: str = "float32") -> dict:
     import torch.multiprocessing as mp
 
     model_cfg = scaled_anchor(name, quick)
     lay = build_layout(model_cfg, levels)
     spec = {"model": {k: getattr(model_cfg, k) for k in ("d_model", "n_layers", "n_heads", "head_dim", "ffn_dim")},
-            "levels": list(levels), "B": B, "accum": accum, "steps": steps}
+            "levels": list(levels), "B": B, "accum": accum, "steps": steps, "dtype": dtype}
+    row_bytes = torch.empty((), dtype=getattr(torch, dtype)).element_size()
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         mp.spawn(_worker, args=(world, _free_port(), tmp, spec), nprocs=world, join=True)
@@ -251,7 +257,7 @@ def measure(name: str, levels, world: int, quick: bool, B: int, accum: int, step
     mismatches = []
     for step in range(steps):
         ids = [[micro_ids(step, r, m, B, lay.depth) for m in range(accum)] for r in range(world)]
-        pred = predict_bytes(lay, world, ids)
+        pred = predict_bytes(lay, world, ids, row_bytes=row_bytes)
         for r in range(world):
             got = res[r]["steps"][step]
             if (got["sent"], got["received"]) != (pred[r]["sent"], pred[r]["received"]):
@@ -261,18 +267,18 @@ def measure(name: str, levels, world: int, quick: bool, B: int, accum: int, step
     sent = [res[r]["steps"][s]["sent"] for r in range(world) for s in range(steps)]
     recv = [res[r]["steps"][s]["received"] for r in range(world) for s in range(steps)]
     zero3 = res[0]["steps"][0]["zero3"]
-    assert zero3 == zero3_bytes(lay.bank_parameters, world, accum, 4)
+    assert zero3 == zero3_bytes(lay.bank_parameters, world, accum, row_bytes)
     step_secs = [max(res[r]["steps"][s]["secs"] for r in range(world)) for s in timed]  # slowest rank
     mean_sent = statistics.fmean(sent)
     return {
         "kind": "measured", "config": f"{name} levels {tuple(levels)}", "anchor": name, "levels": list(levels),
         "branching": K, "depth": len(levels), "scaled": True, **layout_info(lay),
-        "world": world, "backend": "gloo", "device": "cpu", "threads_per_rank": 1,
+        "world": world, "backend": "gloo", "device": "cpu", "threads_per_rank": 1, "bank_dtype": dtype,
         "micro_batch": B, "micro_batches_per_step": accum, "steps": steps, "timed_steps": len(step_secs),
         "bank_bytes_sent_per_rank_step_mean": round(mean_sent, 1),
         "bank_bytes_sent_per_rank_step_max": max(sent),
         "bank_bytes_received_per_rank_step_mean": round(statistics.fmean(recv), 1),
-        "zero3_bytes_per_rank_step_fp32": zero3,
+        "zero3_bytes_per_rank_step": zero3,
         "ratio_vs_zero3": round(zero3 / mean_sent, 3),
         "ratio_vs_zero3_busiest_rank": round(zero3 / max(sent), 3),
         "step_s_median": round(statistics.median(step_secs), 5),
@@ -299,7 +305,7 @@ def derive_64(name: str, levels, draws: int, measured_ok: bool | None) -> dict:
     for d in range(draws):
         ids = [[micro_ids(0, r, 0, B, lay.depth, seed=1 + d)] for r in range(W)]
         pred = predict_bytes(lay, W, ids)
-        pred16 = predict_bytes(lay, W, ids, row_bytes=2)
+        pred16 = predict_bytes(lay, W, ids, row_bytes=2)  # bf16 rows, fp32 gradients (memory.bank_dtype bf16)
         sent = [p["sent"] for p in pred]
         assert sum(sent) == sum(p["received"] for p in pred)  # every off-rank byte sent is received
         mean_sent.append(statistics.fmean(sent))
@@ -337,8 +343,10 @@ def derive_64(name: str, levels, draws: int, measured_ok: bool | None) -> dict:
         "zero3_bytes_per_rank_step_fp32": z32, "zero3_bytes_per_rank_step_bf16": z16,
         "ratio_vs_zero3": round(z32 / bank, 3),
         "ratio_vs_zero3_headline_dtype": "fp32 ZeRO-3 vs the bank's fp32 rows and gradients (as counted)",
-        "ratio_vs_zero3_bf16": round(z16 / bank, 3),
-        "ratio_bf16_both": round(z16 / bank_bf16, 3),
+        "bank_bytes_per_rank_step_bf16_rows": round(bank_bf16, 1),
+        "ratio_vs_zero3_bf16_rows": round(z16 / bank_bf16, 3),
+        "bf16_rows": "memory.bank_dtype bf16: rows fetched in bf16, gradients in fp32; ZeRO-3 of the same bf16 bank "
+                     "(bf16 all-gathers, fp32 gradient reduce-scatter)",
         "ratio_vs_zero3_busiest_rank": round(z32 / busiest, 3),
         "ratio_vs_zero3_worst_case": round(z32 / worst, 3),
         "bank_bytes_per_rank_step_affine": round(bank_affine, 1),
@@ -386,11 +394,12 @@ def main() -> None:
     ok_all = True if worlds else None
     for name, levels in CONFIGS:
         for world in worlds:
-            rec = measure(name, levels, world, args.quick, args.micro_batch, args.accum, steps)
-            ok_all = ok_all and rec["model_matches_measured"]
-            emit({**rec, **env})
-            if not rec["model_matches_measured"]:
-                raise SystemExit(f"byte model differs from the measured bytes: {rec['model_mismatches']}")
+            for dtype in ("float32", "bfloat16") if world == worlds[0] else ("float32",):
+                rec = measure(name, levels, world, args.quick, args.micro_batch, args.accum, steps, dtype)
+                ok_all = ok_all and rec["model_matches_measured"]
+                emit({**rec, **env})
+                if not rec["model_matches_measured"]:
+                    raise SystemExit(f"byte model differs from the measured bytes: {rec['model_mismatches']}")
     for name, levels in CONFIGS:
         emit({**derive_64(name, levels, draws, ok_all), **env})
     emit({"kind": "summary", "total_s": round(time.perf_counter() - t_start, 1), **env})
