@@ -94,3 +94,23 @@ def test_compatibility_ignores_training_only_keys_and_keys_newer_than_the_checkp
                                                                                "placement_layers": 3}}), 1)
     with pytest.raises(CheckpointError, match="memory.levels"):
         ckpt.check_compatible(info, state, recipe_from_dict({**mem, "memory": {"type": "ffn", "levels": [2, 2]}}), 1)
+
+
+def test_universal_load_gets_one_adamw_step_counter_per_group():
+    """DeepSpeed's ZeRO-3 universal load assigns one step tensor to every group's AdamW state; torch
+    increments it in place, so each step would count once per group. After memtrain's load each state
+    has its own counter with the same value."""
+    from types import SimpleNamespace
+
+    shared = torch.tensor(4.0)
+    params = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(3))]
+    base = torch.optim.AdamW([{"params": [params[0]]}, {"params": [params[1]]}])
+    for p in params:
+        base.state[p] = {"step": shared, "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+    ckpt._unshare_step_counters(SimpleNamespace(optimizer=SimpleNamespace(optimizer=base)))
+    steps = [base.state[p]["step"] for p in params]
+    assert steps[0] is not steps[1] and [float(s) for s in steps] == [4.0, 4.0]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    base.step()
+    assert [float(base.state[p]["step"]) for p in params] == [5.0, 5.0]

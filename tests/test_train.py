@@ -196,15 +196,16 @@ def _torchrun(nproc: int) -> list[str]:
             str(_port()), "-m", "memtrain"]
 
 
-@pytest.mark.parametrize("stage, rel", [(2, 1e-5), (3, 5e-3)])
+@pytest.mark.parametrize("stage, rel", [(2, 1e-5), (3, 1e-4)])
 def test_zero_checkpoint_resumes_on_three_ranks_and_on_one(workdir, stage, rel):
     """A ZeRO-2/3 run saved by 2 ranks resumes on 3 ranks and on 1 (optimizer state re-partitioned through
     DeepSpeed's universal checkpoint, converted automatically) and continues the uninterrupted run: 12
     sequences per step, so 2 x 2 x 3, 3 x 2 x 2 and 1 x 2 x 6 (ranks x micro-batch x accumulation) see the
     same global batches. ZeRO-2 continues exactly (1e-5). ZeRO-3 resumes with the same weights (the first
-    resumed step's loss to 1e-5) and the converted per-parameter states equal ZeRO-2's to 1e-6, but
-    DeepSpeed's ZeRO-3 universal loading continues slightly off (measured: rel 2e-5, 4e-4, 6e-4 on steps
-    6-8, the same when resuming on 2 ranks through it): asserted at 5e-3."""
+    resumed step's loss to 1e-5); DeepSpeed 0.19's ZeRO-3 universal load shares one AdamW step counter
+    between parameter groups (memtrain un-shares it: without that the losses drift by 2e-3 within three
+    steps), and leaves a small offset that does not grow (measured rel 2e-5 to 3e-5 on steps 6-8, also
+    when reloaded on the same 2 ranks): asserted at 1e-4."""
     import shutil
 
     common = (f"parallel.zero_stage={stage}", "train.global_batch_tokens=384")
