@@ -269,7 +269,9 @@ def ensure_universal(info: CheckpointInfo, rank: int) -> Path:
         dist.broadcast_object_list(flag, src=0)
         failure = flag[0]
     if failure:
-        raise CheckpointError(failure + f"; resume on {info.world_size} ranks with the checkpoint's ZeRO stage")
+        raise CheckpointError(failure + f"; resume on {info.world_size} ranks with the checkpoint's ZeRO stage, or, "
+                              f"if a file is damaged, delete {info.path / MARKER} to fall back to the checkpoint "
+                              "before it")
     return out
 
 
