@@ -96,10 +96,11 @@ def test_compatibility_ignores_training_only_keys_and_keys_newer_than_the_checkp
         ckpt.check_compatible(info, state, recipe_from_dict({**mem, "memory": {"type": "ffn", "levels": [2, 2]}}), 1)
 
 
-def test_universal_load_gets_one_adamw_step_counter_per_group():
-    """DeepSpeed's ZeRO-3 universal load assigns one step tensor to every group's AdamW state; torch
-    increments it in place, so each step would count once per group. After memtrain's load each state
-    has its own counter with the same value."""
+def test_universal_load_repairs_group_settings_and_step_counters():
+    """DeepSpeed's ZeRO-3 universal load copies the first group's hyperparameters into every group and
+    assigns one step tensor to every group's AdamW state (torch increments it in place, so each step
+    would count once per group). After memtrain's repair each group has its own settings, the
+    scheduler's lr, and its own counter with the same value."""
     from types import SimpleNamespace
 
     shared = torch.tensor(4.0)
@@ -107,7 +108,12 @@ def test_universal_load_gets_one_adamw_step_counter_per_group():
     base = torch.optim.AdamW([{"params": [params[0]]}, {"params": [params[1]]}])
     for p in params:
         base.state[p] = {"step": shared, "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
-    ckpt._unshare_step_counters(SimpleNamespace(optimizer=SimpleNamespace(optimizer=base)))
+    for g in base.param_groups:  # what DeepSpeed's ZeRO-3 universal load leaves: the first group's settings
+        g.update(weight_decay=0.1, lr=0.5)
+    engine = SimpleNamespace(optimizer=SimpleNamespace(optimizer=base),
+                             lr_scheduler=SimpleNamespace(get_last_lr=lambda: [0.25, 0.125]))
+    ckpt._repair_universal_load(engine, [{"weight_decay": 0.1}, {"weight_decay": 0.0}])
+    assert [(g["weight_decay"], g["lr"]) for g in base.param_groups] == [(0.1, 0.25), (0.0, 0.125)]
     steps = [base.state[p]["step"] for p in params]
     assert steps[0] is not steps[1] and [float(s) for s in steps] == [4.0, 4.0]
     for p in params:

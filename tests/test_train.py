@@ -196,16 +196,14 @@ def _torchrun(nproc: int) -> list[str]:
             str(_port()), "-m", "memtrain"]
 
 
-@pytest.mark.parametrize("stage, rel", [(2, 1e-5), (3, 1e-4)])
-def test_zero_checkpoint_resumes_on_three_ranks_and_on_one(workdir, stage, rel):
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_checkpoint_resumes_on_three_ranks_and_on_one(workdir, stage):
     """A ZeRO-2/3 run saved by 2 ranks resumes on 3 ranks and on 1 (optimizer state re-partitioned through
     DeepSpeed's universal checkpoint, converted automatically) and continues the uninterrupted run: 12
     sequences per step, so 2 x 2 x 3, 3 x 2 x 2 and 1 x 2 x 6 (ranks x micro-batch x accumulation) see the
-    same global batches. ZeRO-2 continues exactly (1e-5). ZeRO-3 resumes with the same weights (the first
-    resumed step's loss to 1e-5); DeepSpeed 0.19's ZeRO-3 universal load shares one AdamW step counter
-    between parameter groups (memtrain un-shares it: without that the losses drift by 2e-3 within three
-    steps), and leaves a small offset that does not grow (measured rel 2e-5 to 3e-5 on steps 6-8, also
-    when reloaded on the same 2 ranks): asserted at 1e-4."""
+    same global batches. For ZeRO-3 this needs memtrain's repair of DeepSpeed 0.19's universal load
+    (per-group settings and AdamW step counters: checkpoint._repair_universal_load); without it the
+    losses drift by 4e-4 within three steps."""
     import shutil
 
     common = (f"parallel.zero_stage={stage}", "train.global_batch_tokens=384")
@@ -220,9 +218,8 @@ def test_zero_checkpoint_resumes_on_three_ranks_and_on_one(workdir, stage, rel):
         assert "converting it to a universal checkpoint" in out.stdout and "resuming from" in out.stdout
         assert f"{nproc} rank(s)" in out.stdout
         got = losses(workdir, run)
-        assert got[5] == pytest.approx(want[5], rel=1e-5)
         for step in range(5, 9):
-            assert got[step] == pytest.approx(want[step], rel=rel), (nproc, step, got[step], want[step])
+            assert got[step] == pytest.approx(want[step], rel=1e-5), (nproc, step, got[step], want[step])
         assert (workdir / "runs" / run / "checkpoints" / "global_step4" / "universal" / "zero").is_dir()
         assert (workdir / "runs" / run / "checkpoints" / "global_step8" / "COMPLETE.json").is_file()
 
