@@ -263,8 +263,8 @@ class MemoryConfig:
     freeze_anchor: bool = False  # train only the memories (Table 1 row A3; post-hoc memories, A.6)
     optimizer: MemoryOptimizerConfig = field(default_factory=MemoryOptimizerConfig)
     # joint: clip anchor and memory gradients by their global norm together (the paper's FSDP set-up;
-    # needs ZeRO 0 in fp32, or ZeRO 1/2); separate: each by its own norm to train.grad_clip; auto: joint
-    # where possible, else separate.
+    # needs fp32 under ZeRO 0; any precision under ZeRO 1-3); separate: each by its own norm to
+    # train.grad_clip; auto: joint where possible, else separate.
     grad_clip: Literal["auto", "joint", "separate"] = "auto"
     # replicated: every rank holds the whole bank (dense all-reduce of its gradients); sharded: rows
     # spread over the ranks, fetched from and stepped on their owners (memtrain.parallel.sharded_bank).
@@ -771,10 +771,6 @@ def _validate_memory(recipe: Recipe) -> None:
         raise RecipeError("memory.generic_prob", f"must lie in [0, 1), got {mem.generic_prob}")
     if mem.lora_alpha <= 0:
         raise RecipeError("memory.lora_alpha", f"must be positive, got {mem.lora_alpha}")
-    if mem.grad_clip == "joint" and recipe.train.grad_clip > 0 and recipe.parallel.zero_stage > 2:
-        raise RecipeError("memory.grad_clip", f"'joint' clips the anchor and the bank by one norm, which needs "
-                          f"parallel.zero_stage 0, 1 or 2 (it is {recipe.parallel.zero_stage}); set "
-                          "memory.grad_clip: separate (each clipped by its own norm)")
     sharded_only = [(key, value) for key, value, default in (("bank_optimizer", mem.bank_optimizer, "dense"),
                                                              ("bank_dtype", mem.bank_dtype, "fp32"),
                                                              ("bank_offload", mem.bank_offload, False))

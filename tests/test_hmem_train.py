@@ -255,26 +255,28 @@ def test_affine_sharded_bank_keeps_rows_on_the_ranks_that_read_them(root):
     assert max(r["comm/bank_bytes_sent"] for r in metrics(root, "aff-rr")) > 10 * split_only
 
 
-def test_joint_clipping_under_zero2_equals_zero0(root):
-    """memory.grad_clip joint under ZeRO 2: DeepSpeed clips the anchor by the norm over anchor and bank
-    together (JointNorm wraps its ZeRO optimizer's norm) and the loop scales the bank by the same
-    factor; the run equals the ZeRO-0 run, where the loop clips both itself (clipping bites on every
-    step here: clip 0.05)."""
-    common = ("memory.generic_prob=0.0", "memory.grad_clip=joint", "train.grad_clip=0.05")
+def test_joint_clipping_under_zero2_and_zero3_equals_zero0(root):
+    """memory.grad_clip joint under ZeRO 2 and 3: DeepSpeed clips the anchor by the norm over anchor and
+    bank together (JointNorm wraps its ZeRO optimizer's norm) and the loop scales the bank by the same
+    factor; the runs equal the ZeRO-0 run, where the loop clips both itself (clipping bites on every
+    step here: clip 0.05). The generic memory (a submodule's parameters, gathered by ZeRO-3 around its
+    forward) trains in all of them: p = 1/(k+1) per sequence from the same per-rank generators."""
+    common = ("memory.grad_clip=joint", "train.grad_clip=0.05")
     train(root, "joint0", *common, "parallel.zero_stage=0", nproc=2)
-    train(root, "joint2", *common, "parallel.zero_stage=2", nproc=2)
-    z0, z2 = metrics(root, "joint0"), metrics(root, "joint2")
-    assert len(z0) == len(z2) == 6
-    for a, b in zip(z0, z2):
-        assert a["optim/grad_norm"] > 0.05 * 2  # clipped on every step
-        assert b["optim/grad_norm"] == pytest.approx(a["optim/grad_norm"], rel=1e-5)
-        assert b["loss/train"] == pytest.approx(a["loss/train"], rel=1e-5)
-    for level, table in bank_tables(root, "joint0", 6).items():
-        torch.testing.assert_close(bank_tables(root, "joint2", 6)[level], table, rtol=1e-4, atol=1e-6)
+    z0 = metrics(root, "joint0")
+    for stage in (2, 3):
+        train(root, f"joint{stage}", *common, f"parallel.zero_stage={stage}", nproc=2)
+        zs = metrics(root, f"joint{stage}")
+        assert len(z0) == len(zs) == 6
+        for a, b in zip(z0, zs):
+            assert a["optim/grad_norm"] > 0.05 * 2  # clipped on every step
+            assert b["optim/grad_norm"] == pytest.approx(a["optim/grad_norm"], rel=1e-5)
+            assert b["loss/train"] == pytest.approx(a["loss/train"], rel=1e-5)
+        for level, table in bank_tables(root, "joint0", 6).items():
+            torch.testing.assert_close(bank_tables(root, f"joint{stage}", 6)[level], table, rtol=1e-4, atol=1e-6)
     # separate clipping (each by its own norm) is a different trajectory
-    train(root, "sep2", *common[:1], "memory.grad_clip=separate", "train.grad_clip=0.05", "parallel.zero_stage=2",
-          nproc=2)
-    assert metrics(root, "sep2")[-1]["loss/train"] != pytest.approx(z2[-1]["loss/train"], rel=1e-6)
+    train(root, "sep2", "memory.grad_clip=separate", "train.grad_clip=0.05", "parallel.zero_stage=2", nproc=2)
+    assert metrics(root, "sep2")[-1]["loss/train"] != pytest.approx(z0[-1]["loss/train"], rel=1e-6)
 
 
 def _trained(root: Path, run: str, *overrides: str, nproc: int = 1) -> list[dict]:

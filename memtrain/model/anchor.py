@@ -333,7 +333,7 @@ class DecoderLM(nn.Module):
         layout = self.memory_layout
         mems: list[Optional[torch.Tensor]] = [None] * len(self.blocks)
         if memory is not None:
-            mems = layout.per_layer(self.generic_memory.mix(memory, input_ids.shape[0]))
+            mems = layout.per_layer(self.generic_memory(memory, input_ids.shape[0]))
         recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         for block, mem in zip(self.blocks, mems):
             extra = (mem, layout) if mem is not None else ()

@@ -289,7 +289,7 @@ class HFMemoryLM(nn.Module):
             raise ValueError(f"doc_ids shape {tuple(doc_ids.shape)} differs from input_ids {tuple(input_ids.shape)}")
         mems = None
         if memory is not None:
-            mems = self.memory_layout.per_layer(self.generic_memory.mix(memory, input_ids.shape[0]))
+            mems = self.memory_layout.per_layer(self.generic_memory(memory, input_ids.shape[0]))
             # Checkpointing may have been switched on through the Hugging Face API directly.
             self._wrap_checkpoint_functions()
         with self._call.using(mems):

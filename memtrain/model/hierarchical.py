@@ -298,6 +298,11 @@ class GenericMemory(nn.Module):
         for l, p in enumerate(self.blocks):
             self.layout.init_rows(p.data, l)
 
+    def forward(self, memory: FetchedMemory, batch_size: int) -> list[Optional[torch.Tensor]]:
+        """:meth:`mix`, called as the module (``generic_memory(memory, B)``) so that ZeRO-3 gathers the
+        generic blocks around it, as it does for any submodule's parameters."""
+        return self.mix(memory, batch_size)
+
     def mix(self, memory: FetchedMemory, batch_size: int) -> list[Optional[torch.Tensor]]:
         """Per-level rows ``[B, s_l]`` with generic sequences replaced by the generic block."""
         out: list[Optional[torch.Tensor]] = []

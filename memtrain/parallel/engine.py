@@ -57,7 +57,7 @@ def deepspeed_config(recipe: Recipe, world_size: int, precision_name: str = "fp3
         "train_micro_batch_size_per_gpu": recipe.train.micro_batch_size,
         "gradient_accumulation_steps": accum,
         # Joint clipping with the memory bank under ZeRO 0 is done by the training loop over both; under
-        # ZeRO 1/2 DeepSpeed clips the anchor by the joint norm (JointNorm).
+        # ZeRO 1-3 DeepSpeed clips the anchor by the joint norm (JointNorm).
         "gradient_clipping": 0.0 if joint_clipping(recipe, precision_name) and stage == 0 else recipe.train.grad_clip,
         "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,
@@ -78,37 +78,46 @@ def deepspeed_config(recipe: Recipe, world_size: int, precision_name: str = "fp3
 
 def joint_clipping(recipe: Recipe, precision_name: str) -> bool:
     """Anchor and memory gradients clipped by one global norm over both. ZeRO 0 (fp32): the training loop
-    scales the DeepSpeed module's plain ``.grad`` tensors and the bank; ZeRO 1/2 (any precision):
+    scales the DeepSpeed module's plain ``.grad`` tensors and the bank; ZeRO 1-3 (any precision):
     DeepSpeed clips the anchor by the joint norm through :class:`JointNorm`, the loop the bank. ``auto``
-    picks joint wherever one of these holds (not ZeRO 3, not bf16 under ZeRO 0); an explicit ``joint``
-    elsewhere is refused by the recipe check and the loop."""
+    picks joint wherever one of these holds (everywhere but bf16 under ZeRO 0); an explicit ``joint``
+    there is refused by the loop."""
     m = recipe.memory
     if not m.enabled or recipe.train.grad_clip <= 0 or m.grad_clip == "separate":
         return False
     if m.grad_clip == "joint":
         return True
-    stage = recipe.parallel.zero_stage
-    return stage in (1, 2) or (stage == 0 and precision_name == "fp32")
+    return recipe.parallel.zero_stage > 0 or precision_name == "fp32"
 
 
 class JointNorm:
-    """Joint clipping of the anchor and the memory bank under ZeRO 1/2.
+    """Joint clipping of the anchor and the memory bank under ZeRO 1-3.
 
-    DeepSpeed's ZeRO-1/2 optimizer computes the anchor's global gradient norm (over its partitions and
-    ranks) in ``scaled_global_norm()`` and clips by ``min(1, clip / (norm + 1e-6))``. This wraps that
-    method on the optimizer instance to return ``sqrt(anchor^2 + bank^2)`` (times the loss scale, 1 in
-    fp32/bf16), so DeepSpeed clips the anchor by the joint norm; the training loop sets :attr:`bank_norm`
-    before ``engine.step()`` and afterwards scales the bank by :meth:`coefficient`, the same factor. An
-    invalid norm (DeepSpeed's negative sentinel for inf/NaN) passes through unchanged."""
+    DeepSpeed's ZeRO optimizers compute the anchor's global gradient norm (over its partitions and ranks)
+    inside ``step()`` and clip by ``min(1, clip / (norm + 1e-6))``: ZeRO 1/2 in ``scaled_global_norm()``,
+    ZeRO 3 by combining ``_get_norm_groups()`` (an L2 norm over per-group norms). This wraps that method
+    on the optimizer instance so the norm DeepSpeed clips by is ``sqrt(anchor^2 + bank^2)`` (times the
+    loss scale, 1 in fp32/bf16): ZeRO 1/2 get the joint value, ZeRO 3 one more group norm, the bank's.
+    The training loop sets :attr:`bank_norm` before ``engine.step()`` and afterwards scales the bank by
+    :meth:`coefficient`, the same factor. An invalid norm (inf/NaN, DeepSpeed's negative sentinel)
+    passes through unchanged and leaves the bank unscaled (DeepSpeed skips or fails that step)."""
 
     def __init__(self, engine, clip: float):
         opt = engine.optimizer
-        if not hasattr(opt, "scaled_global_norm"):
-            raise TypeError(f"joint clipping under ZeRO needs DeepSpeed's ZeRO-1/2 optimizer, got {type(opt).__name__}")
-        self._opt, self._inner, self.clip = opt, opt.scaled_global_norm, clip
+        self._opt, self.clip = opt, clip
         self.bank_norm = 0.0
         self.total: Optional[float] = None
-        opt.scaled_global_norm = self._norm  # an instance attribute shadows the method
+        if hasattr(opt, "scaled_global_norm"):  # ZeRO 1/2
+            self._inner = opt.scaled_global_norm
+            opt.scaled_global_norm = self._norm  # an instance attribute shadows the method
+        elif hasattr(opt, "_get_norm_groups"):  # ZeRO 3
+            self._inner = opt._get_norm_groups
+            opt._get_norm_groups = self._norm_groups
+        else:
+            raise TypeError(f"joint clipping under ZeRO needs DeepSpeed's ZeRO optimizer, got {type(opt).__name__}")
+
+    def _scale(self) -> float:
+        return float(getattr(self._opt, "loss_scale", 1.0))
 
     def _norm(self, *args, **kwargs):
         scaled = self._inner(*args, **kwargs)
@@ -116,9 +125,19 @@ class JointNorm:
         if not math.isfinite(value) or value < 0:
             self.total = float("nan")
             return scaled
-        scale = float(getattr(self._opt, "loss_scale", 1.0))
-        self.total = math.sqrt((value / scale) ** 2 + self.bank_norm ** 2)
-        return torch.as_tensor(self.total * scale, dtype=scaled.dtype, device=scaled.device)
+        self.total = math.sqrt((value / self._scale()) ** 2 + self.bank_norm ** 2)
+        return torch.as_tensor(self.total * self._scale(), dtype=scaled.dtype, device=scaled.device)
+
+    def _norm_groups(self, *args, **kwargs):
+        groups = list(self._inner(*args, **kwargs))
+        values = [float(g) for g in groups]
+        if any(not math.isfinite(v) or v < 0 for v in values):
+            self.total = float("nan")
+            return groups
+        self.total = math.sqrt(sum((v / self._scale()) ** 2 for v in values) + self.bank_norm ** 2)
+        like = next((g for g in groups if torch.is_tensor(g)), None)
+        extra = self.bank_norm * self._scale()
+        return groups + [torch.tensor(extra, dtype=like.dtype, device=like.device) if like is not None else extra]
 
     def coefficient(self) -> float:
         """The clipping factor DeepSpeed applied to the anchor in the step just taken."""
