@@ -126,7 +126,7 @@ def clip_memory(engine, bank, recipe: Recipe, joint: bool, joint_norm=None) -> d
     ``joint``: one global norm over the anchor's gradients and the bank's, both scaled by
     ``min(1, clip / (norm + 1e-6))``. Under ZeRO 0 (fp32) the anchor's gradients are plain ``.grad``
     (already averaged over ranks by DeepSpeed's backward) and this scales both; DeepSpeed's own clipping
-    is off. Under ZeRO 1/2 (``joint_norm``, a :class:`memtrain.parallel.engine.JointNorm`) DeepSpeed
+    is off. Under ZeRO 1-3 (``joint_norm``, a :class:`memtrain.parallel.engine.JointNorm`) DeepSpeed
     computes the anchor's norm inside ``engine.step()`` and clips by the joint one: this only hands it
     the bank's norm, and :func:`clip_memory_after_step` scales the bank afterwards. ``separate``:
     DeepSpeed clips the anchor, the bank is clipped by its own norm. Returns the pre-clip norms (total
@@ -157,7 +157,7 @@ def clip_memory(engine, bank, recipe: Recipe, joint: bool, joint_norm=None) -> d
 
 
 def clip_memory_after_step(bank, joint_norm, norms: dict[str, float]) -> dict[str, float]:
-    """ZeRO 1/2 joint clipping, after ``engine.step()``: scale the bank by the factor DeepSpeed applied
+    """ZeRO 1-3 joint clipping, after ``engine.step()``: scale the bank by the factor DeepSpeed applied
     to the anchor (the joint norm's) and report the joint pre-clip norm."""
     coef = joint_norm.coefficient()
     if coef < 1.0:
@@ -391,7 +391,7 @@ def train(recipe: Recipe) -> dict:
                         grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
                         pre_clip_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
                 engine.step()
-                if boundary and joint_norm is not None:  # ZeRO 1/2: DeepSpeed clipped the anchor by the joint norm
+                if boundary and joint_norm is not None:  # ZeRO 1-3: DeepSpeed clipped the anchor by the joint norm
                     bank_norm = clip_memory_after_step(bank, joint_norm, bank_norm)
                     pre_clip_norm = bank_norm["total"]
                 loss_sum += loss.detach()
