@@ -226,7 +226,7 @@ def train(recipe: Recipe) -> dict:
         joint = joint_clipping(recipe, prec)
         if joint and prec != "fp32" and recipe.parallel.zero_stage == 0:
             raise LaunchError(f"memory.grad_clip joint under ZeRO 0 needs fp32 DeepSpeed gradients, but this run is "
-                              f"{prec}; set parallel.zero_stage: 1 or 2, or memory.grad_clip: separate")
+                              f"{prec}; set parallel.zero_stage to 1-3, or memory.grad_clip: separate")
         if mem.bank == "sharded":
             from memtrain.parallel.sharded_bank import ShardedMemoryBank
 
