@@ -27,17 +27,13 @@ from memtrain.model.anchor import ModelOutput
 from memtrain.model.titans.arch import TitansOutput
 from memtrain.model.titans.eval_tasks import format_prompt
 
+from tiny_hf import make_tiny_llama  # tests/tiny_hf.py
+
 REPO = Path(__file__).resolve().parents[1]
 V, EOT = 16, 0
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread (two threads spin-wait when other processes share the cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 # --------------------------------------------------------------------------------------------------
@@ -453,29 +449,6 @@ def test_eval_long_context_user_errors(titans_run, capsys):
 # End to end: MemoryLlama (model.type hf + memory.type memory_llama) on a tiny random Llama
 
 
-def make_tiny_llama(folder: Path) -> None:
-    """A byte-level BPE tokenizer (384 tokens, eos <|eos|>) on built-in corpus text and a tiny random
-    LlamaForCausalLM with a 64-token context, saved like a hub model folder (no network)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    from memtrain.data.builtin import builtin_documents
-
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(builtin_documents(0)[:300], trainers.BpeTrainer(
-        vocab_size=384, special_tokens=["<unk>", "<|eos|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|eos|>", unk_token="<unk>")
-    fast.save_pretrained(folder)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(fast), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      initializer_range=0.1, eos_token_id=fast.eos_token_id)
-    LlamaForCausalLM(cfg).save_pretrained(folder)
-
-
 @pytest.fixture(scope="module")
 def memory_llama_run(tmp_path_factory):
     pytest.importorskip("transformers")
@@ -485,7 +458,7 @@ def memory_llama_run(tmp_path_factory):
     from memtrain.data.prepare import prepare
 
     root = tmp_path_factory.mktemp("longctx-llama")
-    make_tiny_llama(root / "tiny-llama")
+    make_tiny_llama(root / "tiny-llama", documents=300, layers=2)
     (root / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in builtin_documents(0)[::20]))
     recipe = {
         "run": {"name": "longctx-llama", "seed": 3, "device": "cpu", "dir": str(root / "run")},

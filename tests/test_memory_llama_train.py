@@ -26,6 +26,8 @@ from memtrain.model import build, count_parameters  # noqa: E402
 from memtrain.model.hf import MemoryLlamaLM  # noqa: E402
 from memtrain.model.memory_llama import memory_blocks, set_memory_mode  # noqa: E402
 
+from tiny_hf import make_tiny_llama  # tests/tiny_hf.py
+
 REPO = Path(__file__).resolve().parents[1]
 SEQ = 32
 MEMORY_LR, LORA_LR = 1.0e-2, 5.0e-3
@@ -38,37 +40,7 @@ def _env() -> dict:
     return env
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def make_tiny_model(folder: Path) -> None:
-    """A byte-level BPE tokenizer (384 tokens, eos <|eos|>) trained on built-in corpus text and a tiny
-    random LlamaForCausalLM over its vocabulary, both saved into ``folder`` like a hub model folder.
-    initializer_range 0.1 (not 0.02) so that the random model's logits are not flat and a few steps
-    of LoRA + memory training visibly lower the loss."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    from memtrain.data.builtin import builtin_documents
-
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(builtin_documents(0)[:500], trainers.BpeTrainer(
-        vocab_size=384, special_tokens=["<unk>", "<|eos|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|eos|>", unk_token="<unk>")
-    fast.save_pretrained(folder)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(fast), hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      initializer_range=0.1, eos_token_id=fast.eos_token_id)
-    LlamaForCausalLM(cfg).save_pretrained(folder)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def tiny_recipe(root: Path) -> dict:
@@ -94,7 +66,7 @@ def root(tmp_path_factory) -> Path:
     from memtrain.data.prepare import prepare
 
     root = tmp_path_factory.mktemp("memoryllama")
-    make_tiny_model(root / "tiny-llama")
+    make_tiny_llama(root / "tiny-llama", documents=500, layers=3)
     (root / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in builtin_documents(0)[::10]))
     (root / "tiny.yaml").write_text(yaml.safe_dump(tiny_recipe(root)))
     prepare(load_recipe(root / "tiny.yaml"))

@@ -35,6 +35,24 @@ def per_sequence_rows(rows: torch.Tensor, inverse: torch.Tensor, used: torch.Ten
     return rows.index_select(0, index)
 
 
+def fetch_inputs(layout: MemoryLayout, ids: torch.Tensor, generic: Optional[torch.Tensor],
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor, Optional[str]]:
+    """Shared checks of both banks' ``fetch``: ``ids [B, p]`` on ``device``, the mask of sequences that
+    fetch (not generic), and the message for ids outside ``[0, k^l)`` at the first active level that
+    has some (None when all lie in range). A wrong shape raises ValueError here."""
+    if ids.dim() != 2 or ids.shape[1] != layout.depth:
+        raise ValueError(f"cluster ids must be [batch, {layout.depth}] (one id per level), got {tuple(ids.shape)}")
+    B = ids.shape[0]
+    ids = ids.to(device)
+    used = torch.ones(B, dtype=torch.bool, device=device) if generic is None else ~generic.to(device)
+    for level in layout.active_levels if B else ():
+        col, n = ids[:, level], layout.rows(level)
+        if int(col.min()) < 0 or int(col.max()) >= n:
+            return ids, used, (f"level-{level + 1} cluster ids must lie in [0, {n}); got "
+                               f"[{int(col.min())}, {int(col.max())}]")
+    return ids, used, None
+
+
 class MemoryBank:
     """Row tables ``[k^l, s_l]`` for every level with r_l > 0 (see the module docstring)."""
 
@@ -83,12 +101,10 @@ class MemoryBank:
         """``ids [B, p]``: global cluster id per level (level l in [0, k^l)); ``generic [B]`` bool: those
         sequences use the generic memory, so their rows are neither fetched nor counted. ``count``:
         include this fetch in :meth:`stats` (training fetches; evaluation passes False)."""
-        layout = self.layout
-        if ids.dim() != 2 or ids.shape[1] != layout.depth:
-            raise ValueError(f"cluster ids must be [batch, {layout.depth}] (one id per level), got {tuple(ids.shape)}")
+        ids, used, error = fetch_inputs(self.layout, ids, generic, self.device)
+        if error and bool(used.any()):
+            raise ValueError(error)
         B = ids.shape[0]
-        ids = ids.to(self.device)
-        used = torch.ones(B, dtype=torch.bool, device=self.device) if generic is None else ~generic.to(self.device)
         if count:
             self._counts += torch.tensor([B, B - int(used.sum())], dtype=torch.float64)
         levels: list[Optional[torch.Tensor]] = []
@@ -96,11 +112,7 @@ class MemoryBank:
             if table is None or not bool(used.any()):
                 levels.append(None)
                 continue
-            col = ids[:, level]
-            if int(col.min()) < 0 or int(col.max()) >= table.shape[0]:
-                raise ValueError(f"level-{level + 1} cluster ids must lie in [0, {table.shape[0]}); got "
-                                 f"[{int(col.min())}, {int(col.max())}]")
-            uniq, inverse = torch.unique(col[used], return_inverse=True)
+            uniq, inverse = torch.unique(ids[used, level], return_inverse=True)
             if count:
                 self._touched[level][uniq] = True
             rows = table.index_select(0, uniq)  # [U, s_l]: gradients reach these rows only
@@ -219,4 +231,4 @@ def level_sizes_line(layout: MemoryLayout) -> str:
             f"({bank_bytes(layout) / 2**30:.2f} GiB fp32)")
 
 
-__all__ = ["MemoryBank", "bank_bytes", "level_sizes_line", "per_sequence_rows"]
+__all__ = ["MemoryBank", "bank_bytes", "fetch_inputs", "level_sizes_line", "per_sequence_rows"]

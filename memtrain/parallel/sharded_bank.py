@@ -106,7 +106,7 @@ from typing import Optional
 import torch
 
 from memtrain.model.hierarchical import FetchedMemory, MemoryLayout
-from memtrain.parallel.bank import per_sequence_rows
+from memtrain.parallel.bank import fetch_inputs, per_sequence_rows
 
 _ID_DTYPE = torch.int64
 STORAGE_DTYPES = (torch.float32, torch.bfloat16)
@@ -310,21 +310,8 @@ class ShardedMemoryBank:
 
         Bad ids raise ValueError on the rank that has them *and* on every other rank (the error travels
         with the split sizes of the first exchange, so no rank is left waiting in a collective)."""
-        layout = self.layout
-        if ids.dim() != 2 or ids.shape[1] != layout.depth:
-            raise ValueError(f"cluster ids must be [batch, {layout.depth}] (one id per level), got {tuple(ids.shape)}")
+        ids, used, error = fetch_inputs(self.layout, ids, generic, self.device)
         B = ids.shape[0]
-        ids = ids.to(self.device)
-        used = torch.ones(B, dtype=torch.bool, device=self.device) if generic is None else ~generic.to(self.device)
-        error = None
-        for level, shard in enumerate(self.shards):
-            if shard is None or B == 0:
-                continue
-            col, n = ids[:, level], layout.rows(level)
-            if int(col.min()) < 0 or int(col.max()) >= n:
-                error = (f"level-{level + 1} cluster ids must lie in [0, {n}); got "
-                         f"[{int(col.min())}, {int(col.max())}]")
-                break
         if count:
             self._counts += torch.tensor([B, B - int(used.sum())], dtype=torch.float64)
             self._micro += 1
