@@ -269,7 +269,6 @@ def train(recipe: Recipe) -> dict:
             universal = True
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "recipe.yaml").write_text(recipe.to_yaml(), encoding="utf-8")
     dist.barrier()
 
     engine, optimizer, scheduler = initialize(model, recipe, world, prec, load_universal=universal)
@@ -304,6 +303,8 @@ def train(recipe: Recipe) -> dict:
         affine = recipe.data.placement == "affine"
         train_batches.load_state_dict(rank_state["loader"] if affine else state["loader"])
         _log(f"resuming from {latest.path} (step {step}, {tokens_seen} tokens seen)", rank)
+    if rank == 0:  # only once the checkpoint has loaded: a failed resume leaves the run as it was
+        (run_dir / "recipe.yaml").write_text(recipe.to_yaml(), encoding="utf-8")
 
     max_steps = recipe.max_steps
     log_every = recipe.steps(recipe.logging.every_steps)
