@@ -36,6 +36,19 @@ V, EOT = 16, 0
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
+def train_in_subprocess(path: Path, **env_extra: str) -> None:
+    """``memtrain train`` of the recipe at ``path`` on one thread in a child process (training starts a
+    gloo process group: keep it out of the test process)."""
+    code = ("import sys, torch\ntorch.set_num_threads(1)\ntorch.set_num_threads = lambda n: None\n"
+            "from memtrain.config import load_recipe\nfrom memtrain.launcher.train import train\n"
+            "train(load_recipe(sys.argv[1]))\n")
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("RANK", "LOCAL_", "WORLD_SIZE", "MASTER_", "SLURM_", "TORCHELASTIC"))}
+    out = subprocess.run([sys.executable, "-c", code, str(path)], cwd=REPO, capture_output=True, text=True,
+                         timeout=600, env={**env, "OMP_NUM_THREADS": "1", **env_extra})
+    assert out.returncode == 0, out.stderr[-5000:]
+
+
 # --------------------------------------------------------------------------------------------------
 # Stub models: the next token is (sum of every token so far) mod 16; 0 is end-of-text
 
@@ -367,15 +380,7 @@ def titans_run(tmp_path_factory):
     path = root / "mac.yaml"
     path.write_text(yaml.safe_dump(recipe))
     prepare(load_recipe(path))
-    # Training starts a (gloo) process group: keep it out of the test process.
-    code = ("import sys, torch\ntorch.set_num_threads(1)\ntorch.set_num_threads = lambda n: None\n"
-            "from memtrain.config import load_recipe\nfrom memtrain.launcher.train import train\n"
-            "train(load_recipe(sys.argv[1]))\n")
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("RANK", "LOCAL_", "WORLD_SIZE", "MASTER_", "SLURM_", "TORCHELASTIC"))}
-    out = subprocess.run([sys.executable, "-c", code, str(path)], cwd=REPO, capture_output=True, text=True,
-                         timeout=600, env={**env, "OMP_NUM_THREADS": "1"})
-    assert out.returncode == 0, out.stderr[-5000:]
+    train_in_subprocess(path)
     return root, path
 
 
@@ -475,15 +480,7 @@ def memory_llama_run(tmp_path_factory):
     path = root / "llama.yaml"
     path.write_text(yaml.safe_dump(recipe))
     prepare(load_recipe(path))
-    code = ("import sys, torch\ntorch.set_num_threads(1)\ntorch.set_num_threads = lambda n: None\n"
-            "from memtrain.config import load_recipe\nfrom memtrain.launcher.train import train\n"
-            "train(load_recipe(sys.argv[1]))\n")
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("RANK", "LOCAL_", "WORLD_SIZE", "MASTER_", "SLURM_", "TORCHELASTIC"))}
-    out = subprocess.run([sys.executable, "-c", code, str(path)], cwd=REPO, capture_output=True, text=True,
-                         timeout=600, env={**env, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-                                           "TOKENIZERS_PARALLELISM": "false"})
-    assert out.returncode == 0, out.stderr[-5000:]
+    train_in_subprocess(path, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     return root, path
 
 
