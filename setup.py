@@ -33,6 +33,7 @@ setup(
         # LoRA on pretrained models (MemoryLlama)
         "peft>=0.13",
     ],
-    extras_require={"dev": ["pytest>=8", "pytest-timeout>=2.3"]},
+    # import-linter checks the package's layers (.importlinter; tests/test_layers.py)
+    extras_require={"dev": ["pytest>=8", "pytest-timeout>=2.3", "import-linter>=2.1"]},
     entry_points={"console_scripts": ["memtrain=memtrain.launcher.cli:main"]},
 )

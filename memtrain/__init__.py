@@ -1,9 +1,11 @@
 """memtrain: distributed pretraining of language models with memory, built on DeepSpeed.
 
-Subpackages: ``launcher`` (command line, process groups, training loop, Slurm), ``model`` (anchor
-decoder and memory modules), ``parallel`` (DeepSpeed engine, checkpoints), ``kernels`` (Triton
-kernels beside their PyTorch references), ``data`` (corpora, tokenizers, MDS shards, loaders).
-Importing this package imports nothing heavy.
+Layers, each importing only those below it (enforced by import-linter, ``.importlinter``):
+``launcher`` (command line, training loop, Slurm) > ``eval`` (every evaluation) > ``data`` (corpora,
+tokenizers, clustering, MDS shards, loaders) > ``parallel`` (process groups, DeepSpeed engine, memory
+banks, collectives, checkpoints) > ``model`` (anchors and one folder per memory family) > ``kernels``
+(Triton kernels beside their PyTorch references) > ``config`` (the recipe schema) > ``errors``.
+See ARCHITECTURE.md. Importing this package imports nothing heavy.
 """
 
 __version__ = "0.1.0"

@@ -203,7 +203,7 @@ class MemoryLlamaLoraConfig:
 class MemoryLlamaConfig:
     """MemoryLlama (thesis "Neural Memory Augmentation for Large Language Models", Sections 4.1-4.2,
     Tables B.1/B.2): Titans neural memories injected into a pretrained Hugging Face Llama (``model.type:
-    hf``) through the gated block of Section 4.1.3 (:mod:`memtrain.model.memory_llama`). The base model
+    hf``) through the gated block of Section 4.1.3 (:mod:`memtrain.model.titans.memory_llama`). The base model
     is frozen; the memory blocks and the LoRA adapters train, each at its own peak learning rate on
     train.schedule's warmup and cosine (decaying to ``min_lr_ratio`` times that peak)."""
 

@@ -3,7 +3,7 @@
 import pytest
 
 from memtrain.errors import LaunchError
-from memtrain.launcher.dist import discover, first_host, tasks_on_node
+from memtrain.parallel.dist import discover, first_host, tasks_on_node
 
 
 def test_single_process_without_launcher():

@@ -1,4 +1,4 @@
-"""`memtrain eval` (memtrain.launcher.evaluate): the Appendix J corruption rule and the Section 4
+"""`memtrain eval` (memtrain.eval): the Appendix J corruption rule and the Section 4
 blocked descent on hand-made trees, teacher-forced probe scoring on models whose logits are known,
 and an end-to-end run on the builtin:longtail corpus (prepare, train with and without memories, eval
 through the command line)."""
@@ -20,8 +20,8 @@ import yaml
 from torch import nn
 
 from memtrain.data.cluster import ClusterTree, level_offset, normalize, num_internal_nodes
-from memtrain.launcher.evaluate import (blocked_ids, corrupt_ids, mode_names, probe_tokens, score_sequences,
-                                        split_checkpoint_override)
+from memtrain.eval.hierarchical import blocked_ids, corrupt_ids, mode_names, probe_tokens, score_sequences
+from memtrain.launcher.cli import split_checkpoint_override
 from memtrain.model.anchor import ModelOutput
 
 REPO = Path(__file__).resolve().parents[1]
@@ -96,7 +96,7 @@ def test_blocked_descent_matches_brute_force():
 
 
 def test_import_is_light():
-    code = ("import sys, memtrain.launcher.evaluate, memtrain.launcher.cli\n"
+    code = ("import sys, memtrain.eval.evaluate, memtrain.launcher.cli\n"
             "print([m for m in ('deepspeed', 'streaming', 'sentence_transformers') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr

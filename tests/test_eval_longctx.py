@@ -1,4 +1,4 @@
-"""`memtrain eval` long-context tasks (memtrain.launcher.evaluate): greedy generation and scoring on
+"""`memtrain eval` long-context tasks (memtrain.eval.longctx): greedy generation and scoring on
 stub models whose outputs are known (stop at end-of-text, left truncation counted, streamed memory
 state), Titans streaming equal to one long forward, MemoryLlama's memory reset per sample, and an
 end-to-end run (prepare the built-in corpus, train a tiny Titans MAC model, `memtrain eval`)."""
@@ -18,14 +18,14 @@ import yaml
 from torch import nn
 
 from memtrain.config import ModelConfig, RecipeError, TitansConfig
-from memtrain.launcher.eval_longctx import (
-    PromptEncoder, fresh_memory_per_forward, greedy_generate, niah_depths, parse_lengths, parse_tasks,
+from memtrain.eval.common import PromptEncoder
+from memtrain.eval.longctx import (
+    check_long_context, fresh_memory_per_forward, greedy_generate, niah_depths, parse_lengths, parse_tasks,
     run_long_context, stream_call_tokens, task_examples,
 )
-from memtrain.launcher.evaluate import check_long_context
+from memtrain.eval.tasks import format_prompt
 from memtrain.model.anchor import ModelOutput
 from memtrain.model.titans.arch import TitansOutput
-from memtrain.model.titans.eval_tasks import format_prompt
 
 from tiny_hf import make_tiny_llama  # tests/tiny_hf.py
 
@@ -307,7 +307,7 @@ class HFAdapter(nn.Module):
 
 def test_memory_llama_generation_resets_memory_per_sample():
     transformers = pytest.importorskip("transformers")
-    from memtrain.model.memory_llama import inject_memory, memory_blocks, set_memory_mode
+    from memtrain.model.titans.memory_llama import inject_memory, memory_blocks, set_memory_mode
 
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

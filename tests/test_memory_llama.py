@@ -1,4 +1,4 @@
-"""MemoryLlama (memtrain.model.memory_llama): Titans memory injected into a tiny random Hugging Face
+"""MemoryLlama (memtrain.model.titans.memory_llama): Titans memory injected into a tiny random Hugging Face
 Llama at the ELMA / ALMA / GeMA positions. Identity at initialisation, training step, trainable set,
 optimizer groups, gate statistics, LoRA (peft), memory state reset / carry. CPU, a few seconds."""
 
@@ -12,7 +12,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from memtrain.model.memory_llama import (  # noqa: E402
+from memtrain.model.titans.memory_llama import (  # noqa: E402
     POSITIONS, default_layers, gate_stats, inject_memory, load_memory_llama, memory_blocks, param_groups,
     reset_memory, set_memory_mode,
 )
@@ -413,7 +413,7 @@ def test_state_dict_round_trip_and_deepcopy(base_dir):
 @pytest.mark.skipif(not HAVE_PEFT, reason="peft not installed")
 def test_augment_is_load_memory_llama_on_a_loaded_model(base_dir):
     """augment() (what memtrain's MemoryLlamaLM uses on AutoModelForCausalLM) == load_memory_llama."""
-    from memtrain.model.memory_llama import augment
+    from memtrain.model.titans.memory_llama import augment
 
     loaded = load(base_dir, "gema", seed=0, lora={"r": 4}, freeze_lora=True)
     torch.manual_seed(0)

@@ -24,7 +24,7 @@ pytest.importorskip("peft")
 from memtrain.config import MemoryConfig, RecipeError, load_recipe, recipe_from_dict  # noqa: E402
 from memtrain.model import build, count_parameters  # noqa: E402
 from memtrain.model.hf import MemoryLlamaLM  # noqa: E402
-from memtrain.model.memory_llama import memory_blocks, set_memory_mode  # noqa: E402
+from memtrain.model.titans.memory_llama import memory_blocks, set_memory_mode  # noqa: E402
 
 from tiny_hf import make_tiny_llama  # tests/tiny_hf.py
 

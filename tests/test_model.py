@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from memtrain.config import MemoryConfig, ModelConfig, load_recipe
+from memtrain.data.loader import document_ids
 from memtrain.model import (
-    DecoderLM, ModelOutput, build, count_parameters, document_ids, flops_per_token, peak_flops,
-    position_ids_from_doc_ids,
+    DecoderLM, ModelOutput, build, count_parameters, flops_per_token, peak_flops, position_ids_from_doc_ids,
 )
 from memtrain.model.attention import AttentionMask, attend, build_attention_mask, flex_available
 from memtrain.model.flops import peak_flops_from_name

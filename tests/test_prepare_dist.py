@@ -109,7 +109,7 @@ def clustered(corpus):
     one = make_recipe(root / "one", [str(src)])
     run = _torchrun(["-m", "memtrain", "prepare", str(_write_recipe(two, root / "two.yaml"))], root)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
-    # launcher.dist.init gives each of the ranks cpu_count // ranks threads; the single process gets as
+    # parallel.dist.init gives each of the ranks cpu_count // ranks threads; the single process gets as
     # many, since CPU kernels may round differently with another thread count
     threads = max(1, (os.cpu_count() or 1) // W)
     single = subprocess.run([sys.executable, "-m", "memtrain", "prepare", str(_write_recipe(one, root / "one.yaml"))],
@@ -272,7 +272,7 @@ _COMM = textwrap.dedent("""
     import numpy as np
     import torch
     import memtrain.data.prepare as prepare
-    from memtrain.launcher import dist
+    from memtrain.parallel import dist
 
     env = dist.discover()
     dist.init(env, torch.device("cpu"), "gloo")

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from memtrain.config import MemoryConfig, ModelConfig
 from memtrain.model import build
 from memtrain.model.anchor import anchor_dims
-from memtrain.model.hierarchical import MemoryLayout, _trunc_normal
+from memtrain.model.hierarchical.layout import MemoryLayout, _trunc_normal
 from memtrain.parallel.bank import MemoryBank
 from memtrain.parallel.sharded_bank import ShardedMemoryBank
 

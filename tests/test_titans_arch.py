@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from memtrain.config import ModelConfig, RecipeError, TitansConfig, load_recipe, recipe_from_dict
-from memtrain.model import DecoderLM, ModelOutput, TitansLM, build, count_parameters, document_ids
+from memtrain.data.loader import document_ids
+from memtrain.model import DecoderLM, ModelOutput, TitansLM, build, count_parameters
 from memtrain.model.attention import flex_available
 from memtrain.model.titans.arch import segment_bounds
 from memtrain.model.titans.attention import segment_mask, sliding_window_mask, window_allowed

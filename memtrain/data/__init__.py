@@ -33,6 +33,7 @@ _EXPORTS = {
     "read_meta": "loader",
     "build_loader": "loader",
     "collate": "loader",
+    "document_ids": "loader",
     "Collate": "loader",
     "LoaderIterator": "loader",
 }

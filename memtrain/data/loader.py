@@ -47,7 +47,6 @@ import torch
 from memtrain.config import Recipe
 from memtrain.data.prepare import FORMAT_VERSION, META
 from memtrain.errors import DataError
-from memtrain.model.anchor import document_ids
 
 if TYPE_CHECKING:
     from streaming import StreamingDataLoader
@@ -122,6 +121,17 @@ def check_clustering(meta: dict[str, Any], recipe: Recipe) -> None:
         if want.enabled and cl[key] != getattr(want, key):
             raise DataError(f"{recipe.data_dir} holds a cluster tree with {key} {cl[key]} but data.clustering.{key} "
                             f"is {getattr(want, key)}; set it to {cl[key]}, or prepare the data again")
+
+
+def document_ids(input_ids: torch.Tensor, eot_id: int) -> torch.Tensor:
+    """Document index per position: the number of EOT tokens strictly before it.
+
+    An EOT token belongs to the document it ends. ``[..., T]`` -> LongTensor ``[..., T]``. The loader
+    computes these for every batch (``batch["doc_ids"]``); the models consume them as tensors (document
+    masks, per-document positions) and never see the EOT id.
+    """
+    is_eot = (input_ids == eot_id).long()
+    return is_eot.cumsum(-1) - is_eot
 
 
 class Collate:

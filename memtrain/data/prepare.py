@@ -18,7 +18,7 @@ data are hashed into a fingerprint: preparing again with the same settings is a 
 prepared"); different settings need ``force=True`` (``--force``) or another ``data.dir``.
 
 Distributed preparation. Started by torchrun, srun or the deepspeed launcher with W > 1 processes
-(:func:`memtrain.launcher.dist.discover`), ``prepare`` starts a gloo process group and shares the
+(:func:`memtrain.parallel.dist.discover`), ``prepare`` starts a gloo process group and shares the
 work: every rank reads the documents and computes the same seeded split; rank ``r`` takes the
 documents ``idx[r::W]`` of each split. Rank 0 trains (or loads) the tokenizer on all training
 documents, as a single process does, and the other ranks load it. Each rank tokenizes, embeds,
@@ -118,14 +118,14 @@ def prepare(recipe: Recipe, force: bool = False, dist_env: Any = None,
     """Prepare ``recipe.data_dir``; returns meta.json's contents plus ``status`` and throughput figures.
 
     ``status`` is ``"prepared"`` or ``"already prepared"`` (same fingerprint: nothing is read or written).
-    ``dist_env`` (a :class:`memtrain.launcher.dist.DistEnv`) defaults to what the launcher's
+    ``dist_env`` (a :class:`memtrain.parallel.dist.DistEnv`) defaults to what the launcher's
     environment says; with a world size above one the ranks share the work (module docstring) and all
     return the same report. ``tree_windows`` caps the training windows gathered on rank 0 for the
     cluster tree in distributed runs (default :data:`memtrain.data.clustered.TREE_WINDOWS`, or
     $MEMTRAIN_PREPARE_TREE_WINDOWS).
     """
     if dist_env is None:
-        from memtrain.launcher.dist import discover
+        from memtrain.parallel.dist import discover
 
         dist_env = discover()
     if dist_env.world_size > 1:
@@ -431,7 +431,7 @@ def _prepare_distributed(recipe: Recipe, force: bool, dist_env: Any, tree_window
     import torch
     import torch.distributed as tdist
 
-    from memtrain.launcher import dist
+    from memtrain.parallel import dist
 
     started = not tdist.is_initialized()
     dist.init(dist_env, torch.device("cpu"), "gloo")

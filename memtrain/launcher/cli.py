@@ -18,9 +18,12 @@ import argparse
 import json
 import os
 import sys
-from typing import Optional
+from typing import Optional, Sequence
 
+from memtrain.config import RecipeError
 from memtrain.errors import MemtrainError
+
+CHECKPOINT_KEY = "checkpoint"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -143,14 +146,30 @@ def prepare_summary(recipe, report: dict) -> str:
     return head + f"\ndetails: {recipe.data_dir / 'meta.json'}"
 
 
+def split_checkpoint_override(overrides: Sequence[str]) -> tuple[list[str], Optional[str]]:
+    """Take ``checkpoint=PATH`` out of the ``key=value`` overrides (it is not a recipe key; dotted keys
+    such as ``checkpoint.keep_last=3`` stay). Returns (the other overrides, PATH or None)."""
+    rest: list[str] = []
+    path: Optional[str] = None
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if sep and key.strip() == CHECKPOINT_KEY:
+            if not value.strip():
+                raise RecipeError("", "checkpoint= needs a path: a run directory or one of its "
+                                  "checkpoints/global_stepN folders")
+            path = value.strip()
+        else:
+            rest.append(item)
+    return rest, path
+
+
 def run(argv: Optional[list[str]] = None) -> int:
     args = _parser().parse_args(argv)
     from memtrain.config import load_recipe
 
     overrides, checkpoint = args.overrides, None
     if args.command == "eval":  # checkpoint=PATH names what to evaluate; it is not a recipe key
-        from memtrain.launcher.evaluate import split_checkpoint_override
-
+        
         overrides, checkpoint = split_checkpoint_override(args.overrides)
     recipe = load_recipe(args.recipe, overrides)
     if args.command == "train":
@@ -173,7 +192,7 @@ def run(argv: Optional[list[str]] = None) -> int:
 
         print(submit(recipe, args.recipe, args.overrides, dry_run=args.dry_run))
     elif args.command == "eval":
-        from memtrain.launcher.evaluate import evaluate, format_table
+        from memtrain.eval.evaluate import evaluate, format_table
 
         modes = [m.strip() for m in args.modes.split(",") if m.strip()] if args.modes is not None else None
         report = evaluate(recipe, checkpoint, batches=args.batches, out=args.out, modes=modes, tasks=args.tasks,

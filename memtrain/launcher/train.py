@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from memtrain.config import Recipe, RecipeError
 from memtrain.errors import CheckpointError, LaunchError
-from memtrain.launcher import dist
+from memtrain.parallel import dist
 from memtrain.launcher.metrics import MetricsWriter, format_line
 
 

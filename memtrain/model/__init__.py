@@ -1,6 +1,11 @@
 """Models: the anchor decoder (:mod:`.anchor`), its attention paths (:mod:`.attention`), FLOP
-accounting (:mod:`.flops`) and the Titans models (:mod:`.titans.arch`, ``model.type: titans``).
-Memory modules attach here later.
+accounting (:mod:`.flops`), pretrained Hugging Face models (:mod:`.hf`), and one folder per memory
+family: :mod:`.hierarchical` (hierarchical parametric memories: block layout, generic memory, memory
+ops) and :mod:`.titans` (neural long-term memory, LMM/MAC/MAG/MAL as ``model.type: titans``, and
+MemoryLlama's gated memory blocks).
+
+Models consume tensors: token ids, document ids (computed by the data loader) and fetched memory;
+they never import data, parallel, eval or the launcher, nor DeepSpeed or torch.distributed.
 
 Imports torch only (never DeepSpeed, streaming or transformers), so models can be built and
 benchmarked alone. :func:`build` works under ``with torch.device("meta"):`` for parameter counts.
@@ -13,7 +18,7 @@ from typing import Optional
 from torch import nn
 
 from memtrain.config import MemoryConfig, ModelConfig
-from memtrain.model.anchor import DecoderLM, ModelOutput, document_ids, position_ids_from_doc_ids
+from memtrain.model.anchor import DecoderLM, ModelOutput, position_ids_from_doc_ids
 from memtrain.model.flops import count_parameters, flops_per_token, peak_flops
 from memtrain.model.titans.arch import TitansLM, TitansOutput
 
@@ -36,6 +41,6 @@ def build(model_cfg: ModelConfig, memory_cfg: Optional[MemoryConfig] = None, bra
 
 
 __all__ = [
-    "DecoderLM", "ModelOutput", "TitansLM", "TitansOutput", "build", "count_parameters", "document_ids",
+    "DecoderLM", "ModelOutput", "TitansLM", "TitansOutput", "build", "count_parameters",
     "flops_per_token", "peak_flops", "position_ids_from_doc_ids",
 ]

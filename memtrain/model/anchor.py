@@ -57,15 +57,6 @@ class ModelOutput:
 # Document structure of packed sequences
 
 
-def document_ids(input_ids: torch.Tensor, eot_id: int) -> torch.Tensor:
-    """Document index per position: the number of EOT tokens strictly before it.
-
-    An EOT token belongs to the document it ends. ``[..., T]`` -> LongTensor ``[..., T]``.
-    """
-    is_eot = (input_ids == eot_id).long()
-    return is_eot.cumsum(-1) - is_eot
-
-
 def position_ids_from_doc_ids(doc_ids: torch.Tensor) -> torch.Tensor:
     """Position of each token within its document (0 at every document start). ``[..., T]``."""
     T = doc_ids.shape[-1]
@@ -314,7 +305,7 @@ class DecoderLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, doc_ids: Optional[torch.Tensor] = None,
                 memory: Optional[FetchedMemory] = None) -> ModelOutput:
         """``input_ids`` ``[B, T]``; ``doc_ids`` ``[B, T]`` document index per position (see
-        :func:`document_ids`), None for one document per sequence. ``memory``: the sequences' fetched
+        :func:`memtrain.data.loader.document_ids`), None for one document per sequence. ``memory``: the sequences' fetched
         memory (from the bank) and generic mask; None runs the anchor alone."""
         if memory is not None and self.memory_layout is None:
             raise ValueError("this model has no memory modules (memory.type is 'none'); pass memory=None")
@@ -354,5 +345,5 @@ def anchor_dims(cfg: ModelConfig) -> AnchorDims:
 
 __all__ = [
     "Attention", "Block", "DecoderLM", "anchor_dims", "ModelOutput", "RMSNorm", "RotaryEmbedding", "SwiGLU", "apply_rope",
-    "build_lm_shell", "document_ids", "make_norm", "position_ids_from_doc_ids",
+    "build_lm_shell", "make_norm", "position_ids_from_doc_ids",
 ]

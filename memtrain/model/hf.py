@@ -29,7 +29,7 @@ whole packed sequence and attention is causal over it (``doc_ids`` is accepted a
 
 :class:`MemoryLlamaLM` (``memory.type: memory_llama``) is the same wrapper around a pretrained Llama
 with frozen weights, ``peft`` LoRA adapters and the gated Titans memory blocks of the MemoryLlama
-thesis (:mod:`memtrain.model.memory_llama`) inside its decoder layers; it has no memory bank.
+thesis (:mod:`memtrain.model.titans.memory_llama`) inside its decoder layers; it has no memory bank.
 
 Imports torch only at module level; transformers is imported when a model is built.
 """
@@ -317,7 +317,7 @@ def lora_kwargs(ml: MemoryLlamaConfig) -> Optional[dict]:
 
 
 class MemoryLlamaLM(HFMemoryLM):
-    """MemoryLlama (thesis Sections 4.1-4.2; :mod:`memtrain.model.memory_llama`) behind memtrain's model
+    """MemoryLlama (thesis Sections 4.1-4.2; :mod:`memtrain.model.titans.memory_llama`) behind memtrain's model
     interface: ``hf_model`` is the pretrained causal LM with every base weight frozen, LoRA adapters
     (``peft``; ``hf_model`` is then the ``PeftModel``) unless ``memory.memory_llama.lora.enabled`` is
     false, frozen with ``lora.freeze``, and gated Titans memory blocks injected into the decoder layers
@@ -334,7 +334,7 @@ class MemoryLlamaLM(HFMemoryLM):
     """
 
     def __init__(self, hf_model: nn.Module, memory_cfg: MemoryConfig, model_cfg: Optional[ModelConfig] = None):
-        from memtrain.model.memory_llama import augment
+        from memtrain.model.titans.memory_llama import augment
 
         ml = memory_cfg.memory_llama or MemoryLlamaConfig()
         n_layers = text_config(hf_model.config).num_hidden_layers
@@ -361,7 +361,7 @@ class MemoryLlamaLM(HFMemoryLM):
     # -- parameters --------------------------------------------------------------------------------
 
     def blocks(self) -> list:
-        from memtrain.model.memory_llama import memory_blocks
+        from memtrain.model.titans.memory_llama import memory_blocks
 
         return memory_blocks(self.hf_model)
 
@@ -388,9 +388,9 @@ class MemoryLlamaLM(HFMemoryLM):
         return [p for p in self.hf_model.parameters() if id(p) not in mem]
 
     def param_groups(self, memory_lr: float, lora_lr: float, weight_decay: float) -> list[dict]:
-        """AdamW groups (:func:`memtrain.model.memory_llama.param_groups`) with the schedule's ``role``:
+        """AdamW groups (:func:`memtrain.model.titans.memory_llama.param_groups`) with the schedule's ``role``:
         ``memory`` (memory blocks) and ``lora`` (LoRA adapters, when they train)."""
-        from memtrain.model.memory_llama import param_groups
+        from memtrain.model.titans.memory_llama import param_groups
 
         groups = param_groups(self.hf_model, memory_lr, lora_lr, weight_decay)
         for g in groups:
@@ -419,14 +419,14 @@ class MemoryLlamaLM(HFMemoryLM):
 
     def train(self, mode: bool = True) -> "MemoryLlamaLM":
         super().train(mode)
-        from memtrain.model.memory_llama import reset_memory
+        from memtrain.model.titans.memory_llama import reset_memory
 
         reset_memory(self.hf_model)
         return self
 
     def gate_stats(self) -> dict[str, float]:
-        """The ``memory_module/*`` scalars of the last forward (:func:`memtrain.model.memory_llama.gate_stats`)."""
-        from memtrain.model.memory_llama import gate_stats
+        """The ``memory_module/*`` scalars of the last forward (:func:`memtrain.model.titans.memory_llama.gate_stats`)."""
+        from memtrain.model.titans.memory_llama import gate_stats
 
         return gate_stats(self.hf_model)
 

@@ -1,1 +1,3 @@
-"""DeepSpeed engine set-up and sharded checkpoints (later: the row-sharded memory bank)."""
+"""Process groups (:mod:`.dist`), the DeepSpeed engine (:mod:`.engine`), counted collectives
+(:mod:`.comm`), the replicated and row-sharded memory banks (:mod:`.bank`, :mod:`.sharded_bank`) and
+checkpoints (:mod:`.checkpoint`, :mod:`.checkpoint_folder`, :mod:`.bank_checkpoint`)."""

@@ -59,6 +59,7 @@ from typing import Optional
 import torch
 
 from memtrain.errors import CheckpointError
+from memtrain.parallel.checkpoint_folder import MARKER
 
 FOLDER = "memory_bank"
 META = "bank.json"
@@ -91,8 +92,6 @@ def _layout_meta(layout) -> dict:
 
 
 def _damaged(folder: Path, why: str) -> CheckpointError:
-    from memtrain.parallel.checkpoint import MARKER  # the caller's completion marker (COMPLETE.json)
-
     return CheckpointError(f"the memory bank {folder} is damaged or incomplete ({why}); delete "
                            f"{folder.parent / MARKER} to fall back to the previous checkpoint, or start a new run.dir")
 
@@ -469,5 +468,79 @@ def load(bank, folder: Path) -> None:
                           **_layout_meta(bank.layout)})
 
 
-__all__ = ["FOLDER", "META", "FORMAT", "save", "load", "read_meta", "read_full_state", "check_layout",
-           "adamw_state"]
+# --------------------------------------------------------------------------------------------------
+# The bank inside a checkpoint folder (what memtrain.parallel.checkpoint calls), legacy files included
+
+BANK_DIR = FOLDER  # the DCP bank checkpoint inside a checkpoint folder
+BANK_FILE = "memory_bank.pt"  # legacy (read only): a replicated bank's torch.save
+BANK_SHARD = "memory_bank_rank{rank:05d}.pt"  # legacy (read only): one sharded-bank state_dict per rank
+
+
+def save_bank(bank, path: Path, rank: int) -> None:
+    """The bank's rows and optimizer state as a torch.distributed.checkpoint folder ``path/memory_bank``
+    keyed by global row, with the owner map (:func:`save`): the run resumes
+    on any number of ranks, as either bank kind. Call on every rank: a sharded bank saves collectively
+    over its group; a replicated bank is written by rank 0 alone. Runs before the caller's barrier and
+    ``COMPLETE.json``; a same-step rerun replaces the folder."""
+    if not hasattr(bank, "owner") and rank != 0:
+        return
+    save(bank, Path(path) / BANK_DIR)
+
+
+def _legacy_bank_files(path: Path) -> list[Path]:
+    return [path / BANK_FILE] if (path / BANK_FILE).is_file() else sorted(path.glob("memory_bank_rank*.pt"))
+
+
+def read_bank_state(path: Path) -> dict:
+    """The whole bank state of checkpoint ``path`` in one process (no process group needed), whichever
+    form wrote it: the DCP folder ``memory_bank/`` (the merged format of
+    :func:`memtrain.parallel.sharded_bank.merge_states` plus the owner map), or the legacy
+    ``memory_bank.pt`` / ``memory_bank_rank*.pt`` files (shard files are merged)."""
+    path = Path(path)
+    damaged = (f"; delete {path / MARKER} to resume from the checkpoint before it, or start a new run.dir")
+    if (path / BANK_DIR).exists():
+        return read_full_state(path / BANK_DIR)
+    files = _legacy_bank_files(path)
+    if not files:
+        raise CheckpointError(f"checkpoint {path} has no memory bank ({BANK_DIR}/, or the older {BANK_FILE} or "
+                              "memory_bank_rank*.pt) although the recipe trains memories" + damaged)
+    try:
+        states = [torch.load(f, weights_only=True, map_location="cpu") for f in files]
+    except (RuntimeError, OSError, EOFError, KeyError, pickle.UnpicklingError) as e:
+        raise CheckpointError(f"cannot load the memory bank of {path} ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0][:200]})" + damaged) from None
+    if "levels_state" in states[0]:
+        from memtrain.parallel.sharded_bank import merge_states
+
+        return merge_states(states)
+    return states[0]
+
+
+def _adamw_state(bank, state: dict) -> Optional[dict]:
+    """A merged sharded state's moments as the replicated bank's torch AdamW state (None when the bank
+    has no optimizer, as in evaluation, or the shards carry no moments)."""
+    return adamw_state(bank, state)
+
+
+def load_bank(bank, path: Path) -> None:
+    """Load the bank of checkpoint ``path`` into ``bank`` (replicated or sharded, any world size, from
+    either bank kind). A sharded bank on several ranks loads collectively (every rank calls it); a
+    replicated bank reads alone (no process group needed)."""
+    path = Path(path)
+    if (path / BANK_DIR).exists():
+        try:
+            load(bank, path / BANK_DIR)
+        except ValueError as e:
+            raise CheckpointError(f"{path}: {e}; the recipe's memory settings differ from the checkpoint's") from None
+        return
+    state = read_bank_state(path)  # legacy files
+    try:
+        if "levels_state" in state and not hasattr(bank, "owner"):
+            state = {**state, "optimizer": _adamw_state(bank, state)}  # sharded -> replicated
+        bank.load_state_dict(state)
+    except ValueError as e:
+        raise CheckpointError(f"{path}: {e}; the recipe's memory settings differ from the checkpoint's") from None
+
+
+__all__ = ["BANK_DIR", "FOLDER", "FORMAT", "META", "adamw_state", "check_layout", "load", "load_bank", "read_bank_state",
+           "read_full_state", "read_meta", "save", "save_bank"]

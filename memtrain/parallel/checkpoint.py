@@ -12,91 +12,32 @@ Layout under ``<run.dir>/checkpoints/global_step<N>/``:
 
 Retention: the newest ``checkpoint.keep_last`` complete checkpoints are kept; every checkpoint at a
 multiple of ``checkpoint.permanent_every_steps`` is permanent and never pruned.
+
+This module composes a checkpoint from its parts: the folders and the completion marker are
+:mod:`memtrain.parallel.checkpoint_folder`, the memory bank's rows :mod:`memtrain.parallel.bank_checkpoint`
+(``memory_bank/``, written through ``save``'s ``write_extra``); the engine, RNG and trainer state,
+DeepSpeed universal conversion and the anchor weights are here.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
 import random
-import re
 import shutil
-import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
 
 from memtrain.config import Recipe, recipe_hash_fields
 from memtrain.errors import CheckpointError
-
-MARKER = "COMPLETE.json"
-TRAINER_STATE = "trainer_state.json"
-_TAG_RE = re.compile(r"^global_step(\d+)$")
-
-
-def checkpoint_root(run_dir: Path) -> Path:
-    return Path(run_dir) / "checkpoints"
-
-
-def tag_for(step: int) -> str:
-    return f"global_step{step}"
-
-
-@dataclass(frozen=True)
-class CheckpointInfo:
-    path: Path
-    step: int
-    permanent: bool
-    world_size: int
-
-    @property
-    def tag(self) -> str:
-        return self.path.name
-
-
-def _write_json_atomic(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def list_checkpoints(run_dir: Path) -> tuple[list[CheckpointInfo], list[Path]]:
-    """(complete checkpoints sorted by step, incomplete tag folders)."""
-    root = checkpoint_root(run_dir)
-    complete, incomplete = [], []
-    if not root.is_dir():
-        return complete, incomplete
-    for child in root.iterdir():
-        m = _TAG_RE.match(child.name)
-        if not m or not child.is_dir():
-            continue
-        marker = child / MARKER
-        if not marker.is_file():
-            incomplete.append(child)
-            continue
-        try:
-            info = json.loads(marker.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError):
-            incomplete.append(child)
-            continue
-        complete.append(CheckpointInfo(child, int(m.group(1)), bool(info.get("permanent", False)),
-                                       int(info.get("world_size", 1))))
-    complete.sort(key=lambda c: c.step)
-    incomplete.sort(key=lambda p: p.name)
-    return complete, incomplete
-
-
-def latest_checkpoint(run_dir: Path) -> Optional[CheckpointInfo]:
-    complete, _ = list_checkpoints(run_dir)
-    return complete[-1] if complete else None
-
+from memtrain.parallel.bank_checkpoint import load_bank, read_bank_state, save_bank
+from memtrain.parallel.checkpoint_folder import (
+    MARKER, TRAINER_STATE, CheckpointInfo, checkpoint_root, latest_checkpoint, list_checkpoints, mark_complete, prune,
+    read_trainer_state, resolve, summarize, tag_for, write_json_atomic,
+)
 
 # --------------------------------------------------------------------------------------------------
 # Per-rank RNG state
@@ -149,45 +90,17 @@ def save(engine, recipe: Recipe, *, step: int, trainer_state: dict, rank: int, w
     if write_extra is not None:
         write_extra(path)
     if rank == 0:
-        _write_json_atomic(path / TRAINER_STATE, {**trainer_state, "recipe": recipe.to_dict()})
+        write_json_atomic(path / TRAINER_STATE, {**trainer_state, "recipe": recipe.to_dict()})
     if dist.is_initialized():
         dist.barrier()
     if rank == 0:
         every = recipe.steps(recipe.checkpoint.permanent_every_steps)
         permanent = every > 0 and step % every == 0
-        _write_json_atomic(path / MARKER, {"step": step, "permanent": permanent, "world_size": world_size,
-                                           "time": time.time()})
+        mark_complete(path, step, permanent, world_size)
         prune(recipe.run_dir, recipe.checkpoint.keep_last)
     if dist.is_initialized():
         dist.barrier()
     return path
-
-
-def prune(run_dir: Path, keep_last: int) -> list[Path]:
-    """Delete complete, non-permanent checkpoints beyond the newest ``keep_last``, and incomplete
-    tags older than the newest complete checkpoint."""
-    complete, incomplete = list_checkpoints(run_dir)
-    removed = []
-    regular = [c for c in complete if not c.permanent]
-    for info in regular[:-keep_last] if keep_last > 0 else regular:
-        shutil.rmtree(info.path, ignore_errors=True)
-        removed.append(info.path)
-    if complete:
-        newest = complete[-1].step
-        for p in incomplete:
-            m = _TAG_RE.match(p.name)
-            if m and int(m.group(1)) < newest:
-                shutil.rmtree(p, ignore_errors=True)
-                removed.append(p)
-    return removed
-
-
-def read_trainer_state(info: CheckpointInfo) -> dict:
-    try:
-        return json.loads((info.path / TRAINER_STATE).read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"checkpoint {info.path} is marked complete but its {TRAINER_STATE} cannot be "
-                              f"read ({e}); delete {info.path / MARKER} to fall back to an older checkpoint")
 
 
 def check_compatible(info: CheckpointInfo, state: dict, recipe: Recipe, world_size: int) -> None:
@@ -344,100 +257,7 @@ def _repair_universal_load(engine, settings: list[dict]) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# Memory bank and anchor weights
-
-BANK_DIR = "memory_bank"  # memtrain.parallel.bank_checkpoint.FOLDER: the DCP bank checkpoint
-BANK_FILE = "memory_bank.pt"  # legacy (read only): a replicated bank's torch.save
-BANK_SHARD = "memory_bank_rank{rank:05d}.pt"  # legacy (read only): one sharded-bank state_dict per rank
-
-
-def save_bank(bank, path: Path, rank: int) -> None:
-    """The bank's rows and optimizer state as a torch.distributed.checkpoint folder ``path/memory_bank``
-    keyed by global row, with the owner map (:mod:`memtrain.parallel.bank_checkpoint`): the run resumes
-    on any number of ranks, as either bank kind. Call on every rank: a sharded bank saves collectively
-    over its group; a replicated bank is written by rank 0 alone. Runs before the caller's barrier and
-    ``COMPLETE.json``; a same-step rerun replaces the folder."""
-    from memtrain.parallel import bank_checkpoint
-
-    if not hasattr(bank, "owner") and rank != 0:
-        return
-    bank_checkpoint.save(bank, Path(path) / BANK_DIR)
-
-
-def _legacy_bank_files(path: Path) -> list[Path]:
-    return [path / BANK_FILE] if (path / BANK_FILE).is_file() else sorted(path.glob("memory_bank_rank*.pt"))
-
-
-def read_bank_state(path: Path) -> dict:
-    """The whole bank state of checkpoint ``path`` in one process (no process group needed), whichever
-    form wrote it: the DCP folder ``memory_bank/`` (the merged format of
-    :func:`memtrain.parallel.sharded_bank.merge_states` plus the owner map), or the legacy
-    ``memory_bank.pt`` / ``memory_bank_rank*.pt`` files (shard files are merged)."""
-    from memtrain.parallel import bank_checkpoint
-
-    path = Path(path)
-    damaged = (f"; delete {path / MARKER} to resume from the checkpoint before it, or start a new run.dir")
-    if (path / BANK_DIR).exists():
-        return bank_checkpoint.read_full_state(path / BANK_DIR)
-    files = _legacy_bank_files(path)
-    if not files:
-        raise CheckpointError(f"checkpoint {path} has no memory bank ({BANK_DIR}/, or the older {BANK_FILE} or "
-                              "memory_bank_rank*.pt) although the recipe trains memories" + damaged)
-    try:
-        states = [torch.load(f, weights_only=True, map_location="cpu") for f in files]
-    except (RuntimeError, OSError, EOFError, KeyError, pickle.UnpicklingError) as e:
-        raise CheckpointError(f"cannot load the memory bank of {path} ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0][:200]})" + damaged) from None
-    if "levels_state" in states[0]:
-        from memtrain.parallel.sharded_bank import merge_states
-
-        return merge_states(states)
-    return states[0]
-
-
-def _adamw_state(bank, state: dict) -> Optional[dict]:
-    """A merged sharded state's moments as the replicated bank's torch AdamW state (None when the bank
-    has no optimizer, as in evaluation, or the shards carry no moments)."""
-    from memtrain.parallel.bank_checkpoint import adamw_state
-
-    return adamw_state(bank, state)
-
-
-def load_bank(bank, path: Path) -> None:
-    """Load the bank of checkpoint ``path`` into ``bank`` (replicated or sharded, any world size, from
-    either bank kind). A sharded bank on several ranks loads collectively (every rank calls it); a
-    replicated bank reads alone (no process group needed)."""
-    from memtrain.parallel import bank_checkpoint
-
-    path = Path(path)
-    if (path / BANK_DIR).exists():
-        try:
-            bank_checkpoint.load(bank, path / BANK_DIR)
-        except ValueError as e:
-            raise CheckpointError(f"{path}: {e}; the recipe's memory settings differ from the checkpoint's") from None
-        return
-    state = read_bank_state(path)  # legacy files
-    try:
-        if "levels_state" in state and not hasattr(bank, "owner"):
-            state = {**state, "optimizer": _adamw_state(bank, state)}  # sharded -> replicated
-        bank.load_state_dict(state)
-    except ValueError as e:
-        raise CheckpointError(f"{path}: {e}; the recipe's memory settings differ from the checkpoint's") from None
-
-
-def resolve(path: str | Path) -> CheckpointInfo:
-    """A complete checkpoint from a ``global_stepN`` folder or a run directory (its newest one)."""
-    p = Path(path)
-    if (p / MARKER).is_file() and _TAG_RE.match(p.name):
-        found = [c for c in list_checkpoints(p.parent.parent)[0] if c.path == p]
-        if found:
-            return found[0]
-    if p.is_dir():
-        info = latest_checkpoint(p)
-        if info is not None:
-            return info
-    raise CheckpointError(f"{path} is neither a complete checkpoint folder (global_stepN with {MARKER}) nor a run "
-                          "directory holding one; point to a run.dir or one of its checkpoints/global_stepN")
+# Anchor weights
 
 
 def load_module_state(info: CheckpointInfo) -> dict[str, torch.Tensor]:
@@ -478,5 +298,11 @@ def load_anchor(model: torch.nn.Module, path: str | Path) -> CheckpointInfo:
     return info
 
 
-def summarize(info: CheckpointInfo) -> dict[str, Any]:
-    return {"path": str(info.path), "step": info.step, "permanent": info.permanent, "world_size": info.world_size}
+# The checkpoint API of the trainer and of evaluation: this module's own functions plus the folder
+# helpers (:mod:`.checkpoint_folder`) and the bank's (:mod:`.bank_checkpoint`) it composes.
+__all__ = [
+    "MARKER", "TRAINER_STATE", "UNIVERSAL", "CheckpointInfo", "check_compatible", "checkpoint_root", "ensure_universal",
+    "latest_checkpoint", "list_checkpoints", "load", "load_anchor", "load_bank", "load_module_state", "needs_universal",
+    "prune", "read_bank_state", "read_trainer_state", "resolve", "rng_state", "save", "save_bank", "set_rng_state",
+    "summarize", "tag_for",
+]

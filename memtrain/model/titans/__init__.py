@@ -5,6 +5,10 @@
 - :class:`MemoryState` (:mod:`.state`): the state carried between calls.
 - :func:`memory_scan` (:mod:`.inner_loop`): the inner loop itself, ``algorithm="chunked"``
   (Section 3.2) or ``"sequential"`` (per-token reference).
+- :mod:`.arch`: the LMM / MAC / MAG / MAL language models (``model.type: titans``);
+  :mod:`.attention`: their sliding-window and segment attention.
+- :mod:`.memory_llama`: the memory injected into a pretrained Llama as gated blocks (MemoryLlama:
+  ELMA, ALMA, GeMA), wrapped by :class:`memtrain.model.hf.MemoryLlamaLM`.
 
 Imports torch only.
 """

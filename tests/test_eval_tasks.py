@@ -1,4 +1,4 @@
-"""Offline long-context evaluation data (memtrain.model.titans.eval_tasks): S-NIAH and BABILong-style
+"""Offline long-context evaluation data (memtrain.eval.tasks): S-NIAH and BABILong-style
 qa1-qa5. Determinism, lengths, needle depth, the answer recovered from the context by an independent
 solver, scoring."""
 
@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from memtrain.model.titans.eval_tasks import (
+from memtrain.eval.tasks import (
     BABILONG_TASKS, DEFAULT_DEPTHS, NIAH_TASKS, TASKS, format_prompt, generate, generate_babilong, generate_niah,
     is_correct, score, to_scalars, word_count,
 )

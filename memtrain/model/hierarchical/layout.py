@@ -1,4 +1,4 @@
-"""Hierarchical parametric memories: block layout, initialisation and the per-sequence memory ops.
+"""Hierarchical parametric memories: the block layout and its initialisation.
 
 Hierarchical-memories paper (Pouransari et al.), Sections 2.1-2.2 and Appendix I. Every cluster of
 level l owns one block of s_l = c0 * r_l parameters; a sequence fetches one block per level. A block
@@ -24,7 +24,8 @@ values are zero; ``w1``/``w2`` and KV keys are truncated normals like the anchor
 ``A`` parts are Kaiming-uniform (bound 1/sqrt(fan_in), as ``nn.Linear`` and peft).
 
 The bank (:mod:`memtrain.parallel.bank`) stores the rows; the model holds the generic memory (one
-block per level, Section 4) and consumes :class:`FetchedMemory`. Imports torch only.
+block per level, Section 4) and consumes :class:`~memtrain.model.hierarchical.memory.FetchedMemory`
+(:mod:`.memory`, which also holds the batched ops). Imports torch only.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from memtrain.config import MemoryConfig
@@ -255,111 +255,4 @@ def _trunc_normal(shape, std: float, dtype, device, generator) -> torch.Tensor:
     return t.to(dtype)
 
 
-# --------------------------------------------------------------------------------------------------
-# What the model receives
-
-
-@dataclass
-class FetchedMemory:
-    """Per-sequence memory for one micro-batch.
-
-    ``levels[l]``: ``[B, s_l]`` fetched rows (differentiable w.r.t. the bank; None for r_l = 0 or when
-    every sequence is generic). ``generic``: ``[B]`` bool, sequences that use the generic memory instead
-    (their rows in ``levels`` are ignored). ``ids``: the ``[B, p]`` cluster ids fetched, for monitoring.
-    """
-
-    levels: list[Optional[torch.Tensor]]
-    generic: Optional[torch.Tensor] = None
-    ids: Optional[torch.Tensor] = None
-
-    @classmethod
-    def all_generic(cls, batch_size: int, depth: int, device: torch.device | str = "cpu") -> "FetchedMemory":
-        return cls([None] * depth, torch.ones(batch_size, dtype=torch.bool, device=device))
-
-
-def generic_mask(batch_size: int, prob: float, generator: Optional[torch.Generator] = None) -> torch.Tensor:
-    """``[B]`` bool: which training sequences use the generic memory, each independently with ``prob``
-    (Section 4: 1/(k+1), so that the generic block sees as many sequences as one level-1 block)."""
-    return torch.rand(batch_size, generator=generator) < prob
-
-
-class GenericMemory(nn.Module):
-    """One block per level used in place of fetched blocks (Section 4): same size as a fetched memory,
-    trained on the sequences that draw it, the baseline of the fetched-vs-generic comparison."""
-
-    def __init__(self, layout: MemoryLayout):
-        super().__init__()
-        self.layout = layout
-        self.blocks = nn.ParameterList(
-            [nn.Parameter(torch.empty(1, layout.block_size(l))) for l in range(layout.depth)])
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        for l, p in enumerate(self.blocks):
-            self.layout.init_rows(p.data, l)
-
-    def forward(self, memory: FetchedMemory, batch_size: int) -> list[Optional[torch.Tensor]]:
-        """:meth:`mix`, called as the module (``generic_memory(memory, B)``) so that ZeRO-3 gathers the
-        generic blocks around it, as it does for any submodule's parameters."""
-        return self.mix(memory, batch_size)
-
-    def mix(self, memory: FetchedMemory, batch_size: int) -> list[Optional[torch.Tensor]]:
-        """Per-level rows ``[B, s_l]`` with generic sequences replaced by the generic block."""
-        out: list[Optional[torch.Tensor]] = []
-        for l, generic in enumerate(self.blocks):
-            if self.layout.levels[l] == 0:
-                out.append(None)
-                continue
-            fetched = memory.levels[l] if l < len(memory.levels) else None
-            g = generic.expand(batch_size, -1)
-            if memory.generic is None:
-                if fetched is None:
-                    raise ValueError(f"no fetched rows for memory level {l + 1} and no generic mask")
-                out.append(fetched)
-            elif fetched is None:
-                if not bool(memory.generic.all()):
-                    raise ValueError(f"no fetched rows for memory level {l + 1} but some sequences are not generic")
-                out.append(g)
-            else:
-                out.append(torch.where(memory.generic[:, None], g.to(fetched.dtype), fetched))
-        return out
-
-
-# --------------------------------------------------------------------------------------------------
-# The memory ops (batched over sequences)
-
-
-def ffn_memory(x: torch.Tensor, mem: torch.Tensor, layout: MemoryLayout, act=F.silu) -> torch.Tensor:
-    """Extra SwiGLU channels: ``act(x W1_m^T) * (x W2_m^T) @ W3_m``, ``x [B, T, d]``, ``mem [B, R, 3d]``
-    (``act`` is the anchor FFN's gate activation)."""
-    p = layout.parts_of(mem.to(x.dtype))
-    h = act(torch.bmm(x, p["w1"].transpose(1, 2))) * torch.bmm(x, p["w2"].transpose(1, 2))
-    return torch.bmm(h, p["w3"])
-
-
-def lora_delta(x: torch.Tensor, mem: torch.Tensor, layout: MemoryLayout, name: str) -> torch.Tensor:
-    """LoRA memory ``scale * (x A^T) B^T`` for matrix ``name`` (scale alpha / R, as in LoRA and peft)."""
-    p = layout.parts_of(mem.to(x.dtype))
-    scale = layout.lora_alpha / mem.shape[1]
-    return torch.bmm(torch.bmm(x, p[f"{name}_a"].transpose(1, 2)), p[f"{name}_b"]) * scale
-
-
-def kv_memory(q: torch.Tensor, mem: torch.Tensor, layout: MemoryLayout) -> torch.Tensor:
-    """Queries ``[B, H, T, d_h]`` attend to the sequence's R learned keys/values (no causal mask, no
-    positional encoding; Appendix I); returns ``[B, H, T, d_h]`` to add to the attention output."""
-    B, H, T, dh = q.shape
-    p = layout.parts_of(mem.to(q.dtype))
-    R = mem.shape[1]
-    kv_heads = layout.dims.kv_width // dh
-    k = p["k"].reshape(B, R, kv_heads, dh).transpose(1, 2)
-    v = p["v"].reshape(B, R, kv_heads, dh).transpose(1, 2)
-    if kv_heads != H:
-        k = k.repeat_interleave(H // kv_heads, dim=1)
-        v = v.repeat_interleave(H // kv_heads, dim=1)
-    return F.scaled_dot_product_attention(q, k, v)
-
-
-__all__ = [
-    "AnchorDims", "FetchedMemory", "GenericMemory", "MemoryLayout", "Part", "ffn_memory", "generic_mask", "kv_memory",
-    "lora_delta", "placement_layers", "spread", "unit_parts",
-]
+__all__ = ["AnchorDims", "MemoryLayout", "Part", "placement_layers", "spread", "unit_parts"]

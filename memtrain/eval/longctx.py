@@ -1,6 +1,6 @@
 """Long-context evaluation for `memtrain eval`: single needle in a haystack (RULER-style S-NIAH:
 passkey, number, word) and BABILong-style fact chaining (qa1-qa5), generated offline by
-:mod:`memtrain.model.titans.eval_tasks` (Titans paper Sections 5.3-5.4), answered by greedy generation.
+:mod:`memtrain.eval.tasks` (Titans paper Sections 5.3-5.4), answered by greedy generation.
 
 - Titans models read prompts longer than ``model.max_seq_len`` in calls of ``max_seq_len`` tokens,
   carrying the memory state across calls (``stream``; exact for MAC and LMM, the attention window of
@@ -9,14 +9,14 @@ passkey, number, word) and BABILong-style fact chaining (qa1-qa5), generated off
   tokens and are counted as truncated. MemoryLlama blocks start every forward from M_0
   (:func:`fresh_memory_per_forward`); a hierarchical-memory model uses its generic memory.
 
-The command itself (checkpoint loading, perplexity, the report) is :mod:`memtrain.launcher.evaluate`.
+The command itself (checkpoint loading, the report) is :mod:`memtrain.eval.evaluate`; what the
+evaluations share (prompt encoding, padding, result cells) is :mod:`memtrain.eval.common`.
 Imports torch and numpy only at module level.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import re
 import time
 from typing import Any, Callable, Iterator, Optional, Sequence
@@ -24,9 +24,10 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 
 from memtrain.config import Recipe, RecipeError
+from memtrain.eval.common import PromptEncoder, accuracy_cell, batch_memory, right_padded
 
 # --------------------------------------------------------------------------------------------------
-# Long-context tasks: S-NIAH and BABILong-style qa1-qa5 (memtrain.model.titans.eval_tasks), greedy
+# Long-context tasks: S-NIAH and BABILong-style qa1-qa5 (memtrain.eval.tasks), greedy
 
 
 TASK_GROUPS = {"niah": ("passkey", "number", "word"), "babilong": ("qa1", "qa2", "qa3", "qa4", "qa5")}
@@ -49,7 +50,7 @@ def parse_tasks(spec: Optional[str | Sequence[str]]) -> list[str]:
     """Task names from ``"niah,babilong"``-style input: the groups ``niah`` (passkey, number, word) and
     ``babilong`` (qa1-qa5) or single task names, in order, without repeats; ``none`` (or nothing) is
     no task. RecipeError for unknown names."""
-    from memtrain.model.titans.eval_tasks import TASKS
+    from memtrain.eval.tasks import TASKS
 
     items = spec.split(",") if isinstance(spec, str) else list(spec or [])
     out: list[str] = []
@@ -96,39 +97,37 @@ def niah_depths(samples: int) -> list[float]:
     return [round(i / (samples - 1), 4) for i in range(samples)]
 
 
-class PromptEncoder:
-    """Token ids of a prompt with the run's tokenizer: memtrain's SentencePiece model as the training
-    data was tokenized (no BOS); a Hugging Face tokenizer gets its BOS first when it adds one by default
-    (Llama's does), as pretrained models expect. ``count`` is the length without the BOS (the generator
-    measures haystack units with it)."""
-
-    def __init__(self, tokenizer: Any):
-        self.tokenizer = tokenizer
-        self.prefix: list[int] = []
-        tok = getattr(tokenizer, "tok", None)  # memtrain.data.tokenizer.HFTokenizer
-        bos = getattr(tok, "bos_token_id", None)
-        if tok is not None and bos is not None:
-            try:
-                first = tok("a").input_ids[:1]
-            except Exception:  # pragma: no cover - exotic tokenizers
-                first = []
-            if first == [bos]:
-                self.prefix = [int(bos)]
-        self._count = functools.lru_cache(maxsize=1 << 16)(lambda s: len(tokenizer.encode(s)))
-
-    def count(self, text: str) -> int:
-        return self._count(text) if len(text) <= 4096 else len(self.tokenizer.encode(text))
-
-    def encode(self, text: str) -> list[int]:
-        return self.prefix + [int(t) for t in self.tokenizer.encode(text)]
+def check_long_context(recipe: Recipe, tasks: Optional[str | Sequence[str]], lengths: Optional[str | Sequence[int]],
+                       samples: Optional[int], max_new_tokens: Optional[int]) -> tuple[list[str], list[int], int, int]:
+    """The long-context settings of an evaluation: (task names, lengths, samples, max new tokens).
+    ``tasks`` None: ``niah,babilong`` for :func:`long_context_by_default` models, none otherwise.
+    RecipeError for unknown tasks, bad lengths, counts < 1, or settings given with no task to run."""
+    if tasks is None:
+        names = parse_tasks(DEFAULT_TASKS) if long_context_by_default(recipe) else []
+    else:
+        names = parse_tasks(tasks)
+    given = [flag for flag, value in (("--lengths", lengths), ("--samples", samples),
+                                      ("--max-new-tokens", max_new_tokens)) if value is not None]
+    if not names and given:
+        why = ("--tasks none" if tasks is not None else
+               f"model.type {recipe.model.type!r} runs them only when --tasks is given, e.g. --tasks niah,babilong")
+        raise RecipeError("", f"{', '.join(given)} set, but no long-context task runs ({why})")
+    lengths_out = parse_lengths(lengths)
+    samples = DEFAULT_TASK_SAMPLES if samples is None else int(samples)
+    max_new = DEFAULT_MAX_NEW_TOKENS if max_new_tokens is None else int(max_new_tokens)
+    if samples < 1:
+        raise RecipeError("", f"--samples must be >= 1, got {samples}")
+    if max_new < 1:
+        raise RecipeError("", f"--max-new-tokens must be >= 1, got {max_new}")
+    return names, lengths_out, samples, max_new
 
 
 def task_examples(tasks: Sequence[str], lengths: Sequence[int], samples: int, encoder: PromptEncoder,
                   seed: int = TASK_SEED) -> list[dict]:
-    """``samples`` examples per task and length (:func:`memtrain.model.titans.eval_tasks.generate`, whose
+    """``samples`` examples per task and length (:func:`memtrain.eval.tasks.generate`, whose
     prompts fit ``length`` tokens of ``encoder``): S-NIAH with its needles at :func:`niah_depths`,
     BABILong with the facts where they land. Deterministic in the arguments."""
-    from memtrain.model.titans.eval_tasks import NIAH_TASKS, generate
+    from memtrain.eval.tasks import NIAH_TASKS, generate
 
     extra = len(encoder.prefix)
     out = []
@@ -182,11 +181,11 @@ def model_context(model: torch.nn.Module, recipe: Recipe) -> int:
 
 @contextlib.contextmanager
 def fresh_memory_per_forward(model: torch.nn.Module) -> Iterator[None]:
-    """MemoryLlama blocks (:mod:`memtrain.model.memory_llama`) in ``per_forward`` mode while generating
+    """MemoryLlama blocks (:mod:`memtrain.model.titans.memory_llama`) in ``per_forward`` mode while generating
     without a KV cache: every forward re-reads its sample from the start, so it must start from the
     initial memory M_0 (``auto`` does the same for cache-less forwards; ``stream`` would carry the
     previous call's state). The blocks' modes are restored afterwards. No-op for other models."""
-    from memtrain.model.memory_llama import GatedMemoryBlock
+    from memtrain.model.titans.memory_llama import GatedMemoryBlock
 
     blocks = [m for m in model.modules() if isinstance(m, GatedMemoryBlock)]
     modes = [b.mode for b in blocks]
@@ -283,10 +282,7 @@ def _generate_window(model, rows, seqs, outputs, max_new_tokens, eot_id, pad, me
     for _ in range(max_new_tokens):
         if not active:
             break
-        lens = torch.tensor([len(cur[i]) for i in active])
-        tokens = torch.full((len(active), int(lens.max())), pad, dtype=torch.long)
-        for r, i in enumerate(active):
-            tokens[r, :len(cur[i])] = torch.tensor(cur[i], dtype=torch.long)
+        tokens, lens = right_padded([cur[i] for i in active], pad)
         logits = model(tokens.to(device), doc_ids=None, memory=memory_fn(len(active))).logits
         nxt = logits[torch.arange(len(active), device=logits.device), (lens - 1).to(logits.device)].argmax(-1).tolist()
         still = []
@@ -320,21 +316,19 @@ def _generate_stream(model, rows, seqs, outputs, max_new_tokens, eot_id, max_con
 
 
 def _cell(hits: Sequence[bool], cut: Sequence[bool]) -> dict[str, Any]:
-    count, right = len(hits), int(sum(hits))
-    return {"accuracy": right / count if count else None, "correct": right, "count": count,
-            "truncated": int(sum(cut))}
+    return accuracy_cell(hits, truncated=int(sum(cut)))
 
 
 def run_long_context(model: torch.nn.Module, tokenizer: Any, examples: Sequence[dict], max_new_tokens: int,
                      max_context: int, *, stream_tokens: Optional[int] = None, batch_size: int = TASK_BATCH_SIZE,
                      memory_fn: Callable[[int], Any] = lambda n: None, device: torch.device | str = "cpu",
                      vocab_size: Optional[int] = None, encoder: Optional[PromptEncoder] = None) -> dict[str, Any]:
-    """Tokenize each example's prompt (:func:`memtrain.model.titans.eval_tasks.format_prompt`), generate
+    """Tokenize each example's prompt (:func:`memtrain.eval.tasks.format_prompt`), generate
     greedily (:func:`greedy_generate`; MemoryLlama blocks start every forward from M_0), decode and score
-    (:func:`memtrain.model.titans.eval_tasks.score`, whole-word answer match). Returns accuracy with
+    (:func:`memtrain.eval.tasks.score`, whole-word answer match). Returns accuracy with
     counts and truncated prompts overall, per task, per length, per task and length, per needle depth,
     and every example's prediction."""
-    from memtrain.model.titans.eval_tasks import format_prompt, is_correct, score
+    from memtrain.eval.tasks import format_prompt, is_correct, score
 
     encoder = encoder or PromptEncoder(tokenizer)
     prompts = [encoder.encode(format_prompt(e)) for e in examples]
@@ -382,8 +376,6 @@ def long_context(model: torch.nn.Module, bank: Any, recipe: Recipe, tokenizer: A
     max_context = recipe.model.max_seq_len if stream is not None else model_context(model, recipe)
     memory_fn: Callable[[int], Any] = lambda n: None  # noqa: E731
     if bank is not None:
-        from memtrain.launcher.evaluate import batch_memory
-
         memory_fn = lambda n: batch_memory(bank, "generic", n, None, device)  # noqa: E731
         memory = "generic (the hierarchical memory's generic blocks; nothing is retrieved)"
     elif stream is not None:
@@ -396,7 +388,7 @@ def long_context(model: torch.nn.Module, bank: Any, recipe: Recipe, tokenizer: A
     results = run_long_context(model, tokenizer, examples, max_new_tokens, max_context, stream_tokens=stream,
                                batch_size=batch_size, memory_fn=memory_fn, device=device, vocab_size=vocab,
                                encoder=encoder)
-    from memtrain.model.titans.eval_tasks import NIAH_TASKS
+    from memtrain.eval.tasks import NIAH_TASKS
 
     return {
         "tasks": list(tasks), "lengths": list(lengths), "samples": samples, "seed": TASK_SEED,
@@ -452,6 +444,7 @@ __all__ = [
     "TASK_BATCH_SIZE",
     "TASK_GROUPS",
     "TASK_SEED",
+    "check_long_context",
     "fresh_memory_per_forward",
     "greedy_generate",
     "long_context",

@@ -97,7 +97,8 @@ from typing import Any, Iterable, Optional, Union
 import torch
 from torch import nn
 
-from memtrain.model.titans import MemoryState, NeuralMemory
+from memtrain.model.titans.memory import NeuralMemory
+from memtrain.model.titans.state import MemoryState
 
 POSITIONS = ("elma", "alma", "gema")
 MODES = ("auto", "stream", "per_forward")

@@ -1,0 +1,77 @@
+"""What every evaluation shares: the memory argument of a batch, prompt encoding, right-padded
+batches, result cells and the JSON report file.
+
+Used by :mod:`memtrain.eval.hierarchical` (perplexity, fact probes), :mod:`memtrain.eval.longctx`
+(S-NIAH, BABILong) and :mod:`memtrain.eval.evaluate` (the command), so none of them imports another
+for a helper. Imports torch only.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional, Sequence
+
+import torch
+
+from memtrain.parallel.checkpoint_folder import write_json_atomic
+
+
+def batch_memory(bank: Any, mode: str, batch_size: int, ids: Optional[torch.Tensor], device: torch.device):
+    """The ``memory`` argument of the model for one batch: the bank's rows for ``ids [B, p]``
+    (fetched, blocked, corrupted; evaluation fetches are not counted), the generic memory for every
+    sequence (``generic``, Section 4), or None (``none``: the anchor alone)."""
+    if mode == "none":
+        return None
+    from memtrain.model.hierarchical import FetchedMemory
+
+    if mode == "generic":
+        return FetchedMemory.all_generic(batch_size, bank.layout.depth, device)
+    if ids is None:
+        raise ValueError(f"memory mode {mode!r} needs cluster ids")
+    return bank.fetch(ids.to(device), count=False)
+
+
+def right_padded(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One batch of token lists, right-padded with ``pad_id``: (tokens ``[B, T]`` long, lengths ``[B]``).
+    The models are causal, so padding after a sequence never changes its logits."""
+    lengths = torch.tensor([len(s) for s in seqs], dtype=torch.long)
+    tokens = torch.full((len(seqs), int(lengths.max()) if len(seqs) else 0), pad_id, dtype=torch.long)
+    for row, s in enumerate(seqs):
+        tokens[row, :len(s)] = torch.tensor(list(s), dtype=torch.long)
+    return tokens, lengths
+
+
+def accuracy_cell(correct: Sequence[bool], **extra: Any) -> dict[str, Any]:
+    """One result cell: ``{"accuracy", "correct", "count", **extra}`` (accuracy None for an empty group)."""
+    count, right = len(correct), int(sum(bool(c) for c in correct))
+    return {"accuracy": right / count if count else None, "correct": right, "count": count, **extra}
+
+
+class PromptEncoder:
+    """Token ids of a prompt with the run's tokenizer: memtrain's SentencePiece model as the training
+    data was tokenized (no BOS); a Hugging Face tokenizer gets its BOS first when it adds one by default
+    (Llama's does), as pretrained models expect. ``count`` is the length without the BOS (the generator
+    measures haystack units with it)."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.prefix: list[int] = []
+        tok = getattr(tokenizer, "tok", None)  # memtrain.data.tokenizer.HFTokenizer
+        bos = getattr(tok, "bos_token_id", None)
+        if tok is not None and bos is not None:
+            try:
+                first = tok("a").input_ids[:1]
+            except Exception:  # pragma: no cover - exotic tokenizers
+                first = []
+            if first == [bos]:
+                self.prefix = [int(bos)]
+        self._count = functools.lru_cache(maxsize=1 << 16)(lambda s: len(tokenizer.encode(s)))
+
+    def count(self, text: str) -> int:
+        return self._count(text) if len(text) <= 4096 else len(self.tokenizer.encode(text))
+
+    def encode(self, text: str) -> list[int]:
+        return self.prefix + [int(t) for t in self.tokenizer.encode(text)]
+
+
+__all__ = ["PromptEncoder", "accuracy_cell", "batch_memory", "right_padded", "write_json_atomic"]
