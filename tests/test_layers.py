@@ -15,9 +15,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("importlinter", reason="import-linter comes with the dev extras (make install)")
-
-from tools.import_contracts import forbidden_uses  # noqa: E402
+from tools.import_contracts import forbidden_uses  # needs import-linter: the dev extras (make install)
 
 REPO = Path(__file__).resolve().parents[1]
 LINT = [sys.executable, "-c", "import sys; from importlinter.cli import lint_imports_command; "
