@@ -471,7 +471,6 @@ def load(bank, folder: Path) -> None:
 # --------------------------------------------------------------------------------------------------
 # The bank inside a checkpoint folder (what memtrain.parallel.checkpoint calls), legacy files included
 
-BANK_DIR = FOLDER  # the DCP bank checkpoint inside a checkpoint folder
 BANK_FILE = "memory_bank.pt"  # legacy (read only): a replicated bank's torch.save
 BANK_SHARD = "memory_bank_rank{rank:05d}.pt"  # legacy (read only): one sharded-bank state_dict per rank
 
@@ -484,7 +483,7 @@ def save_bank(bank, path: Path, rank: int) -> None:
     ``COMPLETE.json``; a same-step rerun replaces the folder."""
     if not hasattr(bank, "owner") and rank != 0:
         return
-    save(bank, Path(path) / BANK_DIR)
+    save(bank, Path(path) / FOLDER)
 
 
 def _legacy_bank_files(path: Path) -> list[Path]:
@@ -498,11 +497,11 @@ def read_bank_state(path: Path) -> dict:
     ``memory_bank.pt`` / ``memory_bank_rank*.pt`` files (shard files are merged)."""
     path = Path(path)
     damaged = (f"; delete {path / MARKER} to resume from the checkpoint before it, or start a new run.dir")
-    if (path / BANK_DIR).exists():
-        return read_full_state(path / BANK_DIR)
+    if (path / FOLDER).exists():
+        return read_full_state(path / FOLDER)
     files = _legacy_bank_files(path)
     if not files:
-        raise CheckpointError(f"checkpoint {path} has no memory bank ({BANK_DIR}/, or the older {BANK_FILE} or "
+        raise CheckpointError(f"checkpoint {path} has no memory bank ({FOLDER}/, or the older {BANK_FILE} or "
                               "memory_bank_rank*.pt) although the recipe trains memories" + damaged)
     try:
         states = [torch.load(f, weights_only=True, map_location="cpu") for f in files]
@@ -516,31 +515,25 @@ def read_bank_state(path: Path) -> dict:
     return states[0]
 
 
-def _adamw_state(bank, state: dict) -> Optional[dict]:
-    """A merged sharded state's moments as the replicated bank's torch AdamW state (None when the bank
-    has no optimizer, as in evaluation, or the shards carry no moments)."""
-    return adamw_state(bank, state)
-
-
 def load_bank(bank, path: Path) -> None:
     """Load the bank of checkpoint ``path`` into ``bank`` (replicated or sharded, any world size, from
     either bank kind). A sharded bank on several ranks loads collectively (every rank calls it); a
     replicated bank reads alone (no process group needed)."""
     path = Path(path)
-    if (path / BANK_DIR).exists():
+    if (path / FOLDER).exists():
         try:
-            load(bank, path / BANK_DIR)
+            load(bank, path / FOLDER)
         except ValueError as e:
             raise CheckpointError(f"{path}: {e}; the recipe's memory settings differ from the checkpoint's") from None
         return
     state = read_bank_state(path)  # legacy files
     try:
         if "levels_state" in state and not hasattr(bank, "owner"):
-            state = {**state, "optimizer": _adamw_state(bank, state)}  # sharded -> replicated
+            state = {**state, "optimizer": adamw_state(bank, state)}  # sharded -> replicated
         bank.load_state_dict(state)
     except ValueError as e:
         raise CheckpointError(f"{path}: {e}; the recipe's memory settings differ from the checkpoint's") from None
 
 
-__all__ = ["BANK_DIR", "FOLDER", "FORMAT", "META", "adamw_state", "check_layout", "load", "load_bank", "read_bank_state",
+__all__ = ["FOLDER", "FORMAT", "META", "adamw_state", "check_layout", "load", "load_bank", "read_bank_state",
            "read_full_state", "read_meta", "save", "save_bank"]
