@@ -274,7 +274,9 @@ def load_module_state(info: CheckpointInfo) -> dict[str, torch.Tensor]:
         return get_fp32_state_dict_from_zero_checkpoint(str(info.path.parent), tag=info.tag)
     except (RuntimeError, OSError, EOFError, KeyError, ValueError, pickle.UnpicklingError) as e:
         raise CheckpointError(f"cannot read the model weights of {info.path} ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0][:200]})") from None
+                              f"{str(e).splitlines()[0][:200]}); the folder is damaged: use another checkpoint "
+                              f"(checkpoint=PATH), or delete {info.path / MARKER} to fall back to the one "
+                              "before it") from None
 
 
 def load_anchor(model: torch.nn.Module, path: str | Path) -> CheckpointInfo:
