@@ -169,7 +169,6 @@ def run(argv: Optional[list[str]] = None) -> int:
 
     overrides, checkpoint = args.overrides, None
     if args.command == "eval":  # checkpoint=PATH names what to evaluate; it is not a recipe key
-        
         overrides, checkpoint = split_checkpoint_override(args.overrides)
     recipe = load_recipe(args.recipe, overrides)
     if args.command == "train":

@@ -304,9 +304,9 @@ class DecoderLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, doc_ids: Optional[torch.Tensor] = None,
                 memory: Optional[FetchedMemory] = None) -> ModelOutput:
-        """``input_ids`` ``[B, T]``; ``doc_ids`` ``[B, T]`` document index per position (see
-        :func:`memtrain.data.loader.document_ids`), None for one document per sequence. ``memory``: the sequences' fetched
-        memory (from the bank) and generic mask; None runs the anchor alone."""
+        """``input_ids`` ``[B, T]``; ``doc_ids`` ``[B, T]`` document index per position (computed by the
+        loader: :func:`memtrain.data.loader.document_ids`), None for one document per sequence. ``memory``:
+        the sequences' fetched memory (from the bank) and generic mask; None runs the anchor alone."""
         if memory is not None and self.memory_layout is None:
             raise ValueError("this model has no memory modules (memory.type is 'none'); pass memory=None")
         if input_ids.dim() != 2:

@@ -425,7 +425,8 @@ class MemoryLlamaLM(HFMemoryLM):
         return self
 
     def gate_stats(self) -> dict[str, float]:
-        """The ``memory_module/*`` scalars of the last forward (:func:`memtrain.model.titans.memory_llama.gate_stats`)."""
+        """The ``memory_module/*`` scalars of the last forward
+        (:func:`memtrain.model.titans.memory_llama.gate_stats`)."""
         from memtrain.model.titans.memory_llama import gate_stats
 
         return gate_stats(self.hf_model)
