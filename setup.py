@@ -22,6 +22,8 @@ setup(
         "tensorboard>=2.15",
         "pyyaml>=6.0",
         "safetensors>=0.4",
+        # checkpoint and shard checksums (Streaming records xxh64 in index.json; COMPLETE.json too)
+        "xxhash>=3.0",
         "numpy>=1.26",
         "tqdm>=4.66",
         "pycountry>=23.12",

@@ -336,6 +336,9 @@ class DataConfig:
     # into cache_dir (default <run.dir>/data-cache), one cache per run so concurrent jobs never collide.
     remote: Optional[str] = None
     cache_dir: Optional[str] = None
+    # Hash every local shard against the checksums `memtrain prepare` recorded before training starts
+    # (the ranks share the work); damage is one DataError before any engine starts.
+    verify: bool = True
 
 
 @dataclass
@@ -357,7 +360,9 @@ class ScheduleConfig:
 @dataclass
 class EvalConfig:
     every_steps: Duration = Duration(0)  # 0: only at the end of training
-    batches: int = 8
+    # Validation reads batches x train.micro_batch_size sequences of the val split, evenly spaced over it and
+    # the same ones on any number of ranks (each rank takes every W-th); 0: the whole split.
+    batches: int = 0
 
 
 @dataclass
@@ -366,6 +371,9 @@ class TrainConfig:
     global_batch_tokens: int = 1 << 16  # tokens per optimizer step, over all ranks
     micro_batch_size: int = 8  # sequences per rank per forward/backward
     grad_clip: float = 1.0
+    # Steps whose loss or gradient norm is not finite are skipped (no optimizer update) and counted; this
+    # many in a row stop the run (DivergenceError, exit code 3).
+    max_nonfinite_steps: int = 5
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -709,7 +717,9 @@ def validate(recipe: Recipe) -> Recipe:
     if recipe.steps(t.schedule.warmup) >= recipe.max_steps:
         raise RecipeError("train.schedule.warmup", f"{t.schedule.warmup} is not shorter than train.max_steps "
                           f"({recipe.max_steps} steps)")
-    positive("train.eval.batches", t.eval.batches)
+    if t.eval.batches < 0:
+        raise RecipeError("train.eval.batches", f"must be >= 0 (0: the whole val split), got {t.eval.batches}")
+    positive("train.max_nonfinite_steps", t.max_nonfinite_steps)
 
     if p.zero_stage not in (0, 1, 2, 3):
         raise RecipeError("parallel.zero_stage", f"must be 0, 1, 2 or 3, got {p.zero_stage}")

@@ -24,3 +24,11 @@ class CheckpointError(MemtrainError):
 
 class LaunchError(MemtrainError):
     """An inconsistent process-group environment (launcher variables, world size, devices)."""
+
+
+class DivergenceError(MemtrainError):
+    """Training stopped because the loss or the weights stopped being finite (``train.max_nonfinite_steps``).
+    Its own exit code, 3, so that a job scheduler can tell a diverged run (requeueing will not help) from
+    a bad input (2) and from a crash (1)."""
+
+    exit_code = 3

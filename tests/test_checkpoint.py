@@ -1,4 +1,5 @@
-"""Checkpoint bookkeeping: completion markers, pruning, permanence, RNG state and compatibility."""
+"""Checkpoint bookkeeping: completion markers, partial folders, pruning, permanence, RNG state and compatibility
+(saving, checksums and reading locks end to end: tests/test_checkpoint_integrity.py)."""
 
 import json
 import random
@@ -10,6 +11,7 @@ import torch
 from memtrain.config import recipe_from_dict
 from memtrain.errors import CheckpointError
 from memtrain.parallel import checkpoint as ckpt
+from memtrain.parallel import checkpoint_folder
 
 
 def _fake(run_dir, step, complete=True, permanent=False, world_size=1):
@@ -20,14 +22,20 @@ def _fake(run_dir, step, complete=True, permanent=False, world_size=1):
     return path
 
 
-def test_latest_ignores_incomplete_tags(tmp_path):
+def test_latest_ignores_incomplete_tags_and_partial_folders(tmp_path):
     _fake(tmp_path, 10)
     _fake(tmp_path, 20)
-    _fake(tmp_path, 30, complete=False)  # killed mid-save
-    (ckpt.checkpoint_root(tmp_path) / "latest").write_text("global_step30")  # DeepSpeed's pointer is not trusted
+    _fake(tmp_path, 30, complete=False)  # killed mid-save (by a version that wrote in place)
+    partial = ckpt.checkpoint_root(tmp_path) / ckpt.partial_tag_for(40)  # killed mid-save, even after its marker
+    partial.mkdir()
+    (partial / ckpt.MARKER).write_text(json.dumps({"step": 40, "permanent": False, "world_size": 1}))
+    (ckpt.checkpoint_root(tmp_path) / "latest").write_text("global_step30")  # the pointer is never read back
     assert ckpt.latest_checkpoint(tmp_path).step == 20
     complete, incomplete = ckpt.list_checkpoints(tmp_path)
     assert [c.step for c in complete] == [10, 20] and [p.name for p in incomplete] == ["global_step30"]
+    assert ckpt.leftovers(tmp_path) == [partial]
+    with pytest.raises(CheckpointError, match="is neither a complete checkpoint folder"):
+        ckpt.resolve(partial)
 
 
 def test_corrupt_marker_counts_as_incomplete(tmp_path):
@@ -41,11 +49,28 @@ def test_prune_keeps_last_n_and_permanent(tmp_path):
     for step in (10, 20, 30, 40, 50):
         _fake(tmp_path, step, permanent=step == 20)
     _fake(tmp_path, 25, complete=False)  # older than the newest complete one: garbage
-    _fake(tmp_path, 60, complete=False)  # newer: may be in progress, keep
+    _fake(tmp_path, 60, complete=False)  # newer: a marker deleted to fall back past it; replaced when step 60 saves
+    (ckpt.checkpoint_root(tmp_path) / ckpt.partial_tag_for(70)).mkdir()  # a killed save's temporary folder
     ckpt.prune(tmp_path, keep_last=2)
     complete, incomplete = ckpt.list_checkpoints(tmp_path)
     assert [c.step for c in complete] == [20, 40, 50]
     assert [p.name for p in incomplete] == ["global_step60"]
+    assert ckpt.leftovers(tmp_path) == []
+
+
+def test_publish_replaces_an_incomplete_folder_and_latest_is_atomic(tmp_path):
+    old = _fake(tmp_path, 10, complete=False)
+    (old / "stale.pt").write_bytes(b"old")
+    partial = ckpt.checkpoint_root(tmp_path) / ckpt.partial_tag_for(10)
+    partial.mkdir()
+    (partial / "new.pt").write_bytes(b"new")
+    checkpoint_folder.mark_complete(partial, 10, False, 1, checkpoint_folder.hash_files(partial, ["new.pt"]))
+    checkpoint_folder.publish(partial, old)
+    ckpt.write_latest(tmp_path, old.name)
+    assert sorted(p.name for p in old.iterdir()) == [ckpt.MARKER, "new.pt"]
+    assert sorted(p.name for p in ckpt.checkpoint_root(tmp_path).iterdir()) == ["global_step10", "latest"]
+    assert (ckpt.checkpoint_root(tmp_path) / "latest").read_text() == "global_step10"
+    ckpt.verify(ckpt.latest_checkpoint(tmp_path))
 
 
 def test_rng_state_roundtrip_loads_with_weights_only(tmp_path):

@@ -326,10 +326,14 @@ def test_train_and_val_loaders_in_one_process(prepared):
     train = build_loader(recipe, "train", 2)
     val = build_loader(recipe, "val", 3)
     batch = next(iter(train))
-    assert set(batch) == {"input_ids", "labels", "doc_ids"} and batch["input_ids"].shape == (2, SEQ_LEN)
+    assert set(batch) == {"input_ids", "labels", "doc_ids", "sample_index"} and batch["input_ids"].shape == (2, SEQ_LEN)
     assert torch.equal(batch["input_ids"][:, 1:], batch["labels"][:, :-1])
+    # each row's global sample index names it: random access by that index reads the same tokens
+    for row, index in zip(batch["input_ids"], batch["sample_index"].tolist()):
+        assert torch.equal(torch.as_tensor(train.dataset[index]["tokens"][:SEQ_LEN].astype("int64")), row)
     val_batches = list(val)
     assert sum(len(b["input_ids"]) for b in val_batches) == meta["counts"]["val_samples"]
+    assert torch.cat([b["sample_index"] for b in val_batches]).tolist() == list(range(meta["counts"]["val_samples"]))
     assert [rows(b) for b in val] == [rows(b) for b in val_batches]  # validation order is fixed
     # train epochs hold whole global batches; every micro-batch is full
     epoch = list(train)

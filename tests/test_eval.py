@@ -339,17 +339,34 @@ def test_eval_memoryless_run(runs, capsys):
     assert 0.0 <= report["probes"]["modes"]["none"]["all"]["accuracy"] <= 1.0
 
 
+def _rehash(folder: Path, name: str) -> None:
+    """Record file ``name``'s new size and checksum in ``folder``'s COMPLETE.json (as if written so)."""
+    from memtrain.parallel import checkpoint_folder
+
+    marker = json.loads((folder / "COMPLETE.json").read_text())
+    marker["files"].update(checkpoint_folder.hash_files(folder, [name]))
+    (folder / "COMPLETE.json").write_text(json.dumps(marker))
+
+
 def test_eval_user_errors(runs, capsys):
     import shutil
 
     root, mem, plain = runs
-    # A checkpoint with a weight missing: loading is strict.
+    # A checkpoint with a weight missing (its checksum recorded again): loading is strict.
     damaged = root / "runs" / "damaged" / "checkpoints" / "global_step6"
     if not damaged.exists():
         shutil.copytree(root / "runs" / "mem" / "checkpoints" / "global_step6", damaged)
         states = torch.load(damaged / "mp_rank_00_model_states.pt", weights_only=True)
         del states["module"]["blocks.0.ffn.w1.weight"]
         torch.save(states, damaged / "mp_rank_00_model_states.pt")
+        _rehash(damaged, "mp_rank_00_model_states.pt")
+    # A checkpoint with bytes overwritten inside a file (same size): its checksum differs.
+    overwritten = root / "runs" / "overwritten" / "checkpoints" / "global_step6"
+    if not overwritten.exists():
+        shutil.copytree(root / "runs" / "mem" / "checkpoints" / "global_step6", overwritten)
+        with open(overwritten / "mp_rank_00_model_states.pt", "r+b") as f:
+            f.seek(2000)
+            f.write(bytes(64))
     before = sorted(p for p in root.rglob("*"))
     cases = [
         ((mem, f"run.dir={root / 'runs' / 'empty'}"), "no complete checkpoint"),  # nothing trained there
@@ -358,6 +375,7 @@ def test_eval_user_errors(runs, capsys):
         ((plain, "--modes", "fetched"), "no memories"),  # a memory-less model asked for memory modes
         ((plain, f"data.dir={root / 'nodata'}"), "no prepared data"),
         ((mem, f"checkpoint={damaged}"), "missing ['blocks.0.ffn.w1.weight']"),
+        ((mem, f"checkpoint={overwritten}"), "is damaged: mp_rank_00_model_states.pt has xxh64 "),
     ]
     for args, message in cases:
         code, out, err = _eval(capsys, *args)

@@ -190,9 +190,14 @@ def test_generic_probability_is_one_over_k_plus_one():
                                "memory": {"type": "ffn", "levels": [1, 1, 1, 0]}})
     assert recipe.generic_prob == 1 / 17
     n = 200_000
-    draws = generic_mask(n, recipe.generic_prob, torch.Generator().manual_seed(0))
+    draws = generic_mask(torch.arange(n), 5, 0, recipe.generic_prob)
     sigma = math.sqrt(n * (1 / 17) * (16 / 17))
     assert abs(int(draws.sum()) - n / 17) < 4 * sigma
+    # Independent across steps (a hash of seed, step and sample index) and the same for the same key.
+    other = generic_mask(torch.arange(n), 6, 0, recipe.generic_prob)
+    assert abs(int((draws & other).sum()) - n / 17**2) < 4 * math.sqrt(n / 17**2)
+    assert torch.equal(generic_mask(torch.arange(n).flip(0), 5, 0, recipe.generic_prob).flip(0), draws)
+    assert torch.equal(generic_mask(torch.tensor([7, 70_000]), 5, 0, 1 / 17), draws[[7, 70_000]])
     assert recipe_from_dict({**recipe.to_dict(), "memory": {**recipe.to_dict()["memory"], "generic_prob": 0.0}}
                             ).generic_prob == 0.0
 

@@ -112,9 +112,9 @@ def test_memory_run_resumes_exactly_and_logs_memory_scalars(root):
 
 def test_two_ranks_with_a_replicated_bank_equal_one(root):
     """Same global batch on 2 ranks (bank gradients averaged by all-reduce) and on 1: same losses and the
-    same bank. The generic draw is per-rank randomness, so it is off here."""
-    train(root, "one", "memory.generic_prob=0.0")
-    train(root, "two", "memory.generic_prob=0.0", nproc=2)
+    same bank, with the generic memory drawn (per sample, so the same way on any world size)."""
+    train(root, "one")
+    train(root, "two", nproc=2)
     one, two = metrics(root, "one"), metrics(root, "two")
     for a, b in zip(one, two):
         assert b["loss/train"] == pytest.approx(a["loss/train"], rel=1e-5)
@@ -260,7 +260,7 @@ def test_joint_clipping_under_zero2_and_zero3_equals_zero0(root):
     bank together (JointNorm wraps its ZeRO optimizer's norm) and the loop scales the bank by the same
     factor; the runs equal the ZeRO-0 run, where the loop clips both itself (clipping bites on every
     step here: clip 0.05). The generic memory (a submodule's parameters, gathered by ZeRO-3 around its
-    forward) trains in all of them: p = 1/(k+1) per sequence from the same per-rank generators."""
+    forward) trains in all of them: p = 1/(k+1) per sequence, drawn per sample."""
     common = ("memory.grad_clip=joint", "train.grad_clip=0.05")
     train(root, "joint0", *common, "parallel.zero_stage=0", nproc=2)
     z0 = metrics(root, "joint0")
@@ -312,8 +312,7 @@ def test_sharded_bank_and_zero2_anchor_resume_on_three_ranks_and_on_one(root):
     """Save on 2 ranks (sharded bank in its DCP folder, ZeRO-2 anchor), resume on 3 ranks and on 1: the
     bank reshards by global row, the anchor's optimizer state goes through DeepSpeed's universal
     checkpoint, and both continue the uninterrupted run (12 sequences per step: 2x2x3, 3x2x2, 1x2x6)."""
-    common = ("memory.generic_prob=0.0", "memory.bank=sharded", "parallel.zero_stage=2",
-              f"train.global_batch_tokens={12 * SEQ}")
+    common = ("memory.bank=sharded", "parallel.zero_stage=2", f"train.global_batch_tokens={12 * SEQ}")
     train(root, "rs2", *common, nproc=2)
     want = metrics(root, "rs2")
     for nproc, extra in ((3, ()), (1, ("memory.bank=replicated",))):

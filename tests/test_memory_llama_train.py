@@ -284,7 +284,8 @@ class _Engine:
 
 
 def test_validation_resets_the_memory_for_every_sample(root):
-    """train.evaluate's loss over batches of 2 equals the mean of every sample's loss computed alone,
+    """train.evaluate's loss over batches of 2 equals the mean of every sample's loss computed alone (every
+    token scored, so token weighting is the per-sample mean),
     in any order and after training forwards: no memory crosses samples, batches or calls. The same
     check fails in "stream" mode (memory carried across forwards), so it can see a leak."""
     from memtrain.launcher.train import evaluate, lm_loss
@@ -302,7 +303,7 @@ def test_validation_resets_the_memory_for_every_sample(root):
 
     model.train()
     lm_loss(model(x[:2, :-1]).logits, x[:2, 1:]).backward()  # a training step's forward first
-    val = evaluate(engine, lambda: iter(batches), 2, torch.device("cpu"))
+    val = evaluate(engine, batches, torch.device("cpu"))
     assert all(b.state is None for b in memory_blocks(model.hf_model))  # back in train mode: nothing kept
     assert model.training
 
@@ -313,10 +314,10 @@ def test_validation_resets_the_memory_for_every_sample(root):
     model.train()
     assert all(b.state is None for b in memory_blocks(model.hf_model))  # ... until the mode changes
     assert val == pytest.approx(sum(alone) / 4, rel=1e-5)
-    assert evaluate(engine, lambda: iter(batches[::-1]), 2, torch.device("cpu")) == pytest.approx(val, rel=1e-6)
+    assert evaluate(engine, batches[::-1], torch.device("cpu")) == pytest.approx(val, rel=1e-6)
 
     set_memory_mode(model.hf_model, "stream")  # negative control: a memory carried across batches
-    assert abs(evaluate(engine, lambda: iter(batches), 2, torch.device("cpu")) - val) > 1e-4
+    assert abs(evaluate(engine, batches, torch.device("cpu")) - val) > 1e-4
     set_memory_mode(model.hf_model, "auto")
 
 
@@ -413,13 +414,14 @@ def test_training_run(root, reference):
 @pytest.mark.slow
 def test_stop_and_resume_reproduces_the_uninterrupted_losses(root, reference):
     stop_after_3 = textwrap.dedent("""
+        import os, signal
         import memtrain.launcher.train as t
-        calls = {"n": 0}
-        real = t._any
-        def fake(flag, device):
-            calls["n"] += 1
-            return real(flag or calls["n"] == 3, device)
-        t._any = fake
+        real = t.format_line
+        def line(step, *args, **kwargs):  # SIGTERM (a preemption) during step 3
+            if step == 3:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return real(step, *args, **kwargs)
+        t.format_line = line
     """)
     out = train(root, "resume", prelude=stop_after_3)
     assert "stopped by signal at step 3" in out.stdout

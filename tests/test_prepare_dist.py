@@ -23,6 +23,7 @@ from memtrain.data.clustered import balance_from_leaf_counts, rank_seed, sample_
 from memtrain.data.loader import LoaderIterator, build_loader, read_meta
 from memtrain.data.prepare import prepare, split_documents
 from memtrain.data.tokenizer import load_tokenizer
+from memtrain.data.verify import shard_files, verify_shards
 
 K, P, SEQ = 2, 2, 32
 W = 2
@@ -167,6 +168,10 @@ def test_merged_streams_load_and_add_up(clustered):
         assert total == meta2[f"{split}_samples"] == meta2["counts"][f"{split}_samples"]
     assert _parts_in_index(two.data_dir / meta2["streams"]["train"][0]["dir"]) == PARTS
     assert not (one.data_dir / meta1["streams"]["train"][0]["dir"] / "part-00000").exists()  # W = 1: no parts
+    # the merged indexes keep every part's shard checksums, and the shards match them
+    files = shard_files(two.data_dir)
+    assert {p.relative_to(two.data_dir).parts[2] for p, _, _ in files} == PARTS
+    assert all(algo == "xxh64" and digest for _, algo, digest in files) and verify_shards(two.data_dir) == []
 
     for key in ("documents", "skipped_empty", "train_documents", "val_documents", "train_tokens", "val_tokens",
                 "tokens"):
@@ -233,6 +238,8 @@ def test_plain_two_ranks(corpus, tmp_path):
         assert sum((everything - kept2).values()) == dropped
     report = json.loads((two.data_dir / "prepare_report.json").read_text())
     assert report["world_size"] == W and report["branching"] is None
+    files = shard_files(two.data_dir)  # the merged plain indexes keep the parts' checksums
+    assert all(algo == "xxh64" and digest for _, algo, digest in files) and verify_shards(two.data_dir) == []
 
     from streaming import StreamingDataset  # the loader reads the merged plain split too
 

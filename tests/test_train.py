@@ -92,7 +92,9 @@ def test_loss_goes_down_and_artifacts_exist(workdir, reference):
     run = workdir / "runs" / "ref"
     complete = sorted(p.parent.name for p in run.glob("checkpoints/*/COMPLETE.json"))
     assert complete == ["global_step4", "global_step8"]
-    assert not (run / "checkpoints" / "latest").exists()
+    # DeepSpeed's pointer, written only once a checkpoint is complete and in place
+    assert (run / "checkpoints" / "latest").read_text() == "global_step8"
+    assert not list((run / "checkpoints").glob(".*"))  # no temporary folders left
     assert (run / "recipe.yaml").is_file()
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -112,15 +114,17 @@ def test_loss_goes_down_and_artifacts_exist(workdir, reference):
 
 
 def test_stop_and_resume_reproduces_the_uninterrupted_losses(workdir, reference):
-    # A preemption signal observed after step 3 (not a checkpoint step): the loop checkpoints and exits.
+    # A preemption signal (SIGTERM, as Slurm sends) arriving during step 3 (not a checkpoint step): the loop
+    # finishes the step, checkpoints and exits.
     stop_after_3 = textwrap.dedent("""
+        import os, signal
         import memtrain.launcher.train as t
-        calls = {"n": 0}
-        real = t._any
-        def fake(flag, device):
-            calls["n"] += 1
-            return real(flag or calls["n"] == 3, device)
-        t._any = fake
+        real = t.format_line
+        def line(step, *args, **kwargs):
+            if step == 3:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return real(step, *args, **kwargs)
+        t.format_line = line
     """)
     out = train(workdir, "resume", prelude=stop_after_3)
     assert "stopped by signal at step 3" in out.stdout
@@ -155,7 +159,11 @@ def test_damaged_checkpoint_is_one_clear_error(workdir, reference):
     listing = sorted(p.name for p in tag8.iterdir())
     out = train(workdir, "damaged", "train.max_steps=10", check=False)
     assert out.returncode == 2
-    assert "cannot load" in out.stderr and "Delete" in out.stderr and "Traceback" not in out.stderr
+    err = out.stderr.strip().splitlines()[-1]  # the checksum check names the file before DeepSpeed reads it
+    assert f"checkpoint runs/damaged/checkpoints/global_step8 is damaged: {shard.name} has 100 bytes but " in err
+    assert err.endswith(f"(size mismatch); delete {tag8.relative_to(workdir)}/COMPLETE.json to resume from "
+                        "runs/damaged/checkpoints/global_step4")
+    assert "Traceback" not in out.stderr
     assert sorted(p.name for p in tag8.iterdir()) == listing
     (tag8 / "COMPLETE.json").unlink()  # the fix the message suggests
     out = train(workdir, "damaged")
@@ -295,4 +303,187 @@ def test_quickstart_recipe_runs_end_to_end(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert rows[-1]["loss/train"] < rows[0]["loss/train"]
     assert "loss/val" in rows[1] and "loss/val" in rows[3]
-    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["global_step2", "global_step4"]
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["global_step2", "global_step4",
+                                                                                  "latest"]
+
+
+# --------------------------------------------------------------------------------------------------
+# The divergence guard
+
+INJECT_NAN = textwrap.dedent("""
+    # A non-finite loss in the first micro-batch of step 3, on the last rank only: every rank must skip.
+    import os, sys
+    import torch
+    import memtrain.launcher.train as t
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    accum = 4 // world  # 8 sequences per step, micro-batches of 2
+    calls = {"n": 0}
+    real = t.token_loss_sum
+    def poisoned(logits, labels):
+        out = real(logits, labels)
+        if torch.is_grad_enabled():  # training forwards only (validation runs without grad)
+            calls["n"] += 1
+            if (calls["n"] - 1) // accum + 1 == 3 and (calls["n"] - 1) % accum == 0 and rank == world - 1:
+                out = out * float("nan")
+        return out
+    t.token_loss_sum = poisoned
+    from memtrain.launcher.cli import main
+    raise SystemExit(main(sys.argv[1:]))
+""")
+
+
+def _strict_rows(path: Path) -> list[dict]:
+    def refuse(name):
+        raise AssertionError(f"metrics.jsonl holds a bare {name}")
+
+    return [json.loads(line, parse_constant=refuse) for line in path.read_text().splitlines()]
+
+
+def _optimizer_steps(tag: Path) -> set[int]:
+    """The AdamW step counts in a checkpoint (ZeRO 0: in the model states; ZeRO 1-3: the rank files)."""
+    steps = set()
+    for f in sorted(tag.glob("*.pt")):
+        if f.name.startswith("rank_state"):
+            continue
+        state = torch_load(f)
+        opt = state.get("optimizer") or state.get("optimizer_state_dict") or {}
+        opt = opt.get("base_optimizer_state", opt)
+        for s in (opt.get("state") or {}).values():
+            steps.add(int(s["step"]))
+    return steps
+
+
+def torch_load(path: Path) -> dict:
+    import torch
+
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+@pytest.mark.parametrize("nproc,stage", [(1, 0), (2, 2)])
+def test_a_nonfinite_step_is_skipped_by_every_rank_and_training_goes_on(workdir, nproc, stage):
+    """One rank's non-finite loss at step 3: no rank updates (AdamW counts 3 updates after 4 steps, every
+    weight finite), the learning-rate schedule stays on the step count, the step is counted in
+    loss/nonfinite_steps, metrics.jsonl stays strict JSON (null), no checkpoint is written right after it,
+    and the run finishes normally."""
+    import torch
+
+    script = workdir / "inject_nan.py"
+    script.write_text(INJECT_NAN)
+    launcher = [sys.executable, str(script)] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(_port()),
+        str(script)]
+    run = f"nan{nproc}"
+    out = train(workdir, run, f"parallel.zero_stage={stage}", "checkpoint.every_steps=1", "checkpoint.keep_last=10",
+                launcher=launcher)
+    assert "non-finite: step skipped" in out.stdout and "no checkpoint at step 3" in out.stdout
+    rows = _strict_rows(workdir / "runs" / run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    assert [r["loss/nonfinite_steps"] for r in rows] == [0, 0, 1, 1, 1, 1, 1, 1]
+    assert rows[2]["loss/train"] is None and all(r["loss/train"] is not None for r in rows if r["step"] != 3)
+    ckpts = workdir / "runs" / run / "checkpoints"
+    assert not (ckpts / "global_step3").exists() and (ckpts / "global_step8" / "COMPLETE.json").is_file()
+    assert _optimizer_steps(ckpts / "global_step2") == {2}
+    assert _optimizer_steps(ckpts / "global_step4") == {3}  # step 3 made no update
+    model = torch_load(ckpts / "global_step4" / "mp_rank_00_model_states.pt")
+    assert model["lr_scheduler"]["last_epoch"] == 4  # the schedule counts the skipped step
+    assert all(torch.isfinite(v).all() for v in model["module"].values())
+    state = json.loads((ckpts / "global_step8" / "trainer_state.json").read_text())
+    assert state["nonfinite_steps"] == 1 and state["nonfinite_run"] == 0
+
+
+def test_a_diverged_run_stops_with_one_error_and_keeps_its_good_checkpoints(workdir):
+    """train.optimizer.lr=1e3 (the quickstart went nan at step 3, trained on and exited 0 with every
+    checkpoint nan): the run stops after train.max_nonfinite_steps skipped steps in a row, exit code 3,
+    naming the steps and the last good checkpoint; every checkpoint holds finite weights."""
+    import torch
+
+    out = train(workdir, "diverged", "train.optimizer.lr=1e3", "train.max_steps=40", "checkpoint.every_steps=1",
+                "train.max_nonfinite_steps=3", check=False)
+    assert out.returncode == 3, out.stderr[-3000:]
+    err = out.stderr.strip().splitlines()[-1]
+    assert err.startswith("memtrain: training diverged: the loss or gradient norm was not finite at steps ")
+    assert "(3 in a row, train.max_nonfinite_steps 3)" in err and "Traceback" not in out.stderr
+    rows = _strict_rows(workdir / "runs" / "diverged" / "metrics.jsonl")
+    last = rows[-1]["step"]
+    assert last < 40 and [r["loss/nonfinite_steps"] for r in rows[-3:]] == [1, 2, 3]
+    assert f"at steps {last - 2}-{last} " in err
+    ckpts = sorted((workdir / "runs" / "diverged" / "checkpoints").glob("global_step*/COMPLETE.json"))
+    newest = max(ckpts, key=lambda p: int(p.parent.name[len("global_step"):])).parent
+    assert int(newest.name[len("global_step"):]) == last - 3  # none written during the streak
+    assert f"The last good checkpoint is runs/diverged/checkpoints/{newest.name} (step {last - 3})" in err
+    for marker in ckpts:
+        module = torch_load(marker.parent / "mp_rank_00_model_states.pt")["module"]
+        assert all(torch.isfinite(v).all() for v in module.values()), marker.parent.name
+
+
+# --------------------------------------------------------------------------------------------------
+# Checked before any engine starts: the run directory's lock, the data against the recipe, the shards
+
+
+def _snapshot(folder: Path) -> list[tuple[str, int]]:
+    return sorted((str(p.relative_to(folder)), p.stat().st_mtime_ns) for p in folder.rglob("*"))
+
+
+def test_a_second_trainer_on_a_run_dir_in_use_refuses_and_a_dead_holders_lock_is_taken_over(workdir, reference):
+    """Two trainers on one run.dir used to both run to the end, writing the same global_stepN folders. A
+    live holder of run.lock (rank 0 of a running trainer, here a process holding it) makes a second
+    `memtrain train` refuse with one line naming host and pid, touching nothing; once that holder is
+    gone (killed, lock file left behind) the next trainer takes the stale lock over and says so."""
+    assert not (workdir / "runs" / "ref" / "run.lock").exists()  # the reference run released its lock
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nfrom memtrain.parallel.run_lock import RunLock\n"
+         "RunLock(sys.argv[1]).acquire()\nprint('held', flush=True)\ntime.sleep(600)", "runs/ref"],
+        cwd=workdir, env=_env(), stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        before = _snapshot(workdir / "runs" / "ref")
+        out = train(workdir, "ref", "train.max_steps=10", check=False)
+        assert out.returncode == 2, out.stderr[-3000:]
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in out.stderr
+        assert lines[0].startswith(f"memtrain: run.dir runs/ref is in use by another training run: host "
+                                   f"{socket.gethostname()}, pid {holder.pid}, since ")
+        assert "wait for it to finish or stop it" in lines[0]
+        assert _snapshot(workdir / "runs" / "ref") == before  # not a byte written, the lock still the holder's
+    finally:
+        holder.kill()
+        holder.wait()
+    assert (workdir / "runs" / "ref" / "run.lock").is_file()  # killed: its lock stays behind
+    out = train(workdir, "ref")
+    assert f"replaced a stale runs/ref/run.lock: pid {holder.pid} on {socket.gethostname()} is not running" in out.stdout
+    assert "run already complete at step 8" in out.stdout
+    assert not (workdir / "runs" / "ref" / "run.lock").exists()
+
+
+def test_a_memory_recipe_on_unclustered_data_is_refused_before_anything_starts(workdir):
+    """quickstart-memory on data prepared without clustering used to fail with KeyError: 'cluster_ids' after
+    DeepSpeed started, leaving recipe.yaml, an empty metrics.jsonl and TensorBoard files behind."""
+    recipe = str(REPO / "recipes" / "quickstart-memory.yaml")
+    cmd = [sys.executable, "-m", "memtrain", "train", recipe, f"data.dir={workdir / 'data'}", "data.seq_len=32",
+           "run.dir=runs/nocluster"]
+    out = subprocess.run(cmd, cwd=workdir, env=_env(), capture_output=True, text=True, timeout=600)
+    assert out.returncode == 2, out.stderr[-3000:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "was prepared without clustering, but memory.type 'ffn' fetches memories" in lines[0]
+    assert out.stdout == "" and not (workdir / "runs" / "nocluster").exists()
+
+
+def test_a_damaged_shard_is_found_before_training_starts(workdir):
+    """4 KB of random bytes inside an MDS shard used to surface only at the step that read the sample;
+    the trainer now checks every shard against the xxh64 `memtrain prepare` recorded before any engine
+    starts: one line naming the file and the fix, no run directory."""
+    import shutil
+
+    shutil.copytree(workdir / "data", workdir / "data-damaged")
+    shard = max((workdir / "data-damaged" / "train").glob("shard.*.mds"), key=lambda p: p.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2:len(data) // 2 + 4096] = os.urandom(4096)
+    shard.write_bytes(bytes(data))
+    out = train(workdir, "damaged-data", "data.dir=data-damaged", check=False)
+    assert out.returncode == 2, out.stderr[-3000:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in out.stderr
+    assert lines[0].startswith(f"memtrain: the prepared data in data-damaged is damaged: train/{shard.name}: xxh64 ")
+    assert "prepare it again with `memtrain prepare RECIPE --force`" in lines[0]
+    assert "parameters" not in out.stdout  # no model was built, no engine started
+    assert not (workdir / "runs" / "damaged-data").exists()

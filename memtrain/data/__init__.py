@@ -3,8 +3,9 @@
 Modules: :mod:`~memtrain.data.builtin` (the built-in fact corpus), :mod:`~memtrain.data.longtail`
 (the Zipf-frequency knowledge corpus and its probes), :mod:`~memtrain.data.sources`
 (reading documents), :mod:`~memtrain.data.tokenizer`, :mod:`~memtrain.data.shards` (packing and MDS
-writing), :mod:`~memtrain.data.prepare` (``memtrain prepare``) and :mod:`~memtrain.data.loader`
-(StreamingDataset loaders with resumable state); for hierarchical memories :mod:`~memtrain.data.embed`
+writing), :mod:`~memtrain.data.prepare` (``memtrain prepare``), :mod:`~memtrain.data.loader`
+(StreamingDataset loaders with resumable state) and :mod:`~memtrain.data.verify` (shard checksums,
+the recipe against the prepared data); for hierarchical memories :mod:`~memtrain.data.embed`
 (sentence embeddings), :mod:`~memtrain.data.cluster` (the balanced k-means tree) and
 :mod:`~memtrain.data.clustered` (cluster-prefixed shards, one stream per level-1 subtree).
 
@@ -36,6 +37,8 @@ _EXPORTS = {
     "document_ids": "loader",
     "Collate": "loader",
     "LoaderIterator": "loader",
+    "verify_shards": "verify",
+    "check_recipe_data": "verify",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -58,7 +58,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from memtrain.config import Recipe
-from memtrain.data.shards import COLUMN, PackStats, merge_parts, pack, part_name
+from memtrain.data.shards import COLUMN, HASHES, PackStats, merge_parts, pack, part_name
 
 TREE_FILE = "tree.safetensors"
 # Distributed preparation: at most this many training windows (summed over ranks, each rank sending
@@ -238,7 +238,7 @@ def write_subtree_streams(samples: list[np.ndarray], folder: Callable[[int], Pat
             subtree = int(sample[0]) // k ** (p - 1)
             if subtree not in writers:
                 writers[subtree] = MDSWriter(out=str(folder(subtree)), columns={COLUMN: f"ndarray:{dtype}"},
-                                             size_limit=size_limit)
+                                             size_limit=size_limit, hashes=HASHES)
             writers[subtree].write({COLUMN: sample})
             per_stream[subtree] = per_stream.get(subtree, 0) + 1
     finally:

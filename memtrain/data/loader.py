@@ -164,6 +164,8 @@ class Collate:
         labels[(input_ids == self.eot_id) & (labels == self.eot_id)] = IGNORE_INDEX
         batch.update({"input_ids": input_ids.contiguous(), "labels": labels,
                       "doc_ids": document_ids(input_ids, self.eot_id)})
+        if samples and "sample_index" in samples[0]:  # each sample's global index (memtrain.data.indexed)
+            batch["sample_index"] = torch.tensor([int(s["sample_index"]) for s in samples], dtype=torch.long)
         return batch
 
 
@@ -195,7 +197,9 @@ def build_loader(recipe: Recipe, split: str, micro_batch_size: int,
     ``shuffle`` defaults to ``data.shuffle`` for ``"train"`` and False for ``"val"``. Training batches
     always hold ``micro_batch_size`` sequences; the last validation batch may be smaller.
     """
-    from streaming import Stream, StreamingDataLoader, StreamingDataset
+    from streaming import Stream, StreamingDataLoader
+
+    from memtrain.data.indexed import IndexedStreamingDataset as StreamingDataset
 
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
@@ -264,6 +268,44 @@ def build_loader(recipe: Recipe, split: str, micro_batch_size: int,
     loader.memtrain_subtrees = sorted(int(s["subtree"]) for s in streams) if clustering else None
     loader.memtrain_world_of_one = stripe is not None  # Streaming re-reads the layout in state_dict()
     return loader
+
+
+class ValidationSet:
+    """The validation sequences of every evaluation, split over the ranks; iterate it for this rank's
+    micro-batches (a fresh pass each time).
+
+    ``batches`` > 0 selects ``batches * micro_batch_size`` sequences of the split evenly spaced over it
+    (sample ``floor(i * N / n)`` for ``i < n``, so every level-1 subtree's stream is represented);
+    0 selects the whole split. The selection depends only on the data and the recipe, never on the
+    number of ranks: rank ``r`` of ``W`` evaluates selected sequences ``r, r + W, ...`` by their global
+    index (Streaming's random access, so none is repeated or dropped to even out the ranks), and every
+    rank runs the same number of micro-batches (a collective forward such as ZeRO-3's needs that): a
+    rank left without sequences runs one more batch whose labels are all ignored. The validation loss
+    is then the sum of token losses over all ranks divided by the number of scored tokens, the same on
+    any world size (``memtrain.launcher.train.evaluate``).
+    """
+
+    def __init__(self, recipe: Recipe, micro_batch_size: int, rank: int = 0, world_size: int = 1,
+                 batches: int = 0):
+        loader = build_loader(recipe, "val", micro_batch_size, shuffle=False)
+        self.dataset, self.collate = loader.dataset, loader.collate_fn
+        total = int(self.dataset.num_samples)
+        count = total if batches <= 0 else min(total, batches * micro_batch_size)
+        self.indices = [i * total // count for i in range(count)]
+        self.mine = self.indices[rank::world_size]
+        self.micro = micro_batch_size
+        self.num_batches = math.ceil(math.ceil(count / world_size) / micro_batch_size) if count else 0
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        for b in range(self.num_batches):
+            chosen = self.mine[b * self.micro:(b + 1) * self.micro]
+            batch = self.collate([self.dataset[i] for i in chosen or self.indices[:1]])
+            if not chosen:
+                batch["labels"].fill_(IGNORE_INDEX)
+            yield batch
 
 
 def affine_groups(samples_per_subtree: dict[int, int], world_size: int) -> tuple[list[list[int]], int]:
@@ -476,5 +518,5 @@ def clean_stale_shared_memory() -> None:
     clean()
 
 
-__all__ = ["Collate", "IGNORE_INDEX", "affine_groups", "LoaderIterator", "check_clustering", "data_location", "levels_from_leaf", "recipe_meta", "build_loader", "clean_stale_shared_memory", "collate",
+__all__ = ["Collate", "IGNORE_INDEX", "ValidationSet", "affine_groups", "LoaderIterator", "check_clustering", "data_location", "levels_from_leaf", "recipe_meta", "build_loader", "clean_stale_shared_memory", "collate",
            "read_meta", "train_epoch_size"]

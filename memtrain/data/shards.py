@@ -4,7 +4,8 @@ Each document's tokens are followed by one end-of-text token; the documents are 
 given order and cut into samples of ``sample_len = seq_len + 1`` tokens (a model reads the first
 ``seq_len`` and predicts the last ``seq_len``). The final partial sample is dropped and counted.
 Samples are stored in one MDS column, ``tokens``, as ``uint16`` (or ``uint32`` for vocabularies
-of more than 65,536 ids).
+of more than 65,536 ids). Every shard file's xxh64 checksum is recorded in ``index.json``
+(``raw_data.hashes``, Streaming's own field; :data:`HASHES`), which :mod:`memtrain.data.verify` checks.
 
 Distributed preparation writes one MDS dataset per rank into ``<stream>/part-<rank:05d>/`` and then
 merges their ``index.json`` files into ``<stream>/index.json`` (:func:`merge_parts`, with
@@ -23,6 +24,9 @@ import numpy as np
 
 COLUMN = "tokens"
 PART_PREFIX = "part-"
+# Checksums Streaming records for every shard file it writes (index.json, raw_data.hashes). Streaming
+# checks them only when it downloads a shard, never for local shards: memtrain.data.verify does.
+HASHES = ["xxh64"]
 
 
 def token_dtype(vocab_size: int) -> str:
@@ -87,7 +91,8 @@ def write_mds(out: str | Path, samples: Iterable[np.ndarray], dtype: str, size_l
     from streaming import MDSWriter
 
     count = 0
-    with MDSWriter(out=str(out), columns={COLUMN: f"ndarray:{dtype}"}, size_limit=size_limit) as writer:
+    with MDSWriter(out=str(out), columns={COLUMN: f"ndarray:{dtype}"}, size_limit=size_limit,
+                   hashes=HASHES) as writer:
         for sample in samples:
             writer.write({COLUMN: sample})
             count += 1
@@ -106,7 +111,8 @@ def merge_parts(folder: str | Path) -> int:
 
     Uses ``streaming.base.util.merge_index``, which prefixes every shard's file names with its part
     folder (``part-00001/shard.00000.mds``); ``StreamingDataset(local=folder)`` then reads all parts,
-    in part (rank) order. Returns the number of samples the merged index lists.
+    in part (rank) order. The shards' checksums (``raw_data.hashes``) are kept as the parts recorded them.
+    Returns the number of samples the merged index lists.
     """
     from streaming.base.util import merge_index
 
@@ -128,4 +134,5 @@ def merge_parts(folder: str | Path) -> int:
     return sum(int(shard["samples"]) for shard in merged["shards"])
 
 
-__all__ = ["COLUMN", "PART_PREFIX", "PackStats", "merge_parts", "pack", "part_name", "token_dtype", "write_mds"]
+__all__ = ["COLUMN", "HASHES", "PART_PREFIX", "PackStats", "merge_parts", "pack", "part_name", "token_dtype",
+           "write_mds"]

@@ -1,8 +1,11 @@
 """`memtrain eval RECIPE [key=value ...] [checkpoint=PATH]`: evaluate a trained checkpoint.
 
 Everything runs in one process, without DeepSpeed or a process group: the model is built from the
-recipe, the checkpoint's weights are loaded strictly (:func:`memtrain.parallel.checkpoint.load_module_state`)
-together with the memory bank, and the model runs in eval mode in fp32. What runs:
+recipe, the checkpoint's files are verified against the checksums in its ``COMPLETE.json``
+(:func:`memtrain.parallel.checkpoint.verify`), its weights are loaded strictly
+(:func:`memtrain.parallel.checkpoint.load_module_state`) together with the memory bank, and the model runs
+in eval mode in fp32. While they are read the folder is held against pruning by a training run still
+writing the run directory (:func:`memtrain.parallel.checkpoint.reading`). What runs:
 
 - hierarchical memories (:mod:`memtrain.eval.hierarchical`): val perplexity per memory mode and, with
   ``builtin:longtail`` among the sources, the fact probes per mode (fetched, generic, blocked,
@@ -108,8 +111,9 @@ def evaluate(recipe: Recipe, checkpoint: Optional[str | Path] = None, batches: O
     ``"path"`` (where it was written).
 
     ``checkpoint``: a run dir or a ``global_stepN`` folder (default: the newest complete checkpoint in
-    ``run.dir``). ``batches``: val micro-batches for perplexity (default ``train.eval.batches``; 0
-    skips it). ``out``: the JSON file (default ``<run dir>/eval/<tag>.json``, the run dir that holds
+    ``run.dir``). ``batches``: val micro-batches for perplexity, evenly spaced over the split as in
+    training's validation (default ``train.eval.batches``, where 0 means the whole split; an explicit 0
+    skips perplexity). ``out``: the JSON file (default ``<run dir>/eval/<tag>.json``, the run dir that holds
     the checkpoint). ``modes``: default :func:`mode_names`. ``tasks``, ``lengths``, ``samples``,
     ``max_new_tokens``: the long-context tasks (:func:`check_long_context`, :func:`run_long_context`).
     Every user error (data not prepared, no or incompatible checkpoint, memory modes without memories,
@@ -125,15 +129,14 @@ def evaluate(recipe: Recipe, checkpoint: Optional[str | Path] = None, batches: O
                           f"{meta['vocab_size']} tokens in {recipe.data_dir}")
     depth = recipe.data.clustering.depth if recipe.memory.enabled else None  # hierarchical memories only
     modes = check_modes(modes if modes is not None else mode_names(depth), depth)
+    skip_perplexity = batches == 0
     if batches is None:
-        batches = recipe.train.eval.batches
+        batches = recipe.train.eval.batches  # 0 here: the whole val split
     if batches < 0:
         raise RecipeError("train.eval.batches", f"must be >= 0, got {batches}")
     task_names, task_lengths, task_samples, max_new = check_long_context(recipe, tasks, lengths, samples,
                                                                          max_new_tokens)
     info = find_checkpoint(recipe, checkpoint)
-    state = ckpt.read_trainer_state(info)
-    ckpt.check_compatible(info, state, recipe, info.world_size)
     examples, tokenizer, encoder = [], None, None
     if task_names:
         from memtrain.data.tokenizer import load_tokenizer
@@ -142,7 +145,13 @@ def evaluate(recipe: Recipe, checkpoint: Optional[str | Path] = None, batches: O
         encoder = PromptEncoder(tokenizer)
         examples = task_examples(task_names, task_lengths, task_samples, encoder)
     device = pick_device(recipe)
-    model, bank = load_model(recipe, info, device)
+    # Held against pruning by a training run writing this run.dir while its files are read; every file
+    # is checked against the checksums in COMPLETE.json before any is loaded.
+    with ckpt.reading(info):
+        state = ckpt.read_trainer_state(info)
+        ckpt.check_compatible(info, state, recipe, info.world_size)
+        ckpt.verify(info)
+        model, bank = load_model(recipe, info, device)
 
     report: dict[str, Any] = {
         "recipe": recipe.run.name,
@@ -160,7 +169,7 @@ def evaluate(recipe: Recipe, checkpoint: Optional[str | Path] = None, batches: O
     }
     ppl_modes = [m for m in modes if m in ("fetched", "generic", "none")]
     report["perplexity"] = {}
-    if batches > 0 and ppl_modes and meta.get("val_samples", 0) > 0:
+    if not skip_perplexity and ppl_modes and meta.get("val_samples", 0) > 0:
         report["perplexity"] = val_perplexity(model, bank, recipe, ppl_modes, batches, device)
     report["probes"] = None
     if "builtin:longtail" in recipe.data.sources:

@@ -222,17 +222,17 @@ def accuracy_table(correct: np.ndarray, buckets: Sequence[str], kinds: Sequence[
 @torch.no_grad()
 def val_perplexity(model: torch.nn.Module, bank: Any, recipe: Recipe, modes: Sequence[str], batches: int,
                    device: torch.device) -> dict[str, dict[str, Any]]:
-    """exp(mean token loss) over the first ``batches`` micro-batches of the val split (not shuffled),
-    per memory mode (``fetched``: each sequence's own cluster ids from prepare; ``generic``; ``none``).
+    """exp(token-weighted mean loss) over the validation sequences training validates on
+    (:class:`memtrain.data.loader.ValidationSet`: ``batches`` micro-batches' worth evenly spaced over the
+    val split, 0 = all of it), per memory mode (``fetched``: each sequence's own cluster ids from
+    prepare; ``generic``; ``none``); so ``fetched`` equals the run's ``loss/val`` at the same weights.
     Every mode reads the same batches. Returns ``{mode: {"perplexity", "loss", "tokens", "batches"}}``."""
-    from memtrain.data.loader import build_loader
+    from memtrain.data.loader import ValidationSet
 
-    loader = build_loader(recipe, "val", recipe.train.micro_batch_size, shuffle=False)
+    val_set = ValidationSet(recipe, recipe.train.micro_batch_size, batches=batches)
     sums = {m: 0.0 for m in modes}
-    tokens, seen = 0, 0
-    for i, batch in enumerate(loader):
-        if i >= batches:
-            break
+    tokens = 0
+    for batch in val_set:
         batch = {k: v.to(device) for k, v in batch.items()}
         labels = batch["labels"]
         n = int((labels != IGNORE_INDEX).sum())
@@ -242,11 +242,10 @@ def val_perplexity(model: torch.nn.Module, bank: Any, recipe: Recipe, modes: Seq
             sums[mode] += float(F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
                                                 ignore_index=IGNORE_INDEX, reduction="sum"))
         tokens += n
-        seen += 1
     out = {}
     for mode in modes:
         loss = sums[mode] / tokens if tokens else float("nan")
-        out[mode] = {"perplexity": _exp(loss), "loss": loss, "tokens": tokens, "batches": seen}
+        out[mode] = {"perplexity": _exp(loss), "loss": loss, "tokens": tokens, "batches": len(val_set)}
     return out
 
 

@@ -2,6 +2,7 @@
 
     memtrain train   RECIPE [key=value ...]            train, or resume the run in run.dir
     memtrain prepare RECIPE [key=value ...] [--force]  tokenize and write MDS shards into data.dir
+    memtrain prepare RECIPE [key=value ...] --verify   check the prepared shards against their checksums
     memtrain recipe show RECIPE [key=value ...]        resolved recipe, DeepSpeed config, parameters
     memtrain submit  RECIPE [key=value ...] [--dry-run] write an sbatch script and submit it to Slurm
     memtrain eval    RECIPE [key=value ...] [checkpoint=PATH] [--batches N] [--out FILE] [--modes M,...]
@@ -40,7 +41,11 @@ def _parser() -> argparse.ArgumentParser:
     recipe_args(sp)
     sp = sub.add_parser("prepare", help="tokenize a corpus and write MDS shards into data.dir")
     recipe_args(sp)
-    sp.add_argument("--force", action="store_true", help="replace data.dir prepared with other settings")
+    how = sp.add_mutually_exclusive_group()
+    how.add_argument("--force", action="store_true", help="replace data.dir prepared with other settings")
+    how.add_argument("--verify", action="store_true",
+                     help="prepare nothing: check every shard of the prepared data.dir against the size and "
+                          "checksum recorded at preparation (exit 2 naming the damaged files)")
     rp = sub.add_parser("recipe", help="inspect recipes")
     rsub = rp.add_subparsers(dest="recipe_command", required=True, metavar="ACTION")
     sp = rsub.add_parser("show", help="print the resolved recipe, its DeepSpeed config and parameter count")
@@ -61,7 +66,8 @@ def _parser() -> argparse.ArgumentParser:
                         "model.type titans and memory.type memory_llama, for other models with --tasks.")
     recipe_args(sp)
     sp.add_argument("--batches", type=_non_negative_int, default=None, metavar="N",
-                    help="val micro-batches for perplexity (default train.eval.batches; 0 skips it)")
+                    help="val micro-batches for perplexity, evenly spaced over the split (default "
+                         "train.eval.batches, where 0 is the whole split; --batches 0 skips it)")
     sp.add_argument("--out", default=None, metavar="FILE",
                     help="JSON report path (default <run dir>/eval/<checkpoint tag>.json)")
     sp.add_argument("--modes", default=None, metavar="M,...",
@@ -146,6 +152,29 @@ def prepare_summary(recipe, report: dict) -> str:
     return head + f"\ndetails: {recipe.data_dir / 'meta.json'}"
 
 
+def prepare_verify(recipe, recipe_arg: str, shown: int = 3) -> str:
+    """`memtrain prepare RECIPE --verify`: the summary line of a clean folder; DataError naming the first
+    ``shown`` damaged files (after printing the summary) otherwise."""
+    from memtrain.data.verify import verify_folder
+    from memtrain.errors import DataError
+
+    data_dir = recipe.data_dir
+    report = verify_folder(data_dir, progress=True)
+    mb = report.bytes / 1e6
+    line = (f"verified {data_dir}: {report.files} shard files, {mb:,.1f} MB hashed in {report.seconds:.2f} s "
+            f"({mb / max(report.seconds, 1e-9):,.0f} MB/s); {len(report.unchecked)} without checksum")
+    if report.unchecked:
+        line += (" (prepared before checksums were recorded: sizes checked only; `memtrain prepare "
+                 f"{recipe_arg} --force` records them)")
+    if not report.problems:
+        return line
+    print(line + f"; {len(report.problems)} damaged", flush=True)
+    n = len(report.problems)
+    more = f" (and {n - shown} more)" if n > shown else ""
+    raise DataError(f"{n} damaged file(s) in {data_dir}: {'; '.join(report.problems[:shown])}{more}; prepare the "
+                    f"data again with `memtrain prepare {recipe_arg} --force`, or restore the folder from a good copy")
+
+
 def split_checkpoint_override(overrides: Sequence[str]) -> tuple[list[str], Optional[str]]:
     """Take ``checkpoint=PATH`` out of the ``key=value`` overrides (it is not a recipe key; dotted keys
     such as ``checkpoint.keep_last=3`` stay). Returns (the other overrides, PATH or None)."""
@@ -175,6 +204,8 @@ def run(argv: Optional[list[str]] = None) -> int:
         from memtrain.launcher.train import train
 
         train(recipe)
+    elif args.command == "prepare" and args.verify:
+        print(prepare_verify(recipe, args.recipe), flush=True)
     elif args.command == "prepare":
         from memtrain.data.prepare import prepare
 

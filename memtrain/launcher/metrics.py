@@ -1,6 +1,6 @@
 """Training metrics: TensorBoard scalars, a readable log line, and ``metrics.jsonl``.
 
-Only rank 0 writes. TensorBoard logs go to ``<run.dir>/tensorboard`` (one directory per run, reused on
+Only rank 0 writes. ``metrics.jsonl`` is strict JSON: non-finite values are written as ``null``. TensorBoard logs go to ``<run.dir>/tensorboard`` (one directory per run, reused on
 resume with ``purge_step`` so that events a crashed run wrote after its last checkpoint are
 dropped). Every logged step is also appended to ``<run.dir>/metrics.jsonl`` for scripts and tests.
 """
@@ -8,6 +8,7 @@ dropped). Every logged step is also appended to ``<run.dir>/metrics.jsonl`` for 
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -47,7 +48,9 @@ class MetricsWriter:
             for tag, value in values.items():
                 self.tb.add_scalar(tag, value, step)
         if self.jsonl is not None:
-            self.jsonl.write(json.dumps({"step": step, "time": time.time(), **values}) + "\n")
+            # Strict JSON: a non-finite value (a skipped step's loss or norm) is written as null.
+            row = {k: (v if math.isfinite(v) else None) for k, v in values.items()}
+            self.jsonl.write(json.dumps({"step": step, "time": time.time(), **row}, allow_nan=False) + "\n")
             self.jsonl.flush()
 
     def line(self, text: str) -> None:

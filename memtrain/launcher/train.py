@@ -9,6 +9,23 @@ Resume is automatic: running the same command again continues from the newest co
 position and every rank's RNG state are restored). SIGTERM or SIGUSR1 (Slurm preemption) make the
 loop finish the current step, write a checkpoint and exit cleanly.
 
+The objective does not depend on how many ranks run it. The loss of a step is the mean over every
+scored token of the global batch (token-weighted across micro-batches and ranks, as in Megatron and
+torchtitan): each micro-batch's summed token loss is scaled by ``accum * world / tokens_in_step``, so
+that DeepSpeed's averaging over accumulation steps and ranks yields the global mean. The generic-memory
+draw is a hash of each sequence's global sample index and the step (not a per-rank stream), and
+validation is token-weighted over a selection of the val split that is the same on any world size
+(:class:`memtrain.data.loader.ValidationSet`). So 1, 2 or 3 ranks take the same steps, and a run
+resumes on another world size as it would have continued.
+
+Integrity. Before any engine starts: the data is checked against the recipe and its shard checksums
+are verified (split over the ranks); rank 0 holds ``<run.dir>/run.lock`` for the run's life, so a
+second trainer on the same run directory refuses; the checkpoint to resume from is verified against
+the checksums in its ``COMPLETE.json``. During training a step whose loss or gradient norm is not
+finite on any rank is skipped by every rank (no update; counted in ``loss/nonfinite_steps``), and
+``train.max_nonfinite_steps`` of them in a row stop the run with :class:`memtrain.errors.DivergenceError`
+(exit code 3) naming the last good checkpoint. A checkpoint is never written from non-finite weights.
+
 ``memory.type: memory_llama`` (Titans memories inside a frozen Hugging Face Llama) has no memory bank:
 the memory blocks and LoRA adapters are ordinary parameter groups of DeepSpeed's optimizer, each on its
 own learning rate (``optim/memory_lr``, ``optim/lora_lr``); logged steps add the blocks' gate,
@@ -28,13 +45,28 @@ import torch
 import torch.nn.functional as F
 
 from memtrain.config import Recipe, RecipeError
-from memtrain.errors import CheckpointError, LaunchError
+from memtrain.errors import CheckpointError, DivergenceError, LaunchError
 from memtrain.parallel import dist
 from memtrain.launcher.metrics import MetricsWriter, format_line
 
 
+IGNORE_INDEX = -100  # labels the loss skips (memtrain.data.loader.IGNORE_INDEX, cross_entropy's default)
+
+
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
+    """Mean token loss of one batch (labels ``IGNORE_INDEX`` are not scored)."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                           ignore_index=IGNORE_INDEX)
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed token loss of one batch, in fp32 (the numerator of a token-weighted mean)."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                           ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def scored_tokens(labels: torch.Tensor) -> int:
+    return int((labels != IGNORE_INDEX).sum())
 
 
 class _StopFlag:
@@ -59,12 +91,16 @@ class _StopFlag:
             signal.signal(sig, handler)
 
 
-def _all_mean(values: list[float], device: torch.device) -> list[float]:
+def _all_sum(values: list[float], device: torch.device) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=device)
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         torch.distributed.all_reduce(t)
-        t /= torch.distributed.get_world_size()
     return t.tolist()
+
+
+def _all_mean(values: list[float], device: torch.device) -> list[float]:
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    return [v / world for v in _all_sum(values, device)]
 
 
 def _any(flag: bool, device: torch.device) -> bool:
@@ -100,23 +136,22 @@ def eval_memory(bank, batch: dict, mode: str):
 
 
 @torch.no_grad()
-def evaluate(engine, loader_factory, batches: int, device: torch.device, bank=None,
-             memory: str = "fetched") -> Optional[float]:
-    """Mean validation loss over the first ``batches`` micro-batches of every rank's val split, with
-    ``memory`` as in :func:`eval_memory` when the model has memories."""
-    if loader_factory is None:
+def evaluate(engine, val_set, device: torch.device, bank=None, memory: str = "fetched") -> Optional[float]:
+    """Validation loss: the summed token loss of every rank's share of ``val_set`` (an iterable of
+    micro-batches, re-iterated from the start each call: :class:`memtrain.data.loader.ValidationSet`)
+    over the number of scored tokens, on all ranks; the same on any world size. ``memory`` as in
+    :func:`eval_memory` when the model has memories."""
+    if val_set is None:
         return None
     engine.eval()
     total, count = 0.0, 0
-    for i, batch in enumerate(loader_factory()):
-        if i >= batches:
-            break
+    for batch in val_set:
         batch = _to_device(batch, device)
         out = engine(batch["input_ids"], doc_ids=batch["doc_ids"], memory=eval_memory(bank, batch, memory))
-        total += float(lm_loss(out.logits, batch["labels"]))
-        count += 1
+        total += float(token_loss_sum(out.logits, batch["labels"]))
+        count += scored_tokens(batch["labels"])
     engine.train()
-    total, count = _all_mean([total, float(count)], device)
+    total, count = _all_sum([total, float(count)], device)
     return total / count if count else None
 
 
@@ -171,11 +206,14 @@ def _log(msg: str, rank: int) -> None:
 
 
 def train(recipe: Recipe) -> dict:
-    """Run (or resume) training to ``train.max_steps``; returns a summary of the last step."""
-    from memtrain.data.loader import LoaderIterator, build_loader, recipe_meta
-    from memtrain.model import build, flops_per_token, peak_flops, count_parameters
+    """Run (or resume) training to ``train.max_steps``; returns a summary of the last step.
+
+    Everything a user can get wrong is checked before the run directory is touched: the recipe, the
+    prepared data against it, the shards' checksums, the run lock. The lock is released on every exit."""
+    from memtrain.data.loader import recipe_meta
+    from memtrain.data.verify import check_recipe_data
     from memtrain.parallel import checkpoint as ckpt
-    from memtrain.parallel.engine import global_grad_norm, initialize, joint_clipping, lr_at, precision
+    from memtrain.parallel.engine import precision
 
     dist_env = dist.discover()
     device = dist.resolve_device(recipe.run.device, dist_env)
@@ -185,6 +223,7 @@ def train(recipe: Recipe) -> dict:
     if recipe.model.type != "hf" and meta["vocab_size"] > recipe.model.vocab_size:
         raise RecipeError("model.vocab_size", f"{recipe.model.vocab_size} is smaller than the tokenizer's "
                           f"{meta['vocab_size']} tokens in {recipe.data_dir}")
+    check_recipe_data(recipe, meta)  # memories on unclustered data, another tree: before any engine starts
     run_dir = recipe.run_dir
     latest = ckpt.latest_checkpoint(run_dir)
     if latest is not None and not recipe.checkpoint.resume:
@@ -193,6 +232,77 @@ def train(recipe: Recipe) -> dict:
 
     dist.init(dist_env, device, recipe.parallel.backend)
     rank, world = dist_env.rank, dist_env.world_size
+    if recipe.data.verify:
+        _verify_data(recipe, rank, world, device)
+    created = not run_dir.exists()
+    lock = _lock_run_dir(run_dir, rank, device)
+    try:
+        return _train(recipe, dist_env, device, prec, accum, meta)
+    finally:
+        if lock is not None:
+            lock.release()
+            if created:  # a run that failed before writing anything leaves no run directory (rmdir: only if empty)
+                try:
+                    run_dir.rmdir()
+                except OSError:
+                    pass
+
+
+def _verify_data(recipe: Recipe, rank: int, world: int, device: torch.device) -> None:
+    """Every rank hashes its share of the prepared shards; any damage is one DataError on every rank."""
+    from memtrain.data.loader import data_location
+    from memtrain.data.verify import verify_shards
+    from memtrain.errors import DataError
+
+    root, remote = data_location(recipe)
+    if remote:  # shards arrive on demand; Streaming checks what it downloads
+        return
+    t0 = time.perf_counter()
+    problems = verify_shards(root, rank=rank, world=world)
+    found = dist.gather_strings(problems)
+    if found:
+        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+        raise DataError(f"the prepared data in {root} is damaged: {found[0]}{more}; prepare it again with "
+                        "`memtrain prepare RECIPE --force` or restore the folder (check it with `memtrain prepare "
+                        "RECIPE --verify`)")
+    _log(f"data checksums verified in {time.perf_counter() - t0:.1f} s", rank)
+
+
+def _lock_run_dir(run_dir, rank: int, device: torch.device):
+    """Rank 0 takes the run directory's lock; a refusal is raised on every rank. Returns the lock (rank 0)."""
+    from memtrain.parallel.run_lock import RunLock
+
+    lock, refusal = None, ""
+    if rank == 0:
+        try:
+            lock = RunLock(run_dir)
+            lock.acquire()
+        except LaunchError as e:
+            lock, refusal = None, str(e)
+    refusal = (dist.gather_strings([refusal]) or [""])[0]
+    if refusal:
+        raise LaunchError(refusal)
+    if lock is not None and lock.replaced:
+        _log(lock.replaced, rank)  # a crashed run's lock (dead pid, or this Slurm job's earlier incarnation)
+    return lock
+
+
+def _finite_weights(engine, bank, device: torch.device) -> bool:
+    from memtrain.parallel.engine import weights_finite
+
+    ok = weights_finite(engine) and (bank is None or all(bool(torch.isfinite(t).all()) for t in bank.parameters()))
+    return not _any(not ok, device)
+
+
+def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int, meta: dict) -> dict:
+    from memtrain.data.loader import LoaderIterator, ValidationSet, build_loader
+    from memtrain.model import build, flops_per_token, peak_flops, count_parameters
+    from memtrain.parallel import checkpoint as ckpt
+    from memtrain.parallel.engine import global_grad_norm, initialize, joint_clipping, lr_at, skipped_step
+
+    rank, world = dist_env.rank, dist_env.world_size
+    run_dir = recipe.run_dir
+    latest = ckpt.latest_checkpoint(run_dir)  # again, now under the lock
     import deepspeed
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
@@ -201,7 +311,7 @@ def train(recipe: Recipe) -> dict:
     torch.manual_seed(recipe.run.seed)  # identical initial weights on every rank
     model = build(recipe.model, recipe.memory, recipe.data.clustering.branching)
     if recipe.model.init_from and latest is None:
-        source = ckpt.load_anchor(model, recipe.model.init_from)
+        source = ckpt.load_anchor(model, recipe.model.init_from, rank, world)  # ranks share the checksums
         _log(f"anchor initialised from {source.path} (step {source.step})", rank)
     mem = recipe.memory
     if mem.freeze_anchor:
@@ -245,9 +355,6 @@ def train(recipe: Recipe) -> dict:
         o = recipe.train.optimizer
         bank.build_optimizer(mem.optimizer.lr, tuple(o.betas), o.eps, mem.optimizer.weight_decay)
         memory_schedule = lr_at(recipe, "memory")
-        # The generic draws have their own generator (saved per rank): the global RNG is also consumed
-        # by whatever creates DataLoader iterators, which a resumed run does at other times.
-        generic_rng = torch.Generator().manual_seed(recipe.run.seed * 1_000_003 + rank)
         kind = mem.bank + (f", {mem.bank_dtype} rows" + (", offloaded to CPU" if mem.bank_offload else "")
                            if mem.bank == "sharded" else "")
         _log(level_sizes_line(model.memory_layout) + f" | {kind} bank ({mem.bank_optimizer} AdamW)"
@@ -259,6 +366,7 @@ def train(recipe: Recipe) -> dict:
     if latest is not None:
         saved = ckpt.read_trainer_state(latest)
         ckpt.check_compatible(latest, saved, recipe, world)
+        ckpt.verify(latest, rank, world)  # the files against COMPLETE.json's checksums, before anything reads them
         if ckpt.needs_universal(latest, saved, recipe, world):
             # The partitioned optimizer state was written for another data-parallel size or ZeRO stage:
             # DeepSpeed's universal checkpoint re-partitions it for this one.
@@ -267,9 +375,6 @@ def train(recipe: Recipe) -> dict:
                  "universal checkpoint", rank)
             ckpt.ensure_universal(latest, rank)
             universal = True
-    if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
 
     engine, optimizer, scheduler = initialize(model, recipe, world, prec, load_universal=universal)
     joint_norm = None
@@ -281,12 +386,11 @@ def train(recipe: Recipe) -> dict:
 
     anchor_comm = AnchorCommCounter(engine)  # comm/anchor_bytes_*: DeepSpeed's collectives (nothing with 1 rank)
     train_batches = LoaderIterator(build_loader(recipe, "train", recipe.train.micro_batch_size))
-    val_factory = None
+    val_set = None
     if meta.get("val_samples", 0) > 0:
-        val_loader = build_loader(recipe, "val", recipe.train.micro_batch_size, shuffle=False)
-        val_factory = lambda: iter(val_loader)  # noqa: E731 - a fresh pass from the start each time
+        val_set = ValidationSet(recipe, recipe.train.micro_batch_size, rank, world, recipe.train.eval.batches)
 
-    step, tokens_seen = 0, 0
+    step, tokens_seen, nonfinite_total, nonfinite_run = 0, 0, 0, 0
     # Per-rank RNG streams, distinct across ranks (restored from the checkpoint on resume).
     torch.manual_seed(recipe.run.seed + 1 + rank)
     if latest is not None:
@@ -296,9 +400,8 @@ def train(recipe: Recipe) -> dict:
         state, rank_state = ckpt.load(engine, latest, rank, universal=universal)
         if bank is not None:
             ckpt.load_bank(bank, latest.path)
-            if "generic_rng" in rank_state:
-                generic_rng.set_state(rank_state["generic_rng"])
         step, tokens_seen = int(state["step"]), int(state["tokens_seen"])
+        nonfinite_total, nonfinite_run = int(state.get("nonfinite_steps", 0)), int(state.get("nonfinite_run", 0))
         # Global placement: one position for all ranks. Affine: each rank's own, in its subtrees.
         affine = recipe.data.placement == "affine"
         train_batches.load_state_dict(rank_state["loader"] if affine else state["loader"])
@@ -310,6 +413,7 @@ def train(recipe: Recipe) -> dict:
     log_every = recipe.steps(recipe.logging.every_steps)
     ckpt_every = recipe.steps(recipe.checkpoint.every_steps)
     eval_every = recipe.steps(recipe.train.eval.every_steps)
+    max_nonfinite = recipe.train.max_nonfinite_steps
     writer = MetricsWriter(run_dir, enabled=rank == 0, tensorboard=recipe.logging.tensorboard,
                            resume_step=step if latest is not None else None)
     if recipe.model.type == "hf":  # 6N for a pretrained model whose shape the recipe does not describe
@@ -337,16 +441,19 @@ def train(recipe: Recipe) -> dict:
         _log(f"TensorBoard logs in {writer.log_dir} (tensorboard --logdir {run_dir / 'tensorboard'})", rank)
 
     def save(at_step: int) -> None:
+        if not _finite_weights(engine, bank, device):
+            good = ckpt.latest_checkpoint(run_dir)
+            raise DivergenceError(f"the weights are not finite at step {at_step} (the loss and gradient norms were); "
+                                  f"no checkpoint was written. {_last_good(good)}")
         loader_state = train_batches.state_dict()
         write_bank = None
         if bank is not None:  # replicated: rank 0 writes it; sharded: every rank its rows
             write_bank = lambda path: ckpt.save_bank(bank, path, rank)  # noqa: E731
         path = ckpt.save(engine, recipe, step=at_step, rank=rank, world_size=world,
-                         trainer_state={"step": at_step, "tokens_seen": tokens_seen,
-                                        "loader": loader_state, "world_size": world},
-                         rank_extra={"loader": loader_state,
-                                     **({"generic_rng": generic_rng.get_state()} if bank is not None else {})},
-                         write_extra=write_bank)
+                         trainer_state={"step": at_step, "tokens_seen": tokens_seen, "loader": loader_state,
+                                        "world_size": world, "nonfinite_steps": nonfinite_total,
+                                        "nonfinite_run": nonfinite_run},
+                         rank_extra={"loader": loader_state}, write_extra=write_bank)
         _log(f"saved checkpoint {path}", rank)
 
     if step >= max_steps:
@@ -359,27 +466,34 @@ def train(recipe: Recipe) -> dict:
     last: dict = {}
     engine.train()
     last_saved = step if latest is not None else -1
+    zero0 = recipe.parallel.zero_stage == 0
     try:
         while step < max_steps:
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             t_start = time.perf_counter()
             anchor_comm.reset()  # evaluation and checkpoints between steps are not charged to this one
-            data_wait, pre_clip_norm = 0.0, float("nan")
-            loss_sum = torch.zeros((), device=device)
-            for _ in range(accum):
-                t0 = time.perf_counter()
-                batch = _to_device(_next_batch(train_batches), device)
-                data_wait += time.perf_counter() - t0
+            pre_clip_norm, bank_norm, skip = float("nan"), None, False
+            # The whole step's micro-batches first: the loss is normalised by the scored tokens of the
+            # global batch, which one all-reduce of the counts gives before the first backward.
+            micro = [_to_device(_next_batch(train_batches), device) for _ in range(accum)]
+            data_wait = time.perf_counter() - t_start
+            step_tokens = _all_sum([float(sum(scored_tokens(b["labels"]) for b in micro))], device)[0]
+            scale = accum * world / max(step_tokens, 1.0)
+            ce_parts, aux_parts = [], []
+            for batch in micro:
                 memory = None
                 if bank is not None:
-                    # Generic memory with probability 1/(k+1) per sequence (Section 4).
-                    generic = generic_mask(batch["input_ids"].shape[0], recipe.generic_prob, generic_rng)
+                    # Generic memory with probability 1/(k+1) per sequence (Section 4), drawn per sample.
+                    generic = generic_mask(batch["sample_index"], step, recipe.run.seed, recipe.generic_prob)
                     memory = bank.fetch(batch["cluster_ids"], generic.to(device))
                 out = engine(batch["input_ids"], doc_ids=batch["doc_ids"], memory=memory)
-                loss = lm_loss(out.logits, batch["labels"])
+                ce = token_loss_sum(out.logits, batch["labels"])
+                loss = ce * scale  # DeepSpeed divides by accum and averages over ranks: the global token mean
+                ce_parts.append(ce.detach())
                 if out.aux_loss is not None:
                     loss = loss + out.aux_loss
+                    aux_parts.append(out.aux_loss.detach())
                 engine.backward(loss)
                 boundary = engine.is_gradient_accumulation_boundary()
                 if boundary:
@@ -387,34 +501,57 @@ def train(recipe: Recipe) -> dict:
                         bank.reduce_gradients()
                         bank_norm = clip_memory(engine, bank, recipe, joint, joint_norm)
                         pre_clip_norm = bank_norm["total"]
-                    elif recipe.parallel.zero_stage == 0:
+                    elif zero0:
                         # DeepSpeed reports no norm without ZeRO or bf16; take it before clipping here.
                         grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
                         pre_clip_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
-                engine.step()
-                if boundary and joint_norm is not None:  # ZeRO 1-3: DeepSpeed clipped the anchor by the joint norm
+                    local = float(torch.stack(ce_parts + aux_parts).sum())
+                    bad = not math.isfinite(local) or (zero0 and not math.isfinite(pre_clip_norm)) or (
+                        bank_norm is not None and not math.isfinite(bank_norm["bank"]))
+                    skip = _any(bad, device)  # agreed: every rank skips, or none
+                if boundary and skip:
+                    with skipped_step(engine):
+                        engine.step()
+                else:
+                    engine.step()
+                if boundary and joint_norm is not None and not skip:
+                    # ZeRO 1-3: DeepSpeed clipped the anchor by the joint norm
                     bank_norm = clip_memory_after_step(bank, joint_norm, bank_norm)
                     pre_clip_norm = bank_norm["total"]
-                loss_sum += loss.detach()
+            # DeepSpeed's own overflow check (ZeRO 1-3, bf16) can skip a step whose losses were finite.
+            applied = engine.was_step_applied()
+            nonfinite = skip or not applied
+            if not applied and engine.lr_scheduler is not None:
+                engine.lr_scheduler.step()  # the schedule follows the step count, skipped steps included
             if bank is not None:
-                bank.step(memory_schedule(step))
+                if nonfinite:
+                    bank.skip_step()
+                else:
+                    bank.step(memory_schedule(step))
             step += 1
             tokens_seen += recipe.tokens_per_step
+            nonfinite_total += int(nonfinite)
+            nonfinite_run = nonfinite_run + 1 if nonfinite else 0
             grad_norm = global_grad_norm(engine)
             if math.isnan(grad_norm) or (bank is not None and joint):
                 grad_norm = pre_clip_norm  # ZeRO 0: DeepSpeed reports none; joint: anchor and bank together
-            train_loss = _all_mean([float(loss_sum) / accum], device)[0]
+            if nonfinite and not zero0:
+                grad_norm = float("nan")  # DeepSpeed computed none for a skipped step (its value would be stale)
             step_time = time.perf_counter() - t_start
-            data_frac = _all_mean([data_wait / step_time], device)[0]
+            ce_sum, aux_sum, data_frac = _all_sum(
+                [float(torch.stack(ce_parts).sum()), float(torch.stack(aux_parts).sum()) if aux_parts else 0.0,
+                 data_wait / step_time], device)
+            train_loss = ce_sum / max(step_tokens, 1.0) + aux_sum / (accum * world)
 
             values = {
                 "loss/train": train_loss,
+                "loss/nonfinite_steps": float(nonfinite_total),
                 "optim/lr": schedule(step - 1),
                 "optim/grad_norm": grad_norm,
                 "throughput/tokens_per_sec": recipe.tokens_per_step / step_time,
                 "throughput/device/tokens_per_sec": recipe.tokens_per_step / step_time / world,
                 "throughput/step_time_s": step_time,
-                "throughput/data_wait_frac": data_frac,
+                "throughput/data_wait_frac": data_frac / world,
                 "progress/tokens_seen": float(tokens_seen),
             }
             values.update(anchor_comm.stats())
@@ -437,22 +574,33 @@ def train(recipe: Recipe) -> dict:
             if device.type == "cuda":
                 values["gpu_mem/max_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
             if eval_every and step % eval_every == 0 or step == max_steps:
-                val = evaluate(engine, val_factory, recipe.train.eval.batches, device, bank)
+                val = evaluate(engine, val_set, device, bank)
                 if val is not None:
                     values["loss/val"] = val
                 if bank is not None:
-                    val_generic = evaluate(engine, val_factory, recipe.train.eval.batches, device, bank, "generic")
+                    val_generic = evaluate(engine, val_set, device, bank, "generic")
                     if val_generic is not None:
                         values["loss/val_generic"] = val_generic
-            if step % log_every == 0 or step == max_steps or "loss/val" in values:
+            if step % log_every == 0 or step == max_steps or "loss/val" in values or nonfinite:
                 writer.scalars(step, values)
-                writer.line(format_line(step, max_steps, values))
+                line = format_line(step, max_steps, values)
+                writer.line(line + (" | non-finite: step skipped" if nonfinite else ""))
             last = {"step": step, "tokens_seen": tokens_seen, **values}
+            if nonfinite_run >= max_nonfinite:
+                raise DivergenceError(
+                    f"training diverged: the loss or gradient norm was not finite at steps {step - nonfinite_run + 1}"
+                    f"-{step} ({nonfinite_run} in a row, train.max_nonfinite_steps {max_nonfinite}); their updates "
+                    f"were skipped. {_last_good(ckpt.latest_checkpoint(run_dir))}")
 
             stopping = _any(stop.raised, device)
             if (ckpt_every and step % ckpt_every == 0) or step == max_steps or stopping:
-                save(step)
-                last_saved = step
+                if nonfinite_run and not stopping:
+                    # Weights a streak of skipped steps left in place are finite but lead nowhere: keep_last
+                    # must not prune the checkpoints before the streak for them. (A preemption still saves.)
+                    _log(f"no checkpoint at step {step}: the last {nonfinite_run} step(s) were not finite", rank)
+                else:
+                    save(step)
+                    last_saved = step
             if stopping:
                 _log(f"stopped by signal at step {step}; run the same command to resume", rank)
                 break
@@ -464,4 +612,12 @@ def train(recipe: Recipe) -> dict:
     return last
 
 
-__all__ = ["train", "evaluate", "eval_memory", "clip_memory", "lm_loss"]
+def _last_good(info) -> str:
+    if info is None:
+        return ("No checkpoint was written before; lower train.optimizer.lr (or raise train.schedule.warmup, "
+                "lower train.grad_clip) and start again")
+    return (f"The last good checkpoint is {info.path} (step {info.step}); lower train.optimizer.lr (or raise "
+            "train.schedule.warmup, lower train.grad_clip) and run again to resume from it, or start a new run.dir")
+
+
+__all__ = ["train", "evaluate", "eval_memory", "clip_memory", "lm_loss", "token_loss_sum"]

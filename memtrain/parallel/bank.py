@@ -155,6 +155,11 @@ class MemoryBank:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
+    def skip_step(self) -> None:
+        """Drop this step's gradients without an update (a step the divergence guard skips)."""
+        for t in self.parameters():
+            t.grad = None
+
     # -- counters ----------------------------------------------------------------------------------
 
     def _reset_counters(self) -> None:

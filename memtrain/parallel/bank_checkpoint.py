@@ -153,8 +153,19 @@ def _quiet():
 def _dcp_save(state: dict, folder: Path, group, no_dist: bool) -> None:
     import torch.distributed.checkpoint as dcp
 
+    class Writer(dcp.FileSystemWriter):
+        """Records no path in ``.metadata``: the checkpoint is written into a temporary folder and renamed
+        (:func:`memtrain.parallel.checkpoint.save`). Loading never used it (files are relative to the reader's
+        folder); leaving it out keeps a stale path out of the checkpoint."""
+
+        def storage_meta(self):
+            meta = super().storage_meta()
+            if meta is not None:
+                meta.checkpoint_id = None
+            return meta
+
     with _quiet():
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(folder)), process_group=group, no_dist=no_dist)
+        dcp.save(state, storage_writer=Writer(str(folder)), process_group=group, no_dist=no_dist)
 
 
 def _dcp_load(state: dict, folder: Path, group, no_dist: bool) -> None:

@@ -1,4 +1,5 @@
-"""Sharded checkpoints: DeepSpeed's engine state plus memtrain's trainer state, with completion markers.
+"""Sharded checkpoints: DeepSpeed's engine state plus memtrain's trainer state, written into a temporary
+folder, checksummed, and renamed into place.
 
 Layout under ``<run.dir>/checkpoints/global_step<N>/``:
 
@@ -6,17 +7,24 @@ Layout under ``<run.dir>/checkpoints/global_step<N>/``:
 - ``trainer_state.json`` (rank 0): step, tokens seen, data-loader position, the resolved recipe;
 - ``rank_state_<rank>.pt`` (every rank): that rank's torch / numpy / Python RNG states and its
   data-loader position (ranks differ under cluster-affine placement), loaded with ``weights_only=True``;
-- ``COMPLETE.json``: written by rank 0 after a global barrier once every rank has finished writing.
-  A tag without it is incomplete (a run killed mid-save) and is never resumed from; DeepSpeed's own
-  ``latest`` file is not written, since it can point at an unfinished tag.
+- ``memory_bank/`` (with memories, through ``save``'s ``write_extra``);
+- ``COMPLETE.json``: the step, permanence, world size, and every other file's size and xxh64 checksum.
+
+How a save proceeds (:func:`save`): every rank writes into ``.global_step<N>.partial`` (rank 0 first
+removes leftovers of killed saves); after a barrier the ranks hash the files (file ``i`` by rank
+``i % world``) and rank 0 writes ``COMPLETE.json``, renames the folder to ``global_step<N>``, fsyncs
+``checkpoints/``, writes ``checkpoints/latest`` (the tag, as DeepSpeed's ``save_latest``: DeepSpeed's
+``zero_to_fp32.py`` then needs no ``-t``) and prunes. A crash at any point leaves either no
+``global_step<N>`` or a complete one. Readers call :func:`verify` (the files against the checksums) and
+read inside :func:`reading`, which keeps :func:`prune` of a concurrent training run off the folder.
 
 Retention: the newest ``checkpoint.keep_last`` complete checkpoints are kept; every checkpoint at a
 multiple of ``checkpoint.permanent_every_steps`` is permanent and never pruned.
 
-This module composes a checkpoint from its parts: the folders and the completion marker are
-:mod:`memtrain.parallel.checkpoint_folder`, the memory bank's rows :mod:`memtrain.parallel.bank_checkpoint`
-(``memory_bank/``, written through ``save``'s ``write_extra``); the engine, RNG and trainer state,
-DeepSpeed universal conversion and the anchor weights are here.
+This module composes a checkpoint from its parts: the folders, the marker, checksums, reading locks and
+retention are :mod:`memtrain.parallel.checkpoint_folder`, the memory bank's rows
+:mod:`memtrain.parallel.bank_checkpoint`; the engine, RNG and trainer state, DeepSpeed universal
+conversion and the anchor weights are here.
 """
 
 from __future__ import annotations
@@ -35,8 +43,10 @@ from memtrain.config import Recipe, recipe_hash_fields
 from memtrain.errors import CheckpointError
 from memtrain.parallel.bank_checkpoint import load_bank, read_bank_state, save_bank
 from memtrain.parallel.checkpoint_folder import (
-    MARKER, TRAINER_STATE, CheckpointInfo, checkpoint_root, latest_checkpoint, list_checkpoints, mark_complete, prune,
-    read_trainer_state, resolve, summarize, tag_for, write_json_atomic,
+    LATEST, MARKER, TRAINER_STATE, CheckpointInfo, checkpoint_files, checkpoint_root, fallback, hash_files,
+    is_removed, latest_checkpoint, leftovers, list_checkpoints, mark_complete, partial_tag_for, previous_checkpoint,
+    prune, publish, read_trainer_state, reading, removed, resolve, summarize, tag_for, verify, write_json_atomic,
+    write_latest,
 )
 
 # --------------------------------------------------------------------------------------------------
@@ -73,34 +83,54 @@ def set_rng_state(state: dict) -> None:
 
 def save(engine, recipe: Recipe, *, step: int, trainer_state: dict, rank: int, world_size: int,
          rank_extra: Optional[dict] = None, write_extra: Optional[Callable[[Path], None]] = None) -> Path:
-    """Write checkpoint ``global_step<step>`` on every rank; rank 0 marks it complete and prunes.
-    ``write_extra(path)`` runs on every rank before the completion barrier (e.g. the memory bank)."""
+    """Write checkpoint ``global_step<step>`` on every rank (collective); returns its final path.
+
+    Every rank writes into the temporary folder ``.global_step<step>.partial`` (DeepSpeed's files, its
+    rank file, ``write_extra(folder)``: e.g. the memory bank; rank 0 the trainer state); after a barrier
+    the ranks hash the files, and rank 0 writes ``COMPLETE.json``, renames the folder into place (replacing
+    an incomplete one of that name), writes ``checkpoints/latest`` and prunes."""
     import torch.distributed as dist
 
+    collective = dist.is_available() and dist.is_initialized()
     root = checkpoint_root(recipe.run_dir)
-    tag = tag_for(step)
-    path = root / tag
-    if rank == 0 and path.exists():  # an incomplete leftover from a killed run at the same step
-        shutil.rmtree(path)
-    if dist.is_initialized():
+    partial_tag = partial_tag_for(step)
+    folder = root / partial_tag
+    if rank == 0:  # partial folders of killed saves, this step's included
+        for old in leftovers(recipe.run_dir):
+            shutil.rmtree(old)
+        root.mkdir(parents=True, exist_ok=True)
+    if collective:
         dist.barrier()
-    engine.save_checkpoint(str(root), tag=tag, client_state={"memtrain_step": step}, save_latest=False)
-    path.mkdir(parents=True, exist_ok=True)
-    torch.save({"rng": rng_state(), **(rank_extra or {})}, path / f"rank_state_{rank:05d}.pt")
+    engine.save_checkpoint(str(root), tag=partial_tag, client_state={"memtrain_step": step}, save_latest=False)
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.save({"rng": rng_state(), **(rank_extra or {})}, folder / f"rank_state_{rank:05d}.pt")
     if write_extra is not None:
-        write_extra(path)
+        write_extra(folder)
     if rank == 0:
-        write_json_atomic(path / TRAINER_STATE, {**trainer_state, "recipe": recipe.to_dict()})
-    if dist.is_initialized():
+        write_json_atomic(folder / TRAINER_STATE, {**trainer_state, "recipe": recipe.to_dict()})
+    if collective:
         dist.barrier()
+    # Every rank hashes (and fsyncs) its share of the files rank 0 lists; rank 0 collects the records.
+    names = [checkpoint_files(folder) if rank == 0 else None]
+    if collective and world_size > 1:
+        dist.broadcast_object_list(names, src=0)
+    mine = hash_files(folder, names[0][rank::max(world_size, 1)], sync=True)
+    records = [mine]
+    if collective and world_size > 1:
+        records = [None] * dist.get_world_size()
+        dist.all_gather_object(records, mine)
+    final = root / tag_for(step)
     if rank == 0:
+        files = {name: rec for part in records for name, rec in part.items()}
         every = recipe.steps(recipe.checkpoint.permanent_every_steps)
         permanent = every > 0 and step % every == 0
-        mark_complete(path, step, permanent, world_size)
+        mark_complete(folder, step, permanent, world_size, files)
+        publish(folder, final)
+        write_latest(recipe.run_dir, final.name)
         prune(recipe.run_dir, recipe.checkpoint.keep_last)
-    if dist.is_initialized():
+    if collective:
         dist.barrier()
-    return path
+    return final
 
 
 def check_compatible(info: CheckpointInfo, state: dict, recipe: Recipe, world_size: int) -> None:
@@ -182,9 +212,10 @@ def ensure_universal(info: CheckpointInfo, rank: int) -> Path:
         dist.broadcast_object_list(flag, src=0)
         failure = flag[0]
     if failure:
+        if is_removed(info):
+            raise removed(info)
         raise CheckpointError(failure + f"; resume on {info.world_size} ranks with the checkpoint's ZeRO stage, or, "
-                              f"if a file is damaged, delete {info.path / MARKER} to fall back to the checkpoint "
-                              "before it")
+                              f"if a file is damaged, {fallback(info)}")
     return out
 
 
@@ -194,8 +225,6 @@ def load(engine, info: CheckpointInfo, rank: int, universal: bool = False) -> tu
     checkpoint made by :func:`ensure_universal` (the engine must be built with ``load_universal``).
     A rank the checkpoint had no rank file for (more ranks than before) keeps its fresh RNG state."""
     state = read_trainer_state(info)
-    damaged = (f"; the folder is damaged. Delete {info.path / MARKER} to resume from the checkpoint before it, "
-               "or start a new run.dir")
     load_dir, tag = (str(info.path), UNIVERSAL) if universal else (str(info.path.parent), info.tag)
     groups = _base_optimizer(engine).param_groups if universal else []
     settings = [{k: v for k, v in g.items() if k not in ("params", "lr")} for g in groups]
@@ -204,10 +233,9 @@ def load(engine, info: CheckpointInfo, rank: int, universal: bool = False) -> tu
                                               load_lr_scheduler_states=True)
     except (RuntimeError, OSError, EOFError, KeyError, ValueError, pickle.UnpicklingError) as e:
         # A truncated or overwritten shard; DeepSpeed's own error names the file deep inside torch.load.
-        raise CheckpointError(f"cannot load {info.path} ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
-                              + damaged) from None
+        raise _damaged(info, f"cannot load {info.path} ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
     if load_path is None:
-        raise CheckpointError(f"DeepSpeed found no checkpoint in {info.path}" + damaged)
+        raise _damaged(info, f"DeepSpeed found no checkpoint in {info.path}")
     if universal:
         _repair_universal_load(engine, settings)
     rank_file = info.path / f"rank_state_{rank:05d}.pt"
@@ -217,8 +245,15 @@ def load(engine, info: CheckpointInfo, rank: int, universal: bool = False) -> tu
             extra = torch.load(rank_file, weights_only=True)
             set_rng_state(extra.pop("rng"))
         except (RuntimeError, OSError, EOFError, KeyError, pickle.UnpicklingError) as e:
-            raise CheckpointError(f"cannot load {rank_file} ({type(e).__name__})" + damaged) from None
+            raise _damaged(info, f"cannot load {rank_file} ({type(e).__name__})")
     return state, extra
+
+
+def _damaged(info: CheckpointInfo, what: str) -> CheckpointError:
+    """A read failure of ``info``: removed by another process, or damaged (with the fallback)."""
+    if is_removed(info):
+        return removed(info)
+    return CheckpointError(f"{what}; the folder is damaged: {fallback(info)}")
 
 
 def _base_optimizer(engine):
@@ -265,25 +300,33 @@ def load_module_state(info: CheckpointInfo) -> dict[str, torch.Tensor]:
     ZeRO-3: consolidated from the partitions by DeepSpeed's zero_to_fp32)."""
     file = info.path / "mp_rank_00_model_states.pt"
     try:
-        state = torch.load(file, weights_only=True, map_location="cpu")
-        module = state.get("module")
-        if module:
-            return module
+        # ZeRO-3 writes zero_pp_rank_<r>_mp_rank_00_model_states.pt instead, whose "module" holds only the
+        # rank's empty partitioned placeholders: its weights are the fp32 partitions of the optimizer files.
+        if file.is_file() or not any(info.path.glob("zero_pp_rank_*_mp_rank_00_model_states.pt")):
+            state = torch.load(file, weights_only=True, map_location="cpu")
+            module = state.get("module")
+            if module:
+                return module
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         return get_fp32_state_dict_from_zero_checkpoint(str(info.path.parent), tag=info.tag)
     except (RuntimeError, OSError, EOFError, KeyError, ValueError, pickle.UnpicklingError) as e:
+        if is_removed(info):
+            raise removed(info) from None
         raise CheckpointError(f"cannot read the model weights of {info.path} ({type(e).__name__}: "
                               f"{str(e).splitlines()[0][:200]}); the folder is damaged: use another checkpoint "
-                              f"(checkpoint=PATH), or delete {info.path / MARKER} to fall back to the one "
-                              "before it") from None
+                              f"(checkpoint=PATH), or {fallback(info)}") from None
 
 
-def load_anchor(model: torch.nn.Module, path: str | Path) -> CheckpointInfo:
+def load_anchor(model: torch.nn.Module, path: str | Path, rank: int = 0, world: int = 1) -> CheckpointInfo:
     """Load ``model.init_from``: every anchor weight must be present with its shape; memory parameters
-    (the generic memory) missing from an anchor-only checkpoint keep their initial values."""
+    (the generic memory) missing from an anchor-only checkpoint keep their initial values. The files are
+    verified against their checksums first (collective over ``world`` ranks when given, else each
+    caller checks all), and the folder is held against pruning while it is read."""
     info = resolve(path)
-    state = load_module_state(info)
+    with reading(info):
+        verify(info, rank, world)
+        state = load_module_state(info)
     own = model.state_dict()
     mismatched = [k for k, v in state.items() if k in own and tuple(own[k].shape) != tuple(v.shape)]
     if mismatched:
@@ -303,8 +346,9 @@ def load_anchor(model: torch.nn.Module, path: str | Path) -> CheckpointInfo:
 # The checkpoint API of the trainer and of evaluation: this module's own functions plus the folder
 # helpers (:mod:`.checkpoint_folder`) and the bank's (:mod:`.bank_checkpoint`) it composes.
 __all__ = [
-    "MARKER", "TRAINER_STATE", "UNIVERSAL", "CheckpointInfo", "check_compatible", "checkpoint_root", "ensure_universal",
-    "latest_checkpoint", "list_checkpoints", "load", "load_anchor", "load_bank", "load_module_state", "needs_universal",
-    "prune", "read_bank_state", "read_trainer_state", "resolve", "rng_state", "save", "save_bank", "set_rng_state",
-    "summarize", "tag_for",
+    "LATEST", "MARKER", "TRAINER_STATE", "UNIVERSAL", "CheckpointInfo", "check_compatible", "checkpoint_root",
+    "ensure_universal", "latest_checkpoint", "leftovers", "list_checkpoints", "load", "load_anchor", "load_bank",
+    "load_module_state", "needs_universal", "partial_tag_for", "previous_checkpoint", "prune", "read_bank_state",
+    "read_trainer_state", "reading", "resolve", "rng_state", "save", "save_bank", "set_rng_state", "summarize", "tag_for",
+    "verify", "write_latest",
 ]

@@ -184,6 +184,18 @@ def barrier() -> None:
         dist.barrier()
 
 
+def gather_strings(items: list[str]) -> list[str]:
+    """Every rank's ``items``, in rank order, on every rank (collective when a process group of more
+    than one rank runs; ``items`` itself otherwise). Used to agree on problems found by one rank."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return list(items)
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, list(items))
+    return [x for part in gathered for x in part]
+
+
 def shutdown() -> None:
     import torch.distributed as dist
 

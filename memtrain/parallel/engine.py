@@ -18,8 +18,9 @@ undecayed vectors (and the identity-initialised W_x); gradient clipping is DeepS
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -262,3 +263,47 @@ def global_grad_norm(engine) -> float:
     if norm is None:
         return float("nan")
     return float(norm)
+
+
+def base_optimizer(engine):
+    """The torch optimizer inside DeepSpeed's ZeRO or bf16 wrapper (or the engine's optimizer itself)."""
+    return getattr(engine.optimizer, "optimizer", engine.optimizer)
+
+
+@contextlib.contextmanager
+def skipped_step(engine) -> Iterator[None]:
+    """Make the ``engine.step()`` inside this block skip the optimizer update, through the path DeepSpeed
+    takes for an fp16 overflow wherever it has one: ZeRO 1-3 (``has_overflow``) and the bf16 optimizer
+    (an invalid gradient norm) clear the gradients, leave weights, moments and the learning-rate
+    schedule untouched and report ``engine.was_step_applied()`` False. Without ZeRO in fp32 the engine
+    steps the plain torch optimizer, which skips every parameter without a gradient: the gradients are
+    dropped here (weights and moments untouched; DeepSpeed still steps the schedule). Used by the
+    divergence guard, with the decision already agreed by every rank, so the overflow every rank
+    reports here matches."""
+    opt = engine.optimizer
+    if hasattr(opt, "has_overflow"):  # ZeRO 1-3
+        target, name, stand_in = opt, "has_overflow", lambda *args, **kwargs: True
+    elif hasattr(opt, "get_grads_for_norm") and hasattr(opt, "clear_hp_grads"):  # DeepSpeed's BF16_Optimizer
+        device = next(p.device for p in engine.module.parameters())
+        target, name = opt, "get_grads_for_norm"
+        stand_in = lambda *args, **kwargs: ([torch.full((1,), float("nan"), device=device)], [])  # noqa: E731
+    else:
+        for p in engine.module.parameters():
+            p.grad = None
+        # DeepSpeed's fp32 clipping indexes the first parameter with a gradient: nothing to clip here.
+        target, name, stand_in = engine, "clip_fp32_gradients", lambda *args, **kwargs: None
+    setattr(target, name, stand_in)
+    try:
+        yield
+    finally:
+        delattr(target, name)  # the class's own method again
+
+
+def weights_finite(engine) -> bool:
+    """Whether every weight this rank's optimizer updates is finite (its fp32 master partitions under
+    ZeRO 1-3 and bf16, the parameters themselves otherwise); local, no communication."""
+    for group in base_optimizer(engine).param_groups:
+        for p in group["params"]:
+            if p.numel() and not bool(torch.isfinite(p.detach()).all()):
+                return False
+    return True

@@ -532,6 +532,15 @@ class ShardedMemoryBank:
                         p.index_copy_(0, rows, p.index_select(0, rows).float().add_(update).to(p.dtype))
         if self.mode == "deferred":
             self._trim_lrs()
+        self._end_step()
+
+    def skip_step(self) -> None:
+        """Drop this step's gradients without an update (a step the divergence guard skips): rows,
+        moments and the step count stay as they were; the traffic is still counted."""
+        self._pending = [[] for _ in self._pending]
+        self._end_step()
+
+    def _end_step(self) -> None:
         self.grads = [None] * self.layout.depth
         self._reduced = False
         self._last = {"sent": self._bytes[0], "received": self._bytes[1], "micro_batches": self._micro}

@@ -37,10 +37,33 @@ class FetchedMemory:
         return cls([None] * depth, torch.ones(batch_size, dtype=torch.bool, device=device))
 
 
-def generic_mask(batch_size: int, prob: float, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+def _splitmix64(x: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finaliser on int64 tensors (two's-complement wrap-around, logical shifts emulated):
+    a bijective 64-bit mix whose outputs pass as independent uniform bits for distinct inputs."""
+    def shr(v: torch.Tensor, n: int) -> torch.Tensor:
+        return (v >> n) & ((1 << (64 - n)) - 1)
+
+    def wrap(c: int) -> int:
+        return c - (1 << 64) if c >= 1 << 63 else c
+
+    x = x + wrap(0x9E3779B97F4A7C15)
+    x = (x ^ shr(x, 30)) * wrap(0xBF58476D1CE4E5B9)
+    x = (x ^ shr(x, 27)) * wrap(0x94D049BB133111EB)
+    return x ^ shr(x, 31)
+
+
+def generic_mask(sample_index: torch.Tensor, step: int, seed: int, prob: float) -> torch.Tensor:
     """``[B]`` bool: which training sequences use the generic memory, each independently with ``prob``
-    (Section 4: 1/(k+1), so that the generic block sees as many sequences as one level-1 block)."""
-    return torch.rand(batch_size, generator=generator) < prob
+    (Section 4: 1/(k+1), so that the generic block sees as many sequences as one level-1 block).
+
+    The draw of a sequence is a hash of (``seed``, ``step``, its global ``sample_index``), not a
+    per-rank random stream: the same step draws the same way on any number of ranks, and a resumed run
+    (on any world size) draws as the uninterrupted one did, with no generator state to checkpoint."""
+    key = _splitmix64(torch.tensor([seed], dtype=torch.int64))
+    key = _splitmix64(key ^ step)
+    bits = _splitmix64(key ^ sample_index.to(torch.int64).cpu())
+    uniform = ((bits >> 11) & ((1 << 53) - 1)).double() * 2.0**-53  # the top 53 bits: a double in [0, 1)
+    return (uniform < prob).to(sample_index.device)
 
 
 class GenericMemory(nn.Module):

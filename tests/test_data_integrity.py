@@ -1,0 +1,327 @@
+"""Integrity of prepared data (memtrain.data.verify): the xxh64 checksums every shard records, damaged
+or missing shards named by `verify_shards` and `memtrain prepare RECIPE --verify`, the ranks' shares,
+folders prepared before checksums, and the recipe checked against the prepared tree (CPU, fast)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from memtrain.config import load_recipe, recipe_from_dict
+from memtrain.data.builtin import builtin_documents
+from memtrain.data.loader import LoaderIterator, build_loader
+from memtrain.data.prepare import prepare
+from memtrain.data.shards import merge_parts, part_name, write_mds
+from memtrain.data.verify import check_recipe_data, file_digest, shard_files, verify_folder, verify_shards
+from memtrain.errors import DataError
+from memtrain.launcher.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+SEQ = 32
+K, P = 2, 2
+
+
+def make_recipe(data_dir: Path, src: Path, clustering: bool = False):
+    return recipe_from_dict({
+        "run": {"name": "integrity", "seed": 5},
+        "model": {"vocab_size": 512, "max_seq_len": SEQ, "d_model": 64, "n_heads": 2, "ffn_dim": 128},
+        "data": {"dir": str(data_dir), "sources": [str(src)], "seq_len": SEQ, "val_fraction": 0.05,
+                 "tokenizer": {"vocab_size": 300, "model_type": "bpe"},
+                 "shard_size_limit": 1 << 14,  # several shards of 16 KB per split
+                 "clustering": {"enabled": clustering, "branching": K, "depth": P, "kmeans_samples": 256,
+                                "embedding_batch_size": 64}},
+        "train": {"global_batch_tokens": 4 * SEQ, "micro_batch_size": 2, "max_steps": 10},
+    })
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    src = tmp_path_factory.mktemp("integrity") / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in builtin_documents(0)[::30]))
+    return src
+
+
+@pytest.fixture(scope="module")
+def plain(source):
+    """A plain prepared folder (never modified: the damage tests work on copies)."""
+    recipe = make_recipe(source.parent / "plain", source)
+    return recipe, prepare(recipe)
+
+
+@pytest.fixture(scope="module")
+def clustered(source):
+    recipe = make_recipe(source.parent / "clustered", source, clustering=True)
+    return recipe, prepare(recipe)
+
+
+@pytest.fixture(params=["plain", "clustered"])
+def prepared(request):
+    return request.getfixturevalue(request.param)
+
+
+def _indexes(data_dir: Path) -> list[Path]:
+    return sorted(data_dir.rglob("index.json"))
+
+
+def _rel(data_dir: Path, path: Path) -> str:
+    return path.relative_to(data_dir).as_posix()
+
+
+def _copy(recipe, dest: Path):
+    shutil.copytree(recipe.data_dir, dest)
+    return recipe_from_dict(recipe.to_dict(), [f"data.dir={dest}"])
+
+
+def _largest_shard(data_dir: Path) -> Path:
+    return max((p for p, _, _ in shard_files(data_dir)), key=lambda p: p.stat().st_size)
+
+
+# --------------------------------------------------------------------------------------------------
+# what prepare records
+
+
+def test_every_shard_records_its_xxh64(prepared):
+    from streaming.base.hashing import get_hash
+
+    recipe, _ = prepared
+    files = shard_files(recipe.data_dir)
+    on_disk = sorted(p for p in recipe.data_dir.rglob("*.mds"))
+    assert sorted(p for p, _, _ in files) == on_disk and len(on_disk) >= 3
+    for index in _indexes(recipe.data_dir):
+        for shard in json.loads(index.read_text())["shards"]:
+            assert shard["hashes"] == ["xxh64"] and set(shard["raw_data"]["hashes"]) == {"xxh64"}
+    for path, algo, digest in files:
+        # what Streaming recorded is its own whole-file hash, which the chunked reader reproduces
+        assert algo == "xxh64" and digest == get_hash("xxh64", path.read_bytes()) == file_digest(path)
+
+
+def test_chunked_digest_equals_the_whole_file_hash(tmp_path, monkeypatch):
+    import memtrain.data.verify as verify
+    from streaming.base.hashing import get_hash
+
+    data = np.random.default_rng(0).bytes(10_007)
+    path = tmp_path / "blob"
+    path.write_bytes(data)
+    monkeypatch.setattr(verify, "CHUNK", 1000)  # 11 chunks, the last one short
+    for algo in ("xxh64", "xxh3_64", "sha1"):
+        assert file_digest(path, algo) == get_hash(algo, data)
+    with pytest.raises(ValueError, match="unknown hash algorithm 'nope'"):
+        file_digest(path, "nope")
+
+
+def test_merged_parts_keep_their_checksums(tmp_path):
+    """Distributed prepare writes one MDS part per rank and merges the indexes with Streaming's merge_index."""
+    rng = np.random.default_rng(1)
+    data_dir = tmp_path / "data"
+    total = 0
+    for rank in range(2):
+        samples = [rng.integers(0, 300, SEQ + 1).astype(np.uint16) for _ in range(300)]
+        total += write_mds(data_dir / "train" / part_name(rank), samples, "uint16", 1 << 12)
+    assert merge_parts(data_dir / "train") == total
+    (data_dir / "meta.json").write_text(json.dumps({"train_samples": total, "val_samples": 0}))
+    merged = json.loads((data_dir / "train" / "index.json").read_text())["shards"]
+    assert len(merged) > 2 and all(s["raw_data"]["hashes"].get("xxh64") for s in merged)
+    rels = [_rel(data_dir, p) for p, _, _ in shard_files(data_dir)]
+    assert {r.split("/")[1] for r in rels} == {"part-00000", "part-00001"}
+    report = verify_folder(data_dir)
+    assert report.problems == [] and report.unchecked == [] and report.files == len(merged)
+
+    victim = data_dir / "train" / "part-00001" / "shard.00000.mds"
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    assert [p.split(":")[0] for p in verify_shards(data_dir)] == ["train/part-00001/shard.00000.mds"]
+
+
+# --------------------------------------------------------------------------------------------------
+# verification
+
+
+def test_a_clean_folder_verifies(prepared):
+    recipe, _ = prepared
+    report = verify_folder(recipe.data_dir)
+    files = shard_files(recipe.data_dir)
+    assert report.problems == [] and report.unchecked == []
+    assert report.files == len(files) and report.bytes == sum(p.stat().st_size for p, _, _ in files)
+    assert verify_shards(recipe.data_dir) == []
+
+
+def test_random_bytes_in_the_middle_of_a_shard_are_named(prepared, tmp_path):
+    recipe, _ = prepared
+    copy = _copy(recipe, tmp_path / "data")
+    shard = _largest_shard(copy.data_dir)
+    data = bytearray(shard.read_bytes())
+    assert len(data) >= 3 * 4096
+    mid = len(data) // 2 - 2048
+    data[mid:mid + 4096] = os.urandom(4096)
+    shard.write_bytes(bytes(data))  # the same size: only the checksum can tell
+    problems = verify_shards(copy.data_dir)
+    assert len(problems) == 1
+    assert problems[0].startswith(f"{_rel(copy.data_dir, shard)}: xxh64 checksum ")
+    assert "does not match the recorded" in problems[0]
+
+
+def test_truncated_and_missing_files_and_indexes_are_named(plain, tmp_path):
+    recipe, _ = plain
+    copy = _copy(recipe, tmp_path / "data")
+    d = copy.data_dir
+    truncated = _largest_shard(d)
+    size = truncated.stat().st_size
+    truncated.write_bytes(truncated.read_bytes()[:size // 2])
+    missing = d / "val" / "shard.00000.mds"
+    missing.unlink()
+    problems = verify_shards(d)
+    assert problems == [f"{_rel(d, truncated)}: {size // 2} bytes but index.json records {size} (truncated, "
+                        "extended or replaced)", "val/shard.00000.mds: missing"]
+
+    (d / "val" / "index.json").unlink()  # an index meta.json implies: its shards cannot be listed
+    assert verify_shards(d) == ["val/index.json: missing (meta.json lists this stream)", problems[0]]
+    with pytest.raises(DataError, match=r"is damaged: val/index.json: missing .*--force"):
+        shard_files(d)
+    shutil.rmtree(d / "val")
+    (d / "meta.json").unlink()
+    with pytest.raises(DataError, match=r"no prepared data in .* run `memtrain prepare RECIPE` first"):
+        verify_shards(d)
+
+
+def test_ranks_share_the_files_each_exactly_once(clustered, tmp_path):
+    recipe, meta = clustered
+    copy = _copy(recipe, tmp_path / "data")
+    d = copy.data_dir
+    for path, _, _ in shard_files(d):  # damage every file: each rank's problems name the files it checked
+        path.write_bytes(path.read_bytes()[:-1])
+    lost = meta["streams"]["val"][0]["dir"]
+    (d / lost / "index.json").unlink()  # a problem of the listing, which rank 0 alone reports
+    checked = [_rel(d, p) for p in sorted(d.rglob("*.mds")) if not _rel(d, p).startswith(lost + "/")]
+    assert len(checked) >= 4
+    for world in (1, 2, 3, len(checked) + 2):
+        reports = [verify_folder(d, rank, world) for rank in range(world)]
+        named = [[p.split(":")[0] for p in r.problems] for r in reports]
+        assert named[0][0] == f"{lost}/index.json" and all(f"{lost}/index.json" not in n for n in named[1:])
+        shards = Counter(name for n in named for name in n if name.endswith(".mds"))
+        assert shards == Counter(checked)  # every file, each exactly once
+        assert [r.files for r in reports] == [len(range(rank, len(checked), world)) for rank in range(world)]
+    with pytest.raises(ValueError, match="rank 2 is not in a world of 2"):
+        verify_folder(d, 2, 2)
+
+
+def test_a_folder_without_checksums_loads_and_is_size_checked_only(plain, tmp_path):
+    recipe, _ = plain
+    copy = _copy(recipe, tmp_path / "data")
+    d = copy.data_dir
+    for index in _indexes(d):  # as prepared before checksums were recorded
+        obj = json.loads(index.read_text())
+        for shard in obj["shards"]:
+            shard["hashes"], shard["raw_data"]["hashes"] = [], {}
+        index.write_text(json.dumps(obj))
+    files = shard_files(d)
+    assert all(algo is None and digest is None for _, algo, digest in files)
+    report = verify_folder(d)
+    assert report.problems == [] and report.bytes == 0
+    assert sorted(report.unchecked) == sorted(_rel(d, p) for p, _, _ in files)
+    batch = next(LoaderIterator(build_loader(copy, "train", 2)))  # still loads
+    assert batch["input_ids"].shape == (2, SEQ)
+
+    shard = _largest_shard(d)
+    shard.write_bytes(shard.read_bytes()[:100])
+    assert [p.split(":")[0] for p in verify_shards(d)] == [_rel(d, shard)]
+
+
+# --------------------------------------------------------------------------------------------------
+# memtrain prepare RECIPE --verify
+
+
+def test_prepare_verify_command(plain, tmp_path, capsys):
+    recipe, _ = plain
+    copy = _copy(recipe, tmp_path / "data")
+    path = tmp_path / "recipe.yaml"
+    path.write_text(copy.to_yaml())
+    before = sorted((p, p.stat().st_mtime_ns) for p in copy.data_dir.rglob("*"))
+
+    assert main(["prepare", str(path), "--verify"]) == 0
+    out, err = capsys.readouterr()
+    n = len(shard_files(copy.data_dir))
+    assert out.startswith(f"verified {copy.data_dir}: {n} shard files, ") and "; 0 without checksum" in out
+    assert err == ""
+    assert sorted((p, p.stat().st_mtime_ns) for p in copy.data_dir.rglob("*")) == before  # prepares nothing
+
+    shard = _largest_shard(copy.data_dir)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2:len(data) // 2 + 4096] = os.urandom(4096)
+    shard.write_bytes(bytes(data))
+    assert main(["prepare", str(path), "--verify"]) == 2
+    out, err = capsys.readouterr()
+    assert out.rstrip().endswith("; 1 damaged")
+    lines = err.strip().splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith(f"memtrain: 1 damaged file(s) in {copy.data_dir}: {_rel(copy.data_dir, shard)}: xxh64 ")
+    assert lines[0].endswith(f"prepare the data again with `memtrain prepare {path} --force`, or restore the folder "
+                             "from a good copy")
+
+    empty = tmp_path / "nothing"
+    assert main(["prepare", str(path), f"data.dir={empty}", "--verify"]) == 2
+    assert "no prepared data in" in capsys.readouterr().err and not empty.exists()
+    with pytest.raises(SystemExit, match="2"):
+        main(["prepare", str(path), "--verify", "--force"])
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------------------
+# the recipe against the prepared data
+
+
+def _quickstart_memory(*overrides: str):
+    return load_recipe(REPO / "recipes" / "quickstart-memory.yaml", list(overrides))
+
+
+def _tree_meta(k: int, p: int) -> dict:
+    return {"clustering": {"branching": k, "depth": p, "prefix": True},
+            "streams": {"train": [{"subtree": s, "dir": f"train/subtree-{s}", "samples": 10} for s in range(k)]}}
+
+
+def test_memory_on_unclustered_data_is_refused(plain):
+    _, meta = plain  # prepared without clustering
+    assert "clustering" not in meta
+    with pytest.raises(DataError, match=r"was prepared without clustering, but memory.type 'ffn' fetches memories by "
+                                        r"cluster id; prepare it again .*--force.*or set memory.type: none"):
+        check_recipe_data(_quickstart_memory(), meta)
+    with pytest.raises(DataError, match=r"prepared without clustering, but data.placement 'affine'.*data.placement: "
+                                        "global"):
+        check_recipe_data(_quickstart_memory("memory.type=none", "memory.levels=[]", "data.placement=affine"), meta)
+    # nothing needs the tree: no complaint
+    check_recipe_data(_quickstart_memory("memory.type=none", "memory.levels=[]"), meta)
+    check_recipe_data(plain[0], meta)
+
+
+def test_another_tree_is_refused(clustered):
+    recipe, meta = clustered
+    check_recipe_data(recipe, meta)
+    check_recipe_data(_quickstart_memory(), _tree_meta(4, 2))
+    with pytest.raises(DataError, match=r"holds a cluster tree with branching 2 but data.clustering.branching is 4; set "
+                                        r"data.clustering.branching: 2, or prepare the data again"):
+        check_recipe_data(_quickstart_memory(), meta)
+    with pytest.raises(DataError, match=r"holds a cluster tree with depth 3 but data.clustering.depth is 2; set "
+                                        r"data.clustering.depth: 3"):
+        check_recipe_data(_quickstart_memory(), _tree_meta(4, 3))
+    # a memory without a bank reads no cluster ids, but the tree must still be the recipe's
+    with pytest.raises(DataError, match="holds a cluster tree with branching 3 but data.clustering.branching is 4"):
+        check_recipe_data(_quickstart_memory("memory.type=none", "memory.levels=[]"), _tree_meta(3, 2))
+
+
+def test_leaves_that_do_not_index_the_memory_rows_are_refused():
+    recipe = _quickstart_memory()
+    recipe.memory.levels = [64, 32, 16]  # past validation: 4^3 rows for a tree of 4^2 leaves
+    with pytest.raises(DataError, match=r"has 16 leaf clusters \(branching 4, depth 2\) but the memory has 64 rows at its "
+                                        r"deepest level .*one memory.levels entry per tree level \(2\)"):
+        check_recipe_data(recipe, _tree_meta(4, 2))
+    meta = _tree_meta(4, 2)
+    meta["streams"]["train"].append({"subtree": 7, "dir": "train/subtree-7", "samples": 1})
+    with pytest.raises(DataError, match=r"lists train streams of level-1 subtrees \[7\], outside \[0, 4\) for branching "
+                                        "4; the folder is inconsistent"):
+        check_recipe_data(_quickstart_memory(), meta)
