@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +19,6 @@ import torch.nn.functional as F
 from memtrain.config import ModelConfig, RecipeError, TitansConfig, load_recipe, recipe_from_dict
 from memtrain.data.loader import document_ids
 from memtrain.model import DecoderLM, ModelOutput, TitansLM, build, count_parameters
-from memtrain.model.attention import flex_available
 from memtrain.model.titans.arch import segment_bounds
 from memtrain.model.titans.attention import segment_mask, sliding_window_mask, window_allowed
 
@@ -109,7 +109,7 @@ def test_recipe_titans_section_defaults_and_validation():
     (["model.type=mamba"], "model.type"),
 ])
 def test_bad_titans_values_name_the_key(overrides, key):
-    with pytest.raises(RecipeError) as err:
+    with pytest.raises(RecipeError, match=rf"^recipe error: {re.escape(key)}") as err:
         recipe_from_dict({}, overrides)
     assert err.value.key == key
 
@@ -310,7 +310,6 @@ def test_mask_builders_against_brute_force():
     assert torch.equal(seg[:, P:P + 6], causal_doc) and torch.equal(seg[:, P + 6:], causal_doc)
 
 
-@pytest.mark.skipif(not flex_available(), reason="no flex attention in this torch build")
 @pytest.mark.parametrize("variant", ["mag", "mal"])
 def test_sdpa_and_flex_agree(variant):
     ids = tokens(eots=(7, 30))
@@ -383,23 +382,3 @@ def test_titans_cpu_mac_recipe_end_to_end(tmp_path):
     assert rows[-1]["loss/train"] < rows[0]["loss/train"], [r["loss/train"] for r in rows]
     assert "loss/val" in rows[-1]
     assert (tmp_path / "run" / "checkpoints" / "global_step4").is_dir()
-
-
-@pytest.mark.parametrize("variant", ["lmm", "mac", "mag", "mal"])
-def test_flops_estimate_counts_linears_attention_context_and_the_inner_loop(variant):
-    """Titans MFU uses 6 x linear weights + 12 L_attn H d_h C + 24 x memory-MLP weights (flops.py)."""
-    from memtrain.model.flops import titans_flops_per_token
-
-    cfg = tiny(variant)
-    torch.manual_seed(0)
-    model = build(cfg)
-    t = cfg.titans
-    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-    memory = sum(p.numel() for n, p in model.named_parameters() if ".init_weights." in n)
-    assert memory > 0
-    head_dim = cfg.head_dim or cfg.d_model // cfg.n_heads
-    context = {"lmm": 0, "mac": 2 * t.segment_len, "mag": t.window, "mal": t.window}[variant] + t.persistent_tokens
-    layers = 0 if variant == "lmm" else cfg.n_layers
-    expected = 6 * linear + 12 * layers * cfg.n_heads * head_dim * context + 24 * memory
-    assert titans_flops_per_token(model, cfg) == expected
-    assert expected > 6 * linear  # the memory is counted

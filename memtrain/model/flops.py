@@ -60,21 +60,42 @@ def titans_flops_per_token(model: nn.Module, cfg: ModelConfig) -> float:
     - attention as ``12 * L_attn * H * d_h * C`` with the context C a query sees: MAC
       ``2 * segment_len + persistent_tokens`` (persistent tokens, the retrieved memory of the segment and
       the segment), MAG / MAL ``window + persistent_tokens``, LMM none;
-    - the inner loop: per token and memory module, ``8 P`` forward (retrieval 2P, associative-loss
-      forward 2P and its weight gradient 4P, with P the weights of all heads' memory MLPs), times 3
-      for the outer forward + backward: ``24 P``.
+    - the inner loop: per token and memory module, ``8 P - 2 P_1`` forward (retrieval 2P,
+      associative-loss forward 2P, the weight gradients 2P and the deltas back-propagated through
+      layers 2..L, ``2 (P - P_1)``; with P the weights of all heads' memory MLPs and P_1 those of
+      their first layer, whose input gradient the keys never need), times 3 for the outer forward +
+      backward: ``24 P - 6 P_1``;
+    - MAC only: the read of the memory before each segment (``NeuralMemory.retrieve``, eq. 21) costs
+      another ``6 x`` (the query third of ``to_qkv``, ``to_out_gate``, ``to_out``) and ``6 P`` (the
+      MLP forward), and the retrieved tokens are projected to keys and values: ``6 x (wk + wv)``.
+
+    These are the matmuls of the per-token recurrence (``algorithm="sequential"``), which
+    tests/test_flops.py counts with ``torch.utils.flop_counter``; the chunk-parallel form does more.
+    Work per sequence or per segment on the persistent tokens (their memory writes and key/value
+    projections, input-independent) is not counted.
     """
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
     t = cfg.titans
     head_dim = cfg.head_dim or cfg.d_model // cfg.n_heads
     attn_layers = sum(1 for b in getattr(model, "blocks", []) if getattr(b, "attn", None) is not None)
     context = {"mac": 2 * t.segment_len, "mag": t.window, "mal": t.window}.get(t.variant, 0) + t.persistent_tokens
-    memory = 0
+    memory = first = 0
     for m in model.modules():
         init = getattr(m, "init_weights", None)
         if isinstance(init, nn.ParameterList):
             memory += sum(p.numel() for p in init)
-    return float(6 * linear + 12 * attn_layers * cfg.n_heads * head_dim * context + 24 * memory)
+            first += init[0].numel()
+    reads = 0
+    if t.variant == "mac":  # the pre-segment read h_t = M*_{t-1}(q_t) and h_t's keys and values (docstring)
+        for b in model.blocks:
+            mem = b.memory
+            linear += (mem.to_qkv.weight.numel() // 3 + mem.to_out_gate.weight.numel() + mem.to_out.weight.numel()
+                       + b.attn.wk.weight.numel() + b.attn.wv.weight.numel())
+            reads += sum(p.numel() for p in mem.init_weights)
+    # 24 P - 6 P_1: no gradient w.r.t. the keys, so the inner loss's first layer costs only its weight gradient
+    # (tests/test_flops.py counts it; 24 P alone was 3 P too many at depth 2, 6 P at depth 1).
+    return float(6 * linear + 12 * attn_layers * cfg.n_heads * head_dim * context + 24 * memory - 6 * first
+                 + 6 * reads)
 
 
 # Dense bf16 peak per device, first match wins (so "H100 PCIe" precedes the SXM default).
