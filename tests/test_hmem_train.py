@@ -16,7 +16,7 @@ import pytest
 import torch
 import yaml
 
-from memtrain.config import load_recipe, recipe_from_dict
+from memtrain.config import RecipeError, load_recipe, recipe_from_dict
 from memtrain.data.builtin import builtin_documents
 from memtrain.data.prepare import prepare
 
@@ -73,7 +73,11 @@ def train(root: Path, run: str, *overrides: str, nproc: int = 1, check: bool = T
 
 
 def metrics(root: Path, run: str) -> list[dict]:
-    return [json.loads(line) for line in (root / "runs" / run / "metrics.jsonl").read_text().splitlines()]
+    """The run's metrics.jsonl rows; each step once, in order (no rows left from an interrupted run)."""
+    rows = [json.loads(line) for line in (root / "runs" / run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in rows]
+    assert steps == sorted(set(steps)), f"{run}: duplicated or out-of-order steps in metrics.jsonl: {steps}"
+    return rows
 
 
 def bank_tables(root: Path, run: str, step: int) -> dict:
@@ -220,14 +224,14 @@ def test_sharded_bank_equals_replicated_and_resumes_on_another_world_size(root):
 
 def test_sharded_bank_settings_need_the_sharded_bank():
     base = {"data": {"clustering": {"enabled": True, "depth": 1}}, "memory": {"type": "ffn", "levels": [1]}}
-    with pytest.raises(Exception, match="memory.bank: sharded"):
+    with pytest.raises(RecipeError, match="memory.bank: sharded"):
         recipe_from_dict({**base, "memory": {**base["memory"], "bank_optimizer": "lazy"}})
-    with pytest.raises(Exception, match="weight_decay"):
+    with pytest.raises(RecipeError, match="weight_decay"):
         recipe_from_dict({**base, "memory": {**base["memory"], "bank": "sharded", "bank_optimizer": "lazy"}})
     assert recipe_from_dict({**base, "memory": {**base["memory"], "bank": "sharded", "bank_optimizer": "lazy",
                                                   "optimizer": {"weight_decay": 0.0}}})
     for key, value in (("bank_optimizer", "deferred"), ("bank_dtype", "bf16"), ("bank_offload", True)):
-        with pytest.raises(Exception, match=f"memory.{key}.*memory.bank: sharded"):
+        with pytest.raises(RecipeError, match=f"memory.{key}.*memory.bank: sharded"):
             recipe_from_dict({**base, "memory": {**base["memory"], key: value}})
         assert recipe_from_dict({**base, "memory": {**base["memory"], "bank": "sharded", key: value}})
 

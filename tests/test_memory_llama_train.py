@@ -14,17 +14,16 @@ import sys
 import textwrap
 from pathlib import Path
 
+import peft  # noqa: F401 - a hard dependency (LoRA): a broken install fails here, it is not skipped
 import pytest
 import torch
+import transformers  # noqa: F401
 import yaml
 
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("peft")
-
-from memtrain.config import MemoryConfig, RecipeError, load_recipe, recipe_from_dict  # noqa: E402
-from memtrain.model import build, count_parameters  # noqa: E402
-from memtrain.model.hf import MemoryLlamaLM  # noqa: E402
-from memtrain.model.titans.memory_llama import memory_blocks, set_memory_mode  # noqa: E402
+from memtrain.config import MemoryConfig, RecipeError, load_recipe, recipe_from_dict
+from memtrain.model import build, count_parameters
+from memtrain.model.hf import MemoryLlamaLM
+from memtrain.model.titans.memory_llama import memory_blocks, set_memory_mode
 
 from tiny_hf import make_tiny_llama  # tests/tiny_hf.py
 
@@ -148,7 +147,7 @@ def test_validation_names_the_key(data, key, match):
 
 
 def test_hierarchical_validation_is_unchanged():
-    with pytest.raises(RecipeError) as err:  # post-hoc memories on HF models are still FFN memories only
+    with pytest.raises(RecipeError, match="^recipe error: memory.type") as err:  # post-hoc memories: FFN only
         recipe_from_dict({"model": {"type": "hf", "pretrained": "x/y"}, "memory": {"type": "lora", "levels": [1]}})
     assert err.value.key == "memory.type"
     ok = recipe_from_dict({"memory": {"type": "ffn", "levels": [4]}, "parallel": {"zero_stage": 3},
@@ -192,7 +191,7 @@ def test_build_freezes_the_base_and_groups_memory_and_lora(root):
     assert frozen.lora_parameters() and not any(p.requires_grad for p in frozen.lora_parameters())
     none = tiny_model(root, "memory.memory_llama.lora.enabled=false", "memory.memory_llama.layers=[0, 2]")
     assert not none.lora_parameters() and [b.layer_idx for b in memory_blocks(none.hf_model)] == [0, 2]
-    with pytest.raises(RecipeError) as err:
+    with pytest.raises(RecipeError, match="^recipe error: memory.memory_llama.layers") as err:
         tiny_model(root, "memory.memory_llama.layers=[3]")
     assert err.value.key == "memory.memory_llama.layers"
 
@@ -349,7 +348,11 @@ def train(root: Path, run: str, *overrides: str, prelude: str = "") -> subproces
 
 
 def metrics(root: Path, run: str) -> list[dict]:
-    return [json.loads(line) for line in (root / "runs" / run / "metrics.jsonl").read_text().splitlines()]
+    """The run's metrics.jsonl rows; each step once, in order (no rows left from an interrupted run)."""
+    rows = [json.loads(line) for line in (root / "runs" / run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in rows]
+    assert steps == sorted(set(steps)), f"{run}: duplicated or out-of-order steps in metrics.jsonl: {steps}"
+    return rows
 
 
 def module_state(root: Path, run: str, step: int) -> dict:

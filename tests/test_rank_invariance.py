@@ -74,7 +74,11 @@ def train(root: Path, run: str, *overrides: str, nproc: int = 1) -> subprocess.C
 
 
 def metrics(root: Path, run: str) -> list[dict]:
-    return [json.loads(line) for line in (root / "runs" / run / "metrics.jsonl").read_text().splitlines()]
+    """The run's metrics.jsonl rows; each step once, in order (no rows left from an interrupted run)."""
+    rows = [json.loads(line) for line in (root / "runs" / run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in rows]
+    assert steps == sorted(set(steps)), f"{run}: duplicated or out-of-order steps in metrics.jsonl: {steps}"
+    return rows
 
 
 def test_the_data_makes_the_weighting_matter(root):

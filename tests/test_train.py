@@ -74,7 +74,11 @@ def train(workdir: Path, run: str, *overrides: str, launcher: list[str] | None =
 
 
 def losses(workdir: Path, run: str) -> dict[int, float]:
+    """Step -> training loss; the history must hold each step once, in order (a resumed run's metrics.jsonl
+    keeps no rows of the interrupted run past its checkpoint)."""
     rows = [json.loads(line) for line in (workdir / "runs" / run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in rows]
+    assert steps == sorted(set(steps)), f"{run}: duplicated or out-of-order steps in metrics.jsonl: {steps}"
     return {r["step"]: r["loss/train"] for r in rows}
 
 
@@ -487,3 +491,48 @@ def test_a_damaged_shard_is_found_before_training_starts(workdir):
     assert "prepare it again with `memtrain prepare RECIPE --force`" in lines[0]
     assert "parameters" not in out.stdout  # no model was built, no engine started
     assert not (workdir / "runs" / "damaged-data").exists()
+
+
+def _event_steps(tb_dir: Path) -> dict[str, list[int]]:
+    """Every scalar event in the raw TensorBoard files (no reader-side purging): tag -> steps, in file order."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    steps: dict[str, list[int]] = {}
+    for path in sorted(tb_dir.glob("events.out.tfevents.*")):
+        for event in EventFileLoader(str(path)).Load():
+            for value in event.summary.value:
+                steps.setdefault(value.tag, []).append(event.step)
+    return steps
+
+
+def test_resume_after_a_crash_leaves_one_metrics_row_and_event_per_step(workdir, reference):
+    """A run that crashes at step 6 (checkpoint at 4) and is resumed: metrics.jsonl and the TensorBoard
+    event files (read raw, so no reader-side purge_step handling) hold exactly one row / event per step
+    and tag, none left from the crashed run past step 4, and a line torn by a kill mid-write is dropped.
+    The resumed steps equal the uninterrupted run's."""
+    crash_at_6 = textwrap.dedent("""
+        import memtrain.launcher.train as t
+        real = t.format_line
+        def line(step, *args, **kwargs):  # after step 6's scalars were written
+            if step == 6:
+                raise RuntimeError("simulated crash at step 6")
+            return real(step, *args, **kwargs)
+        t.format_line = line
+    """)
+    out = train(workdir, "crash", prelude=crash_at_6, check=False)
+    assert out.returncode == 1 and "simulated crash at step 6" in out.stderr
+    run = workdir / "runs" / "crash"
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == list(range(1, 7))
+    assert _event_steps(run / "tensorboard")["loss/train"] == list(range(1, 7))  # the crashed run's 5 and 6
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 7, "time": 1.0, "loss/tr')  # torn by a kill
+    out = train(workdir, "crash")
+    assert "global_step4 (step 4" in out.stdout
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    for r in rows:
+        assert r["loss/train"] == pytest.approx(reference[r["step"]], rel=0, abs=1e-6), r["step"]
+    events = _event_steps(run / "tensorboard")
+    assert events["loss/train"] == list(range(1, 9)) and events["loss/val"] == [4, 8]
+    for tag, steps in events.items():
+        assert len(steps) == len(set(steps)), (tag, steps)

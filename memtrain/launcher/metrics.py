@@ -1,14 +1,21 @@
 """Training metrics: TensorBoard scalars, a readable log line, and ``metrics.jsonl``.
 
-Only rank 0 writes. ``metrics.jsonl`` is strict JSON: non-finite values are written as ``null``. TensorBoard logs go to ``<run.dir>/tensorboard`` (one directory per run, reused on
-resume with ``purge_step`` so that events a crashed run wrote after its last checkpoint are
-dropped). Every logged step is also appended to ``<run.dir>/metrics.jsonl`` for scripts and tests.
+Only rank 0 writes. TensorBoard logs go to ``<run.dir>/tensorboard`` (one directory per run, reused on
+resume); every logged step is also appended to ``<run.dir>/metrics.jsonl`` for scripts and tests, as
+strict JSON (a non-finite value is written as ``null``).
+
+A resumed run keeps one history: rows and events that a crashed or preempted run wrote after the
+checkpoint it resumes from are removed from ``metrics.jsonl`` and from the TensorBoard event files
+(rewritten atomically, so every reader sees one value per step and tag, not only those that honour
+``purge_step``, which is set as well). A line torn by a kill mid-write is dropped too.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -24,17 +31,15 @@ class MetricsWriter:
         self.jsonl = None
         if not enabled:
             return
+        tb_dir = Path(run_dir) / "tensorboard"
+        path = Path(run_dir) / "metrics.jsonl"
+        if resume_step is not None:  # forget what was logged past the checkpoint we resume from
+            truncate_jsonl(path, resume_step)
+            truncate_events(tb_dir, resume_step)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"),
-                                    purge_step=None if resume_step is None else resume_step + 1)
-        path = Path(run_dir) / "metrics.jsonl"
-        if resume_step is not None and path.is_file():
-            # Same reasoning as purge_step: forget records past the checkpoint we resume from.
-            kept = [line for line in path.read_text(encoding="utf-8").splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
-            path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+            self.tb = SummaryWriter(log_dir=str(tb_dir), purge_step=None if resume_step is None else resume_step + 1)
         self.jsonl = open(path, "a", encoding="utf-8")
 
     @property
@@ -68,6 +73,52 @@ class MetricsWriter:
         if self.jsonl is not None:
             self.jsonl.close()
             self.jsonl = None
+
+
+def _replace(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file and a rename (a kill leaves the old or the new)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def truncate_jsonl(path: Path, last_step: int) -> None:
+    """Keep the rows of ``metrics.jsonl`` up to ``last_step``; a torn (unparsable) line is dropped."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # half a line written by a killed run
+        if isinstance(row, dict) and row.get("step", 0) <= last_step:
+            kept.append(line)
+    _replace(path, "".join(line + "\n" for line in kept).encode("utf-8"))
+
+
+def truncate_events(log_dir: Path, last_step: int) -> None:
+    """Drop the events past ``last_step`` from every TensorBoard event file in ``log_dir`` (each file read
+    record by record and rewritten only when it holds such events; a record torn by a kill ends it)."""
+    if not log_dir.is_dir():
+        return
+    from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
+    from tensorboard.compat.proto.event_pb2 import Event
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    for path in sorted(log_dir.glob("events.out.tfevents.*")):
+        records = list(RawEventFileLoader(str(path)).Load())
+        kept = [r for r in records if Event.FromString(r).step <= last_step]
+        if len(kept) == len(records) and path.stat().st_size == sum(len(r) + 16 for r in records):
+            continue  # nothing past the step, nothing torn
+        buf = io.BytesIO()
+        writer = RecordWriter(buf)
+        for record in kept:
+            writer.write(record)
+        _replace(path, buf.getvalue())
 
 
 def _si(x: float) -> str:
