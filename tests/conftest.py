@@ -1,9 +1,82 @@
-"""Fixtures shared by several test modules (opt in per module with ``pytest.mark.usefixtures``)."""
+"""Fixtures shared by several test modules (opt in per module with ``pytest.mark.usefixtures``), and the
+suite's skip policy.
+
+Skip policy: a test may be skipped only when it is marked ``gpu`` (no CUDA device here) or ``slurm`` (no
+working ``sbatch``); both are skipped here, at collection, with the reason. Any other skip (an
+``importorskip`` of a broken install, a ``pytest.skip`` inside a test, an xfail) fails the run: the
+session's exit status becomes 1 and the summary lists the offenders. ``MEMTRAIN_GPU_TIER_ON_CPU=1``
+runs the ``gpu`` tier on CPU (to check the tier's own code where no GPU is at hand).
+"""
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+
 import pytest
 import torch
+
+ALLOWED_SKIP_MARKERS = ("gpu", "slurm")
+
+
+def _slurm_reason() -> str | None:
+    """Why Slurm cannot run jobs here, or None when ``sbatch`` and a controller answer."""
+    if shutil.which("sbatch") is None:
+        return "no sbatch on PATH (Slurm is not installed)"
+    try:
+        out = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"scontrol ping failed ({e})"
+    if out.returncode != 0 or "UP" not in out.stdout:
+        return f"no Slurm controller answers (scontrol ping: {(out.stdout + out.stderr).strip()[:200]})"
+    return None
+
+
+class SkipPolicy:
+    """The skip policy of the module docstring, as a plugin (registered in :func:`pytest_configure`)."""
+
+    def __init__(self) -> None:
+        self.may_skip: set[str] = set()
+        self.bad: list[str] = []
+
+    def pytest_collection_modifyitems(self, config, items):
+        gpu_reason = None
+        if not torch.cuda.is_available() and os.environ.get("MEMTRAIN_GPU_TIER_ON_CPU") != "1":
+            gpu_reason = "needs a CUDA GPU: the GPU tier runs with `pytest -m gpu` on a GPU machine"
+        slurm_reason = _slurm_reason() if any(item.get_closest_marker("slurm") for item in items) else None
+        for item in items:
+            if gpu_reason and item.get_closest_marker("gpu"):
+                item.add_marker(pytest.mark.skip(reason=gpu_reason))
+            if slurm_reason and item.get_closest_marker("slurm"):
+                item.add_marker(pytest.mark.skip(reason=f"needs Slurm: {slurm_reason}"))
+        self.may_skip = {item.nodeid for item in items
+                         if any(item.get_closest_marker(m) for m in ALLOWED_SKIP_MARKERS)}
+
+    def pytest_runtest_logreport(self, report):
+        if not report.skipped or report.nodeid in self.may_skip:
+            return
+        if hasattr(report, "wasxfail"):
+            self.bad.append(f"{report.nodeid} (xfail: {report.wasxfail})")
+        else:
+            reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+            self.bad.append(f"{report.nodeid} (skipped: {reason})")
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_sessionfinish(self, session, exitstatus):
+        if self.bad and exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+    def pytest_terminal_summary(self, terminalreporter):
+        if self.bad:
+            terminalreporter.section("skips that are not allowed (only gpu- and slurm-marked tests may skip)",
+                                     red=True)
+            for line in self.bad:
+                terminalreporter.line(line, red=True)
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(SkipPolicy(), "memtrain-skip-policy")
 
 
 @pytest.fixture(scope="module")

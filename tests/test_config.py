@@ -27,7 +27,7 @@ def test_sizes_and_durations():
     assert Duration.parse("2B tokens") == Duration(2_000_000_000, "tokens")
     # Token durations round up to whole steps.
     assert Duration.parse("1000 tokens").to_steps(300) == 4
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="expected a count like 4096"):
         Duration.parse("ten steps")
 
 

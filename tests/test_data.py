@@ -228,7 +228,7 @@ def test_prepare_failure_leaves_no_data_dir(tmp_path, corpus, monkeypatch):
     monkeypatch.setattr(streaming, "MDSWriter", real)
     meta = prepare(recipe)
     monkeypatch.setattr(streaming, "MDSWriter", FailingWriter)
-    with pytest.raises(OSError):
+    with pytest.raises(OSError, match="disk full"):
         prepare(make_recipe(tmp_path / "data", [str(src)], val_fraction=0.3), force=True)
     assert read_meta(tmp_path / "data")["fingerprint"] == meta["fingerprint"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "docs.jsonl"]

@@ -50,15 +50,16 @@ def test_slurm_helpers():
     assert tasks_on_node("2,4(x2)", 0) == 2 and tasks_on_node("2,4(x2)", 2) == 4
     assert first_host("node12") == "node12"
     assert first_host("a[3,5-7],b1") == "a3"
-    with pytest.raises(LaunchError):
+    with pytest.raises(LaunchError, match=r"SLURM_NODEID=5 is outside SLURM_STEP_TASKS_PER_NODE='4\(x2\)'"):
         tasks_on_node("4(x2)", 5)
 
 
-@pytest.mark.parametrize("environ", [
-    {"RANK": "0", "WORLD_SIZE": "2"},  # neither LOCAL_WORLD_SIZE nor LOCAL_SIZE
-    {"RANK": "2", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "0"},  # rank outside world
-    {"RANK": "x", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"},
+@pytest.mark.parametrize("environ,message", [
+    ({"RANK": "0", "WORLD_SIZE": "2"}, "neither LOCAL_WORLD_SIZE .* nor LOCAL_SIZE"),
+    ({"RANK": "2", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "0"},  # rank outside world
+     r"inconsistent launcher variables \(torchrun\): rank 2, local rank 0, world size 2"),
+    ({"RANK": "x", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}, "RANK='x' is missing or not an integer"),
 ])
-def test_inconsistent_environment_is_a_launch_error(environ):
-    with pytest.raises(LaunchError):
+def test_inconsistent_environment_is_a_launch_error(environ, message):
+    with pytest.raises(LaunchError, match=message):
         discover(environ)

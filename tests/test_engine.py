@@ -26,7 +26,7 @@ def test_deepspeed_config_batch_arithmetic_and_monitors_off():
 
 
 def test_world_size_that_does_not_divide_the_batch_names_the_key():
-    with pytest.raises(RecipeError) as err:
+    with pytest.raises(RecipeError, match="^recipe error: train.global_batch_tokens") as err:
         deepspeed_config(_recipe(), world_size=3)
     assert err.value.key == "train.global_batch_tokens"
 
@@ -35,7 +35,7 @@ def test_precision_defaults():
     r = _recipe()
     assert precision(r, torch.device("cpu")) == "fp32"
     assert precision(r, torch.device("cuda", 0)) == "bf16"
-    with pytest.raises(LaunchError):
+    with pytest.raises(LaunchError, match="parallel.precision is bf16 but this run is on CPU"):
         precision(_recipe("parallel.precision=bf16"), torch.device("cpu"))
 
 

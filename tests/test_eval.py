@@ -52,7 +52,7 @@ def test_corrupt_ids_exact():
             out = corrupt_ids(ids, k, c)
             assert (out[:, 0] < k).all() and (out[:, 1:] // k == out[:, :-1]).all()
             assert (out[:, :c - 1] == ids[:, :c - 1]).all() and (out[:, c - 1:] != ids[:, c - 1:]).all()
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"from_level must lie in \[1, "):
         corrupt_ids(ids, 16, 0)
 
 

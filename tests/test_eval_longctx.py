@@ -104,7 +104,7 @@ def test_window_generation_exact_stop_and_truncation():
         assert greedy_generate(SumLM(), prompts, 5, EOT, 8, batch_size=batch_size)[0] == out
     # max_new_tokens caps the output; no room for a prompt is an error.
     assert greedy_generate(SumLM(), [[1]], 2, EOT, 8)[0] == [[1, 2]]
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="max_new_tokens 9 leaves no room for a prompt in 8 tokens"):
         greedy_generate(SumLM(), [[1]], 9, EOT, 8)
 
 
@@ -132,7 +132,7 @@ def test_stream_generation_carries_state_and_never_truncates():
         assert from_start or memory is not None
     assert any(memory is not None for _, memory in model.calls)
     assert greedy_generate(SumLM(stateful=True), prompts, 5, EOT, 4, stream_tokens=3, batch_size=1)[0] == out
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"stream_tokens must lie in \[1, 4\], got 5"):
         greedy_generate(SumLM(stateful=True), prompts, 5, EOT, 4, stream_tokens=5)
 
 
@@ -306,7 +306,8 @@ class HFAdapter(nn.Module):
 
 
 def test_memory_llama_generation_resets_memory_per_sample():
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     from memtrain.model.titans.memory_llama import inject_memory, memory_blocks, set_memory_mode
 
     torch.manual_seed(0)
@@ -456,8 +457,6 @@ def test_eval_long_context_user_errors(titans_run, capsys):
 
 @pytest.fixture(scope="module")
 def memory_llama_run(tmp_path_factory):
-    pytest.importorskip("transformers")
-    pytest.importorskip("peft")
     from memtrain.config import load_recipe
     from memtrain.data.builtin import builtin_documents
     from memtrain.data.prepare import prepare

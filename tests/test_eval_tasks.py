@@ -163,9 +163,9 @@ def test_babilong_num_facts_and_all_tasks():
 
 
 def test_too_short_length_rejected():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"length 20 is too short for the question and its facts"):
         generate("qa3", 1, lengths=(20,))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="unknown task 'qa9'"):
         generate("qa9")
 
 
@@ -193,5 +193,5 @@ def test_score_buckets():
     flat = to_scalars(result, "eval/niah")
     assert flat["eval/niah/accuracy"] == result["accuracy"] and flat["eval/niah/length/4096"] == 0.0
     assert flat["eval/niah/length_depth/2048_0.0"] == 1.0
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="1 predictions for 10 examples"):
         score(["x"], examples)

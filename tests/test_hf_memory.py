@@ -12,17 +12,15 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-
-transformers = pytest.importorskip("transformers")
-from transformers import (  # noqa: E402
+from transformers import (
     Gemma3ForCausalLM, Gemma3TextConfig, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config,
     Qwen2ForCausalLM,
 )
 
-from memtrain.config import MemoryConfig, ModelConfig, RecipeError  # noqa: E402
-from memtrain.model import build, count_parameters  # noqa: E402
-from memtrain.model.hf import HFMemoryLM, decoder_layers  # noqa: E402
-from memtrain.parallel.bank import MemoryBank  # noqa: E402
+from memtrain.config import MemoryConfig, ModelConfig, RecipeError
+from memtrain.model import build, count_parameters
+from memtrain.model.hf import HFMemoryLM, decoder_layers
+from memtrain.parallel.bank import MemoryBank
 
 V, D, L, T = 128, 64, 2, 24
 BRANCHING = 2

@@ -5,6 +5,7 @@ memories, gradients on fetched rows only, the generic memory, and recipe validat
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -278,7 +279,7 @@ def memory_recipe(**memory):
     ({"optimizer": {"lr": 1e-4, "min_lr": 1e-3}}, "memory.optimizer.min_lr"),
 ])
 def test_bad_memory_settings_name_the_key(change, key):
-    with pytest.raises(RecipeError) as e:
+    with pytest.raises(RecipeError, match=rf"^recipe error: {re.escape(key)}") as e:
         recipe_from_dict(memory_recipe(**change))
     assert e.value.key == key
 

@@ -9,19 +9,13 @@ import math
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+import transformers  # noqa: F401
+from transformers import LlamaConfig, LlamaForCausalLM
 
-from memtrain.model.titans.memory_llama import (  # noqa: E402
+from memtrain.model.titans.memory_llama import (
     POSITIONS, default_layers, gate_stats, inject_memory, load_memory_llama, memory_blocks, param_groups,
     reset_memory, set_memory_mode,
 )
-
-try:
-    import peft  # noqa: F401
-    HAVE_PEFT = True
-except ImportError:  # pragma: no cover
-    HAVE_PEFT = False
 
 MEM = dict(heads=2, chunk_size=8)   # NeuralMemory kwargs (dim = hidden size 64)
 CLOSED = -30.0                      # sigmoid(-30) = 9e-14: the gate is numerically closed
@@ -84,7 +78,7 @@ def test_default_layers():
     assert default_layers("gema", 16) == list(range(0, 16, 2))
     assert default_layers("gema", 16, every=4) == [0, 4, 8, 12]
     assert default_layers("alma", 1) == [0]
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="unknown position 'mal'; expected one of elma, alma, gema"):
         default_layers("mal", 16)
 
 
@@ -168,14 +162,14 @@ def test_literal_eq_4_10_residual_is_not_identity(base_dir, base_model):
 
 def test_inject_validation(base_dir):
     model = LlamaForCausalLM.from_pretrained(base_dir)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="unknown position 'mac'"):
         inject_memory(model, "mac", None, MEM)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"layers must be distinct indices in \[0, 2\); got \[0, 0\]"):
         inject_memory(model, "gema", [0, 0], MEM)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"layers must be distinct indices in \[0, 2\); got \[2\]"):
         inject_memory(model, "gema", [2], MEM)
     inject_memory(model, "gema", [1], MEM)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="decoder layer 1 already has a memory_block"):
         inject_memory(model, "gema", [1], MEM)
     assert any(k.startswith("model.layers.1.memory_block.") for k in model.state_dict())
     base_keys = set(LlamaForCausalLM(tiny_config()).state_dict())
@@ -262,7 +256,6 @@ def test_gate_stats_keys(base_dir):
 # LoRA
 
 
-@pytest.mark.skipif(not HAVE_PEFT, reason="peft not installed")
 def test_lora(base_dir, base_model):
     model = load(base_dir, "alma", lora={"r": 4, "lora_alpha": 8, "lora_dropout": 0.0}, gate_bias_init=CLOSED)
     names = {n for n, p in model.named_parameters() if p.requires_grad}
@@ -283,7 +276,6 @@ def test_lora(base_dir, base_model):
     assert any(p.abs().max() > 0 for p in lora_b)
 
 
-@pytest.mark.skipif(not HAVE_PEFT, reason="peft not installed")
 def test_freeze_lora(base_dir):
     model = load(base_dir, "elma", lora={"r": 4}, freeze_lora=True)
     assert any("lora_" in n for n, _ in model.named_parameters())
@@ -410,7 +402,6 @@ def test_state_dict_round_trip_and_deepcopy(base_dir):
     torch.testing.assert_close(logits(model, x), ref, atol=0, rtol=0)
 
 
-@pytest.mark.skipif(not HAVE_PEFT, reason="peft not installed")
 def test_augment_is_load_memory_llama_on_a_loaded_model(base_dir):
     """augment() (what memtrain's MemoryLlamaLM uses on AutoModelForCausalLM) == load_memory_llama."""
     from memtrain.model.titans.memory_llama import augment
