@@ -30,6 +30,19 @@ Three parts, one JSON line each (``"kind"`` says which):
    with bf16 rows (``memory.bank_dtype: bf16``: rows fetched in bf16, gradients still fp32) against
    ZeRO-3 of the same bf16 bank (``ratio_vs_zero3_bf16_rows``), the busiest rank, the worst case
    (every sequence of a rank in a different cluster at every level) and the share of each level.
+4. ``"cluster_assignment"`` (inside each derived line): the same 64-rank figures with leaf ids drawn
+   from a cluster assignment instead of uniformly. With global placement and round-robin owners the
+   busiest rank is the owner of the most requested level-1 row, so its bytes grow with the largest
+   level-1 cluster's share. A synthetic corpus (:func:`synthetic_corpus`: Zipf-sized topics, no real
+   embeddings here) is clustered by :func:`memtrain.data.cluster.train_tree` (k = 16, p = 4, the
+   paper's balanced k-means) and assigned twice: by plain greedy descent (``memtrain prepare`` before
+   the balanced assignment) and by :meth:`ClusterTree.assign_balanced` (now); sequences are drawn in
+   proportion to the documents of each leaf. Each gives ``ratio_vs_zero3``,
+   ``ratio_vs_zero3_busiest_rank`` and, for cluster-affine placement on 64 ranks, the share of the
+   training data the busiest rank reads over the ideal 1/64 (from the report's
+   :func:`memtrain.data.clustered.affine_busiest_rank`); ``ratio_vs_zero3_busiest_rank_greedy`` and
+   ``..._balanced`` repeat the busiest-rank ratios at the top level. Uniform ids are the perfectly
+   balanced case: no assignment does better than ``ratio_vs_zero3_busiest_rank`` there.
 
     python benchmarks/bank_comm.py --quick          # CPU, gloo, about a minute or two
     python benchmarks/bank_comm.py --world 2,4 --steps 6 --out bank_comm.jsonl
@@ -50,6 +63,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -105,6 +119,68 @@ def draw_ids(B: int, depth: int, gen: torch.Generator) -> torch.Tensor:
 def micro_ids(step: int, rank: int, micro: int, B: int, depth: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed * 1_000_003 + 100_003 * step + 101 * rank + micro)
     return draw_ids(B, depth, g)
+
+
+def leaf_draw(probs: torch.Tensor, B: int, depth: int, gen: torch.Generator) -> torch.Tensor:
+    """[B, depth] ids of B leaves drawn with probabilities ``probs [K^depth]`` (with replacement)."""
+    leaf = torch.multinomial(probs, B, replacement=True, generator=gen)
+    return torch.stack([leaf // K ** (depth - 1 - l) for l in range(depth)], 1)
+
+
+# --------------------------------------------------------------------------------------------------
+# Cluster assignments of a synthetic corpus
+
+
+def synthetic_corpus(n: int, dim: int = 32, seed: int = 0, domains: int = 32, topics: int = 16, zipf: float = 1.0,
+                     noise: float = 0.3) -> np.ndarray:
+    """``n`` document embeddings with Zipf-sized topics: ``domains`` random unit directions with
+    weights ~ 1/rank^zipf, each with ``topics`` sub-directions (weights alike, offset 0.5) and Gaussian
+    noise of norm about ``noise``. Dense popular topics are what makes the greedy descent overload a
+    cluster (the paper's balancing acts on the training samples, not on the final split)."""
+    rng = np.random.default_rng(seed)
+
+    def unit(*shape: int) -> np.ndarray:
+        v = rng.normal(size=(*shape, dim))
+        return v / np.linalg.norm(v, axis=-1, keepdims=True)
+
+    def zipf_weights(m: int) -> np.ndarray:
+        w = 1.0 / np.arange(1, m + 1) ** zipf
+        return w / w.sum()
+
+    centres, offsets = unit(domains), unit(domains, topics)
+    d = rng.choice(domains, size=n, p=zipf_weights(domains))
+    t = rng.choice(topics, size=n, p=zipf_weights(topics))
+    x = centres[d] + 0.5 * offsets[d, t] + noise * rng.normal(size=(n, dim)) / np.sqrt(dim)
+    return x.astype(np.float32)
+
+
+def cluster_assignments(n: int, steps: int, samples: int, depth: int = 4, balance_factor: float = 1.5,
+                        seed: int = 0) -> dict:
+    """Train a K-ary tree of ``depth`` levels on :func:`synthetic_corpus` and assign its documents by
+    greedy descent and by the balanced descent; per assignment the leaf probabilities (documents per
+    leaf / n), the largest child's share of its parent per level and the busiest rank under
+    cluster-affine placement on 64 ranks (documents per level-1 subtree as its samples)."""
+    from memtrain.data.cluster import balance_report, train_tree
+    from memtrain.data.clustered import affine_busiest_rank
+
+    t0 = time.perf_counter()
+    x = synthetic_corpus(n, seed=seed)
+    tree = train_tree(x, K, depth, steps=steps, samples=samples, balance_factor=balance_factor, seed=seed,
+                      progress=False)
+    out: dict = {"documents": n, "tree_steps": steps, "tree_samples": samples, "balance_factor": balance_factor,
+                 "limit": balance_factor / K}
+    greedy = tree.assign(x)
+    for name, ids in (("greedy", greedy), ("balanced", tree.assign_balanced(x, balance_factor))):
+        counts = np.bincount(ids[:, -1], minlength=K ** depth)
+        subtrees = counts.reshape(K, -1).sum(axis=1)
+        affine = affine_busiest_rank({s: int(c) for s, c in enumerate(subtrees)}, K, balance_factor, (RANKS_64,))[0]
+        out[name] = {"probs": torch.from_numpy(counts / n),
+                     "max_share_of_parent": [round(v, 4) for v in balance_report(ids, K)["max_cluster_fraction"]],
+                     "affine_64_busiest_rank_share_over_ideal": affine["ratio_to_ideal"]}
+        if name == "balanced":
+            out[name]["documents_moved_from_greedy"] = round(float(np.mean(ids[:, -1] != greedy[:, -1])), 4)
+    out["seconds"] = round(time.perf_counter() - t0, 1)
+    return out
 
 
 # --------------------------------------------------------------------------------------------------
@@ -296,7 +372,7 @@ def measure(name: str, levels, world: int, quick: bool, B: int, accum: int, step
 # The 64-rank figure (derived)
 
 
-def derive_64(name: str, levels, draws: int, measured_ok: bool | None) -> dict:
+def derive_64(name: str, levels, draws: int, measured_ok: bool | None, assignments: dict | None = None) -> dict:
     lay = build_layout(ANCHORS[name], levels)
     W = RANKS_64
     B = GLOBAL_BATCH_SEQS // W  # 16 sequences per rank per step, one micro-batch
@@ -325,6 +401,25 @@ def derive_64(name: str, levels, draws: int, measured_ok: bool | None) -> dict:
     busiest = statistics.fmean(max_sent)
     z32 = zero3_bytes(lay.bank_parameters, W, m, 4)
     z16 = zero3_bytes(lay.bank_parameters, W, m, 2)
+    # The same with leaf ids drawn from each cluster assignment of the synthetic corpus.
+    by_assignment: dict = {}
+    for kind in ("greedy", "balanced") if assignments else ():
+        a = assignments[kind]
+        a_mean, a_max = [], []
+        for d in range(draws):
+            ids = [[leaf_draw(a["probs"], B, lay.depth, torch.Generator().manual_seed(104_729 * (1 + d) + r))]
+                   for r in range(W)]
+            sent = [p["sent"] for p in predict_bytes(lay, W, ids)]
+            a_mean.append(statistics.fmean(sent))
+            a_max.append(max(sent))
+        z = zero3_bytes(lay.bank_parameters, W, m, 4)
+        by_assignment[kind] = {
+            "max_share_of_parent": a["max_share_of_parent"],
+            "ratio_vs_zero3": round(z / statistics.fmean(a_mean), 3),
+            "ratio_vs_zero3_busiest_rank": round(z / statistics.fmean(a_max), 3),
+            **{key: a[key] for key in ("affine_64_busiest_rank_share_over_ideal", "documents_moved_from_greedy")
+               if key in a},
+        }
     # Worst case: every rank's B sequences in min(B, k^l) distinct clusters per level, none on the rank
     # itself (mean over ranks of bytes sent = received = this).
     worst = sum(2 * (W - 1) * ID_BYTES + min(B, lay.rows(l)) * (2 * ID_BYTES + 2 * 4 * lay.block_size(l))
@@ -334,7 +429,8 @@ def derive_64(name: str, levels, draws: int, measured_ok: bool | None) -> dict:
         "levels": list(levels), "branching": K, "depth": len(levels), "scaled": False, **layout_info(lay),
         "world": W, "global_batch_seqs": GLOBAL_BATCH_SEQS, "seq_len": SEQ_LEN, "seqs_per_rank_step": B,
         "micro_batches_per_step": m, "leaf_distribution": "uniform over 16^4 leaves",
-        "cluster_size_distribution": "none available (no real cluster-size distribution in this repo); uniform used",
+        "cluster_size_distribution": "uniform here (no real cluster-size distribution in this repo); "
+                                     "cluster_assignment: a synthetic corpus's greedy and balanced assignments",
         "draws": draws,
         "bank_bytes_per_rank_step_mean": round(bank, 1),
         "bank_bytes_per_rank_step_busiest_rank": round(busiest, 1),
@@ -355,10 +451,18 @@ def derive_64(name: str, levels, draws: int, measured_ok: bool | None) -> dict:
                   "sequences from its group's level-1 subtree (leaves uniform within it), rows owned within the "
                   "group; same byte model with the affine owner map (the map itself is exercised end to end in "
                   "tests/test_hmem_train.py, where only split sizes cross ranks)",
+        **({"ratio_vs_zero3_busiest_rank_greedy": by_assignment["greedy"]["ratio_vs_zero3_busiest_rank"],
+            "ratio_vs_zero3_busiest_rank_balanced": by_assignment["balanced"]["ratio_vs_zero3_busiest_rank"],
+            "cluster_assignment": {
+                **{key: v for key, v in assignments.items() if key not in ("greedy", "balanced")},
+                "corpus": "synthetic_corpus(): 32 Zipf-sized domains x 16 Zipf-sized topics, dim 32, noise 0.3",
+                "sequences": "drawn in proportion to each leaf's documents, global placement, round-robin owners",
+                **by_assignment}} if by_assignment else {}),
         "byte_model_validated_by_measurement": measured_ok,
         "what": "derived: bank bytes from predict_bytes (validated exactly against comm_bytes() in the measured "
-                "runs) on the full-size layout with 64 ranks and seeded uniform ids, mean over draws and ranks; "
-                "ZeRO-3 bytes from 3 m (W-1)/W P b; nothing here is measured",
+                "runs) on the full-size layout with 64 ranks and seeded uniform ids (cluster_assignment: ids drawn "
+                "from a synthetic corpus's greedy and balanced assignments), mean over draws and ranks; ZeRO-3 "
+                "bytes from 3 m (W-1)/W P b; nothing here is measured",
     }
 
 
@@ -375,6 +479,9 @@ def main() -> None:
     ap.add_argument("--accum", type=int, default=1, help="micro-batches per step")
     ap.add_argument("--draws", type=int, default=None, help="seeded id draws for the 64-rank figure")
     ap.add_argument("--out", default=None, help="also write the JSON lines to this file")
+    ap.add_argument("--corpus", type=int, default=None,
+                    help="documents of the synthetic corpus whose cluster assignments the ids are drawn from "
+                         "(default 65536 with --quick, else 262144; 0 skips)")
     args = ap.parse_args()
     steps = args.steps or (3 if args.quick else 6)
     draws = args.draws or (8 if args.quick else 32)
@@ -400,8 +507,12 @@ def main() -> None:
                 emit({**rec, **env})
                 if not rec["model_matches_measured"]:
                     raise SystemExit(f"byte model differs from the measured bytes: {rec['model_mismatches']}")
+    n_corpus = args.corpus if args.corpus is not None else (65536 if args.quick else 262144)
+    assignments = None
+    if n_corpus:
+        assignments = cluster_assignments(n_corpus, steps=5 if args.quick else 20, samples=512 if args.quick else 6400)
     for name, levels in CONFIGS:
-        emit({**derive_64(name, levels, draws, ok_all), **env})
+        emit({**derive_64(name, levels, draws, ok_all, assignments), **env})
     emit({"kind": "summary", "total_s": round(time.perf_counter() - t_start, 1), **env})
     if out:
         out.close()

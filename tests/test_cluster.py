@@ -316,3 +316,215 @@ def test_document_embedding_is_the_normalised_mean_of_its_windows(embedder):
     assert np.allclose(doc_emb[1], embed_texts([""], embedder)[0], atol=1e-5)  # empty doc: embedding of ""
     assert np.array_equal(win2, win) and np.array_equal(owner2, owner)
     assert np.allclose(embed_documents(docs, tok, 8, embedder, 4, progress=False), doc_emb)
+
+
+# ------------------------------------------------------------------------------------------------
+# the balanced final assignment
+
+
+def allowed(n: int, k: int, bf: float) -> int:
+    """Most members one child of an n-member node may hold: the limit in whole members, or ceil(n/k)
+    where k children at the limit could not hold all n (computed here without the library)."""
+    return max(math.floor(bf * n / k), math.ceil(n / k))
+
+
+def nodes_of(ids: np.ndarray, level: int, k: int):
+    """(parent node, member rows, their children 0..k-1) for every non-empty node at ``level``."""
+    parent = ids[:, level - 1] if level else np.zeros(len(ids), np.int64)
+    for node in np.unique(parent):
+        rows = np.flatnonzero(parent == node)
+        yield int(node), rows, ids[rows, level] - node * k
+
+
+def thread_ranks(world: int):
+    """``world`` threads standing in for prepare ranks: reducer(r) sums an int64 array over them."""
+    import threading
+
+    barrier = threading.Barrier(world)
+    slots: list = [None] * world
+
+    def reducer(r: int):
+        def allreduce(a: np.ndarray) -> np.ndarray:
+            slots[r] = np.asarray(a, np.int64).copy()
+            barrier.wait()
+            out = np.sum(slots, axis=0)
+            barrier.wait()  # nobody overwrites a slot before everyone has summed
+            return out
+        return allreduce
+
+    return reducer
+
+
+@pytest.fixture(scope="module")
+def overloaded():
+    """A tree trained without balancing on data with 90% of the points in one blob (plus exact
+    duplicates, so that distances tie): greedy descent overloads one child at several levels."""
+    x = skewed(3000, seed=5)
+    x[::7] = x[3]  # 429 identical points
+    tree = train_tree(x, 4, 3, steps=5, samples=600, balance_factor=1e9, seed=0, progress=False)
+    return tree, x
+
+
+def test_capacity_is_the_limit_in_whole_members():
+    from memtrain.data.cluster import capacity
+
+    n = np.array([0, 1, 4, 5, 6, 8, 13, 100, 1000])
+    assert capacity(n, 4, 1.5).tolist() == [allowed(int(m), 4, 1.5) for m in n] == [0, 1, 1, 2, 2, 3, 4, 37, 375]
+    assert capacity(np.array([1000]), 16, 1.5).tolist() == [93]  # 1.5 / 16 = 0.09375 of 1000
+    assert capacity(np.array([10]), 4, 4.0).tolist() == [10]  # balance_factor k: no limit
+
+
+def test_balanced_assignment_respects_the_limit_at_every_node(overloaded):
+    tree, x = overloaded
+    k, p, bf = 4, 3, 1.5
+    greedy = tree.assign(x)
+    ids = tree.assign_balanced(x, bf)
+    assert ids.shape == (len(x), p) and ids.dtype == np.int64
+    for level in range(1, p):
+        assert np.array_equal(ids[:, level] // k, ids[:, level - 1])  # ids nest as the greedy ones do
+    # The greedy descent breaks the limit badly, so the checks below have teeth.
+    assert balance_report(greedy, k)["max_cluster_fraction"][0] > 0.8
+    assert sum(max(np.bincount(ch, minlength=k)) > allowed(len(rows), k, bf)
+               for level in range(p) for _, rows, ch in nodes_of(greedy, level, k)) >= 3
+
+    checked = 0
+    for level in range(p):
+        for _, rows, children in nodes_of(ids, level, k):
+            counts = np.bincount(children, minlength=k)
+            n = len(rows)
+            assert counts.max() <= allowed(n, k, bf), (level, n, counts)
+            if k * math.floor(bf * n / k) >= n:  # big enough for the limit itself: exactly within it
+                assert counts.max() / n <= bf / k + 1e-12, (level, n, counts)
+                checked += 1
+    assert checked >= 1 + 4 + 8
+    shares = balance_report(ids, k)["max_cluster_fraction"]
+    assert shares[0] == 1125 / 3000 == bf / k and max(shares) <= bf / k  # the overloaded root child: at its cap
+    # deterministic
+    assert np.array_equal(tree.assign_balanced(x, bf), ids)
+    # the ids depend on the rows' positions (the tie-break), not on their order in the array
+    perm = np.random.default_rng(0).permutation(len(x))
+    again = np.empty_like(ids)
+    again[perm] = tree.assign_balanced(x[perm], bf, positions=perm)
+    assert np.array_equal(again, ids)
+
+
+def test_balanced_assignment_keeps_greedy_choices_and_the_closest_members(overloaded):
+    """Round 0 is the greedy descent: inside a node, a child whose greedy proposers fit keeps them
+    all; a child that overflows keeps exactly its cap, its closest proposers (ties by position)."""
+    tree, x = overloaded
+    k, bf = 4, 1.5
+    ids = tree.assign_balanced(x, bf)
+    xn = x / np.linalg.norm(x, axis=1, keepdims=True)
+    overflowing = fitting = 0
+    for level in range(tree.depth):
+        for node, rows, children in nodes_of(ids, level, k):
+            d = np.array([[np.sum((xn[i].astype(np.float64) - tree.centroids[level_offset(level, k) + node, j]) ** 2)
+                           for j in range(k)] for i in rows])
+            first = d.argmin(axis=1)
+            cap = allowed(len(rows), k, bf)
+            for j in range(k):
+                proposers = rows[first == j]
+                kept = proposers[children[first == j] == j]
+                if len(proposers) <= cap:
+                    assert len(kept) == len(proposers)  # nobody moved from a child with room
+                    fitting += 1
+                else:
+                    assert len(kept) == cap
+                    kd = d[np.isin(rows, kept), j]
+                    gone = d[np.isin(rows, proposers) & ~np.isin(rows, kept), j]
+                    assert kd.max() <= gone.min() + 1e-9  # the closest stayed
+                    overflowing += 1
+    assert overflowing >= 3 and fitting >= 10
+    # moved members go to a child no closer than their first choice
+    greedy = tree.assign(x)
+    moved = ids[:, 0] != greedy[:, 0]
+    assert 0 < moved.mean() < 0.8
+
+
+def test_balanced_assignment_equals_greedy_on_balanced_data():
+    # Four level-1 centroids along the axes, four children each along further axes; 20 points at each
+    # leaf: every child holds 1/4 of its parent, within 1.5/4, so nothing may move.
+    k, dim = 4, 20
+    eye = np.eye(dim, dtype=np.float32)
+    c = np.zeros((1 + k, k, dim), np.float32)
+    c[0] = eye[:k]
+    for i in range(k):
+        c[1 + i] = eye[i] + eye[k + 4 * i: k + 4 * i + 4]
+    tree = ClusterTree(k, 2, dim, c)
+    rng = np.random.default_rng(0)
+    x = np.repeat(c[1:].reshape(-1, dim), 20, axis=0) + 0.01 * rng.normal(size=(16 * 20, dim)).astype(np.float32)
+    x = x[rng.permutation(len(x))]
+    greedy = tree.assign(x)
+    assert (np.bincount(greedy[:, 1], minlength=16) == 20).all()
+    assert np.array_equal(tree.assign_balanced(x, 1.5), greedy)
+    # a factor of k is no limit at all: greedy everywhere, even on the overloaded data
+    skew = skewed(500, dim=dim, seed=1)
+    assert np.array_equal(tree.assign_balanced(skew, float(k)), tree.assign(skew))
+    assert not np.array_equal(tree.assign_balanced(skew, 1.5), tree.assign(skew))
+
+    with pytest.raises(ValueError, match=r"balance_factor must be >= 1, got 0.5"):
+        tree.assign_balanced(x, 0.5)
+    with pytest.raises(ValueError, match=r"positions must be unique"):
+        tree.assign_balanced(x[:3], 1.5, positions=np.array([0, 1, 1]))
+    with pytest.raises(ValueError, match=r"positions has shape \(2,\), expected \(3,\)"):
+        tree.assign_balanced(x[:3], 1.5, positions=np.array([0, 1]))
+    with pytest.raises(ValueError, match=r"positions must be >= 0"):
+        tree.assign_balanced(x[:3], 1.5, positions=np.array([0, -1, 2]))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_balanced_assignment_is_the_same_on_any_number_of_ranks(overloaded, world):
+    """Distributed prepare: rank r holds rows r, r+W, ... with those positions and sums counts over
+    the ranks; the ids equal the single process's, so the limit holds over all ranks together. The
+    429 identical points tie at the selection threshold: the position bisection decides them."""
+    import threading
+
+    tree, x = overloaded
+    single = tree.assign_balanced(x, 1.5)
+    reducer = thread_ranks(world)
+    got: list = [None] * world
+    errors: list = []
+
+    def rank(r: int) -> None:
+        try:
+            rows = np.arange(r, len(x), world)
+            got[r] = tree.assign_balanced(x[rows], 1.5, positions=rows, allreduce=reducer(r))
+        except Exception as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors
+    merged = np.empty_like(single)
+    for r in range(world):
+        merged[r::world] = got[r]
+    assert np.array_equal(merged, single)
+    # balancing each rank's share on its own would not give this (the selection really is global)
+    alone = np.empty_like(single)
+    for r in range(world):
+        alone[r::world] = tree.assign_balanced(x[r::world], 1.5, positions=np.arange(r, len(x), world))
+    assert not np.array_equal(alone, single)
+
+
+def test_a_rank_without_documents_takes_part():
+    import threading
+
+    tree = train_tree(skewed(400, seed=2), 4, 2, steps=3, samples=200, balance_factor=1e9, progress=False)
+    x = skewed(400, seed=2)
+    single = tree.assign_balanced(x, 1.5)
+    reducer = thread_ranks(2)
+    got: list = [None, None]
+    parts = [np.arange(len(x)), np.zeros(0, np.int64)]
+
+    def rank(r: int) -> None:
+        got[r] = tree.assign_balanced(x[parts[r]], 1.5, positions=parts[r], allreduce=reducer(r))
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert np.array_equal(got[0], single) and got[1].shape == (0, 2)

@@ -18,7 +18,7 @@ import pytest
 from memtrain.config import recipe_from_dict
 from memtrain.data.builtin import builtin_documents
 from memtrain.data.cluster import ClusterTree
-from memtrain.data.clustered import pack_by_leaf
+from memtrain.data.clustered import affine_busiest_rank, balance_figures, pack_by_leaf
 from memtrain.data.loader import LoaderIterator, build_loader, read_meta
 from memtrain.data.prepare import prepare
 from memtrain.data.shards import PackStats
@@ -100,15 +100,12 @@ def test_prepare_writes_prefixed_streams_per_subtree(prepared):
     assert seen == meta["train_samples"]
 
 
-def test_prefix_is_the_cluster_of_the_documents_in_the_sequence(prepared, docs):
-    """Re-embed and re-assign the documents: the tokens under each leaf prefix are exactly the tokens of
-    the documents the tree assigns to that leaf."""
+@pytest.fixture(scope="module")
+def train_embeddings(prepared, docs):
+    """The prepared training documents (in split order), their tokenizer and their embeddings, computed
+    again outside prepare."""
     recipe, _ = prepared
     meta = read_meta(recipe.data_dir, recipe)
-    tree = ClusterTree.load(recipe.data_dir / "tree.safetensors", expect_branching=K, expect_depth=P)
-
-    from streaming import StreamingDataset
-
     from memtrain.data.embed import embed_documents, load_embedder
     from memtrain.data.prepare import split_documents
     from memtrain.data.tokenizer import load_tokenizer
@@ -116,8 +113,20 @@ def test_prefix_is_the_cluster_of_the_documents_in_the_sequence(prepared, docs):
     tok = load_tokenizer(meta["tokenizer"], base=recipe.data_dir)
     train_idx, _ = split_documents(len(docs), recipe.data.val_fraction, recipe.run.seed)
     train_docs = [docs[i] for i in train_idx]
-    emb = embed_documents(train_docs, tok, SEQ, load_embedder(), 64, progress=False)
-    ids = tree.assign(emb)
+    return train_docs, tok, embed_documents(train_docs, tok, SEQ, load_embedder(), 64, progress=False)
+
+
+def test_prefix_is_the_cluster_of_the_documents_in_the_sequence(prepared, train_embeddings):
+    """Re-embed and re-assign the documents: the tokens under each leaf prefix are exactly the tokens of
+    the documents the tree assigns to that leaf (the balanced assignment, in split order)."""
+    recipe, _ = prepared
+    meta = read_meta(recipe.data_dir, recipe)
+    tree = ClusterTree.load(recipe.data_dir / "tree.safetensors", expect_branching=K, expect_depth=P)
+
+    from streaming import StreamingDataset
+
+    train_docs, tok, emb = train_embeddings
+    ids = tree.assign_balanced(emb, recipe.data.clustering.balance_factor)
     expected: dict[int, Counter] = {}
     for doc, leaf in zip(train_docs, ids[:, -1]):
         expected.setdefault(int(leaf), Counter()).update(tok.encode(doc) + [meta["eot_id"]])
@@ -284,3 +293,90 @@ def test_clustered_streams_from_a_remote_location(prepared, tmp_path):
     assert [next(it)["cluster_ids"].tolist() for _ in range(6)] == local
     assert sorted(p.name for p in (tmp_path / "run" / "data-cache" / "train").iterdir()) == [f"subtree-{i}"
                                                                                            for i in range(K)]
+
+
+def _max_share_of_parent(ids: np.ndarray) -> list[float]:
+    """Per level, the largest child's share of its parent's documents, node by node."""
+    out = []
+    for level in range(ids.shape[1]):
+        parent = ids[:, level - 1] if level else np.zeros(len(ids), np.int64)
+        best = 0.0
+        for node in np.unique(parent):
+            children = ids[parent == node, level].tolist()
+            best = max(best, Counter(children).most_common(1)[0][1] / len(children))
+        out.append(best)
+    return out
+
+
+def test_report_gives_the_balance_of_the_final_assignment(prepared, train_embeddings):
+    """prepare_report.json's balance figures and the busiest rank under affine placement, computed
+    again here: the documents' leaves from a fresh embedding, the groups by a bin packing written here."""
+    recipe, _ = prepared
+    meta = read_meta(recipe.data_dir, recipe)
+    disk = json.loads((recipe.data_dir / "prepare_report.json").read_text())
+    bf = recipe.data.clustering.balance_factor
+    tree = ClusterTree.load(recipe.data_dir / "tree.safetensors", expect_branching=K, expect_depth=P)
+    _, _, emb = train_embeddings
+    balanced, greedy = tree.assign_balanced(emb, bf), tree.assign(emb)
+    bal = disk["balance"]
+    assert bal["balance_factor"] == bf and bal["limit"] == bf / K
+    assert disk["max_cluster_fraction"] == bal["max_share_of_parent"]
+    assert bal["max_share_of_parent"] == pytest.approx(_max_share_of_parent(balanced), abs=1e-12)
+    assert bal["max_share_of_parent_greedy"] == pytest.approx(_max_share_of_parent(greedy), abs=1e-12)
+    assert bal["documents_moved"] == int((balanced[:, -1] != greedy[:, -1]).sum())
+    assert bal["documents_moved_fraction"] == pytest.approx(bal["documents_moved"] / len(emb), abs=1e-6)
+    # every node here has enough documents for the limit itself: it holds everywhere, where the greedy
+    # descent of the same documents breaks it (0.84 of a level-1 cluster's documents in one leaf)
+    assert max(bal["max_share_of_parent"]) <= bf / K and bal["nodes_above_limit"] == [0] * P
+    assert max(bal["max_share_of_parent_greedy"]) > bf / K and bal["documents_moved"] > 0
+
+    samples = {s["subtree"]: s["samples"] for s in meta["streams"]["train"]}
+    total = sum(samples.values())
+    assert [e["world_size"] for e in disk["affine_busiest_rank"]] == [2, 4, 8, 16, 32, 64, 128, 256]
+    for entry in disk["affine_busiest_rank"]:
+        world = entry["world_size"]
+        groups = max(g for g in range(1, min(world, len(samples)) + 1) if world % g == 0)
+        loads = [0] * groups
+        for s in sorted(samples, key=lambda s: (-samples[s], s)):  # largest first, onto the lightest group
+            loads[loads.index(min(loads))] += samples[s]
+        per_group = world // groups
+        assert (entry["groups"], entry["ranks_per_group"]) == (groups, per_group)
+        assert entry["busiest_rank_share"] == pytest.approx(max(loads) / total / per_group, abs=1e-6)
+        assert entry["ideal"] == pytest.approx(1 / world, abs=1e-6)
+        # K subtrees, one per group: a rank reads at most bf / K of the samples over its group's ranks
+        assert entry["limit"] == pytest.approx(bf / K / per_group, abs=1e-6)
+        assert entry["within_limit"] == (entry["busiest_rank_share"] <= entry["limit"])
+
+
+def test_affine_busiest_rank_by_hand():
+    # k = 4 subtrees with 40, 30, 20 and 10 samples, balance_factor 1.5 (limit 0.375 a subtree)
+    rows = {e["world_size"]: e for e in affine_busiest_rank({0: 40, 1: 30, 2: 20, 3: 10}, 4, 1.5, (1, 2, 3, 4, 8))}
+    # W = 2: two groups, {0, 3} and {1, 2} (largest first onto the lightest): 50 samples each
+    assert (rows[2]["groups"], rows[2]["busiest_rank_share"], rows[2]["ratio_to_ideal"]) == (2, 0.5, 1.0)
+    # bin packing bound with 2 groups of 4 subtrees: 1/2 + (1 - 1/2) * 0.375
+    assert rows[2]["limit"] == 0.6875 and rows[2]["within_limit"]
+    # W = 3: three groups, {0}, {1} and {2, 3}: the busiest reads 40 of 100, under 1/3 + (2/3) * 0.375
+    assert (rows[3]["groups"], rows[3]["ranks_per_group"], rows[3]["busiest_rank_share"]) == (3, 1, 0.4)
+    assert rows[3]["limit"] == pytest.approx(1 / 3 + 2 / 3 * 0.375, abs=1e-6) and rows[3]["within_limit"]
+    assert rows[1]["busiest_rank_share"] == rows[1]["limit"] == 1.0
+    # W = 4: one subtree a rank; subtree 0 holds 0.4 > 0.375, which the report flags
+    assert (rows[4]["busiest_rank_share"], rows[4]["ideal"], rows[4]["limit"]) == (0.4, 0.25, 0.375)
+    assert not rows[4]["within_limit"]
+    # W = 8: two ranks a subtree
+    assert (rows[8]["ranks_per_group"], rows[8]["busiest_rank_share"], rows[8]["limit"]) == (2, 0.2, 0.1875)
+    assert affine_busiest_rank({0: 0, 1: 0}, 2, 1.5) == []
+
+
+def test_balance_figures_by_hand():
+    k, p = 2, 2
+    # leaves 0..3 hold 3, 1, 2, 2 documents; greedy put 4, 0, 1, 3
+    got = balance_figures(np.array([3, 1, 2, 2]), np.array([4, 0, 1, 3]), k, p, 1.5, moved=2)
+    assert got["limit"] == 0.75 and got["balance_factor"] == 1.5
+    assert got["max_share_of_parent"] == [0.5, 0.75]
+    assert got["max_share_of_parent_greedy"] == [0.5, 1.0]
+    assert got["nodes_above_limit"] == [0, 0]  # floor(1.5 * 4 / 2) = 3 of 4
+    assert (got["documents_moved"], got["documents_moved_fraction"]) == (2, 0.25)
+    # level-1 cluster 1 holds one document: its child holds all of it, above floor(1.5 * 1 / 2) = 0
+    # (capacity() allows ceil(1 / 2) = 1 there), and the report counts that node
+    got = balance_figures(np.array([1, 0, 2, 1]), np.array([1, 0, 2, 1]), k, p, 1.5, moved=0)
+    assert got["max_share_of_parent"] == [0.75, 1.0] and got["nodes_above_limit"] == [0, 1]

@@ -307,9 +307,17 @@ def test_deferred_offloaded_and_bf16_banks_train_from_recipes(root):
     train(root, "sh2-bf16", no_generic, "memory.bank=sharded", "memory.bank_dtype=bf16", nproc=2)
     half = metrics(root, "sh2-bf16")
     assert all(abs(b["loss/train"] - a["loss/train"]) < 2e-2 for a, b in zip(dense, half))
+    # AdamW moves a weight by at most ~lr per step whatever its gradient, so an element whose normalised
+    # update has a different sign in bf16 than in fp32 (a gradient near zero) can end 2 x sum(lr) apart:
+    # that is the bound for every element; nearly all stay within bf16 rounding.
+    bound = 2 * sum(r["optim/memory_lr"] for r in dense)
     for level, table in bank_tables(root, "sh2-bf16", 6).items():
         assert table.dtype == torch.bfloat16
-        torch.testing.assert_close(table.float(), bank_tables(root, "sh2", 6)[level], rtol=2e-2, atol=2e-3)
+        want = bank_tables(root, "sh2", 6)[level]
+        diff = (table.float() - want).abs()
+        assert float(diff.max()) <= bound + 1e-2 * float(want.abs().max()), (float(diff.max()), bound)
+        close = diff <= 2e-3 + 2e-2 * want.abs()
+        assert float(close.float().mean()) >= 0.99, float(close.float().mean())
 
 
 def test_sharded_bank_and_zero2_anchor_resume_on_three_ranks_and_on_one(root):

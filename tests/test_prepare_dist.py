@@ -187,6 +187,9 @@ def test_merged_streams_load_and_add_up(clustered):
     assert report2["sequences"] == meta2["train_samples"] + meta2["val_samples"]
     assert report2["clusters_per_level"] == report1["clusters_per_level"]
     assert report2["max_cluster_fraction"] == report1["max_cluster_fraction"]
+    # the balanced assignment is global: the same documents move, and the limit holds over both ranks
+    assert report2["balance"] == report1["balance"] and report1["balance"]["documents_moved"] > 0
+    assert max(report2["max_cluster_fraction"]) <= report2["balance"]["limit"]
     assert set(report2) == set(report1)
 
 

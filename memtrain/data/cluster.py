@@ -13,6 +13,20 @@ clusters close to uniform, at every assignment step a cluster holding more than 
 (balance_factor / k, 1.5/16 in the paper) hands a random half of its assignments to the smallest
 cluster (Jegou et al., 2010).
 
+Final assignment (:meth:`ClusterTree.assign_balanced`): the training documents of ``memtrain prepare``
+are assigned with the same limit. The greedy descent alone lets one child of a node take far more
+than ``balance_factor / k`` of the node's members (the limit is enforced on EM samples during training,
+not on the final split), so at every level each node's members are spread by a capacity-constrained
+descent: every child holds at most ``capacity(n) = max(floor(balance_factor * n / k), ceil(n / k))`` of
+its parent's ``n`` members. Members propose to their children in order of distance (closest first);
+a child that receives more proposals than it has room keeps the closest proposers (ties by position)
+and turns the rest away to their next-closest child; a child that is full stays full. It is exact,
+deterministic, and identical to the greedy descent wherever no child overflows. With several prepare
+ranks, the counts are summed over ranks and the closest proposers are selected globally (a bisection
+over the distances, one all-reduce per bisection step), so the ids do not depend on the number of ranks.
+Retrieval (probes, prompts, validation documents) keeps the plain greedy descent of
+:meth:`ClusterTree.assign`: balancing shapes the training data's distribution, it is not a retrieval rule.
+
 Cluster ids are global per level: ``ids[:, l]`` is in ``[0, k^(l+1))`` and the children of cluster
 ``c`` at one level are ``c*k .. c*k + k-1`` at the next, so ``ids[:, l] // k == ids[:, l-1]``. The
 tree's internal nodes are stored level-major: node ``n`` of level ``l`` (the root is node 0 of level
@@ -24,7 +38,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -86,28 +100,91 @@ class ClusterTree:
     # ------------------------------------------------------------------------------------------
     # assignment
 
+    def _chunk_distances(self, x: np.ndarray, level: int, node: np.ndarray, s: int) -> np.ndarray:
+        # ||x - c||^2 - ||x||^2 for rows s..s+chunk: ||x||^2 is the same for every child of a row, so
+        # it changes neither the argmin nor the order of a row's children
+        rows = node[s:s + _ASSIGN_CHUNK] + level_offset(level, self.branching)
+        c = self.centroids[rows].astype(np.float64)  # [chunk, k, dim]
+        return self._sq[rows] - 2.0 * np.einsum("nkd,nd->nk", c, x[s:s + _ASSIGN_CHUNK])
+
     def descend(self, x: np.ndarray, level: int, node: np.ndarray) -> np.ndarray:
         """One greedy step: for unit-norm float64 rows ``x`` sitting at level-``level`` nodes
         ``node``, the index (0..k-1) of the closest child centroid (ties -> lowest index)."""
-        k = self.branching
         out = np.empty(len(x), np.int64)
-        base = level_offset(level, k)
         for s in range(0, len(x), _ASSIGN_CHUNK):
-            rows = node[s:s + _ASSIGN_CHUNK] + base
-            c = self.centroids[rows].astype(np.float64)  # [chunk, k, dim]
-            # ||x||^2 is the same for every child of a row, so it does not change the argmin
-            dist = self._sq[rows] - 2.0 * np.einsum("nkd,nd->nk", c, x[s:s + _ASSIGN_CHUNK])
-            out[s:s + _ASSIGN_CHUNK] = np.argmin(dist, axis=1)
+            out[s:s + _ASSIGN_CHUNK] = np.argmin(self._chunk_distances(x, level, node, s), axis=1)
+        return out
+
+    def distances(self, x: np.ndarray, level: int, node: np.ndarray) -> np.ndarray:
+        """``[n, k]`` float64: the squared L2 distance of every unit-norm row ``x`` to each child
+        centroid of its level-``level`` node, minus ``||x||^2`` (the numbers :meth:`descend` takes the
+        argmin of)."""
+        out = np.empty((len(x), self.branching), np.float64)
+        for s in range(0, len(x), _ASSIGN_CHUNK):
+            out[s:s + _ASSIGN_CHUNK] = self._chunk_distances(x, level, node, s)
         return out
 
     def assign(self, x: np.ndarray) -> np.ndarray:
         """Greedy descent (Section 2.1) of every row of ``x [n, dim]`` after L2 normalisation; returns
-        the global cluster id at every level, ``[n, depth]`` int64."""
+        the global cluster id at every level, ``[n, depth]`` int64.
+
+        This is the retrieval rule: a prompt, a probe or a validation document goes to its closest
+        child at every level, whatever the load of the clusters (memtrain.eval.hierarchical's
+        ``retrieve_probe_ids`` and ``memtrain prepare``'s validation split use it). Training documents
+        are assigned by :meth:`assign_balanced`."""
         x = self._check(x)
         ids = np.empty((len(x), self.depth), np.int64)
         node = np.zeros(len(x), np.int64)
         for level in range(self.depth):
             node = node * self.branching + self.descend(x, level, node)
+            ids[:, level] = node
+        return ids
+
+    def assign_balanced(self, x: np.ndarray, balance_factor: float = 1.5, positions: Optional[np.ndarray] = None,
+                        allreduce: Optional[Callable[[np.ndarray], np.ndarray]] = None) -> np.ndarray:
+        """Capacity-constrained descent of every row of ``x [n, dim]`` (the final assignment of the
+        training documents; module docstring); returns ``[n, depth]`` int64 global ids like
+        :meth:`assign`.
+
+        At every level, among the members of each node (``n`` of them), no child receives more than
+        :func:`capacity` ``(n)`` members: ``floor(balance_factor * n / k)``, i.e. at most
+        ``balance_factor / k`` of its parent's members, except in nodes too small for that to place
+        every member (``k * floor(balance_factor * n / k) < n``, only when ``n < (2k - 1) /
+        (balance_factor - 1)``), where the cap is ``ceil(n / k)``. Rounds ``t = 0 .. k-1``: every
+        member not yet placed proposes to its ``t``-th closest child (round 0 is the greedy choice); a
+        child with room for all its proposers takes them all, otherwise it takes the closest ones
+        (ascending distance, ties by position) up to its room and is then full. A member turned away by
+        all ``k`` children would need all ``k`` to be full, i.e. ``k * cap >= n`` members placed
+        without it, so every member is placed. Where no child overflows the result is exactly
+        :meth:`assign`'s; members of a child that does not overflow in round 0 keep their greedy child.
+
+        ``positions`` (unique non-negative int64, default ``0..n-1``) orders equally distant members. Distributed
+        use: every rank passes its own rows, their positions in the global order, and ``allreduce``
+        (sum of an int64 array over the ranks, the same calls on every rank); member counts, proposals
+        and the selection of the closest proposers (:func:`_closest_distributed`) are then global, so
+        every rank gets the ids the single process computes on all rows, for any number of ranks.
+        """
+        x = self._check(x)
+        if balance_factor < 1.0:
+            raise ValueError(f"balance_factor must be >= 1, got {balance_factor}")
+        n, k = len(x), self.branching
+        pos = np.arange(n, dtype=np.int64) if positions is None else np.asarray(positions, np.int64)
+        if pos.shape != (n,):
+            raise ValueError(f"positions has shape {pos.shape}, expected ({n},)")
+        if allreduce is None and len(np.unique(pos)) != n:
+            raise ValueError("positions must be unique")
+        if n and pos.min() < 0:
+            raise ValueError("positions must be >= 0")
+        total = (lambda a: a) if allreduce is None else (lambda a: np.asarray(allreduce(np.asarray(a, np.int64)),
+                                                                              np.int64))
+        ids = np.empty((n, self.depth), np.int64)
+        node = np.zeros(n, np.int64)
+        for level in range(self.depth):
+            members = total(np.bincount(node, minlength=k ** level))
+            cap = capacity(members, k, balance_factor)
+            child = _balanced_step(lambda rows, level=level, node=node: self.distances(x[rows], level, node[rows]),
+                                   node, pos, cap, k, total, allreduce is not None)
+            node = node * k + child
             ids[:, level] = node
         return ids
 
@@ -376,6 +453,131 @@ def balance(labels: np.ndarray, k: int, balance_factor: float, rng: np.random.Ge
         counts[small] += half
 
 
+def capacity(members: np.ndarray, k: int, balance_factor: float) -> np.ndarray:
+    """The most members one child of a node with ``members`` members may hold in the final
+    assignment: ``floor(balance_factor * members / k)`` (the balancing limit in whole members), raised
+    to ``ceil(members / k)`` where the limit could not place every member (``k`` times the limit below
+    ``members``, which happens only in nodes of fewer than ``(2k - 1) / (balance_factor - 1)`` members:
+    62 at k = 16 and 14 at k = 4 with the paper's 1.5)."""
+    members = np.asarray(members, np.int64)
+    limit = np.floor(balance_factor * members.astype(np.float64) / k).astype(np.int64)
+    return np.maximum(limit, -(-members // k))
+
+
+def _sortable(d: np.ndarray) -> np.ndarray:
+    """float64 -> uint64 with the same order (finite values; -0.0 just below +0.0), so distances can
+    be bisected bit by bit."""
+    b = np.ascontiguousarray(d, np.float64).view(np.uint64)
+    return np.where(b >> np.uint64(63), ~b, b | np.uint64(1 << 63))
+
+
+def _balanced_step(dist_rows: Callable[[np.ndarray], np.ndarray], node: np.ndarray, pos: np.ndarray,
+                   cap: np.ndarray, k: int, total: Callable[[np.ndarray], np.ndarray], distributed: bool) -> np.ndarray:
+    """One level of :meth:`ClusterTree.assign_balanced`: the child (0..k-1) of every member, given
+    ``dist_rows(rows) -> [len(rows), k]`` (the members' distances to their node's children, as
+    :meth:`ClusterTree.distances`), their nodes, positions and every node's cap. ``total`` sums an
+    int64 array over the ranks (identity for one process).
+
+    Memory stays O(n) plus the members turned away in round 0: the greedy choice and its distance are
+    computed chunk by chunk, the full distance rows again only for the members that need a second
+    choice (a row's distances do not depend on the other rows of its chunk, which is also what makes
+    every rank compute the single process's numbers)."""
+    n = len(node)
+    n_children = len(cap) * k
+    room = np.repeat(cap, k)  # what each child (global index node * k + j) can still take
+    child = np.full(n, -1, np.int64)
+    first = np.empty(n, np.int64)  # the greedy choice, as descend
+    first_d = np.empty(n, np.float64)
+    for s in range(0, n, _ASSIGN_CHUNK):
+        d = dist_rows(np.arange(s, min(n, s + _ASSIGN_CHUNK)))
+        first[s:s + len(d)] = np.argmin(d, axis=1)
+        first_d[s:s + len(d)] = d[np.arange(len(d)), first[s:s + len(d)]]
+    todo = np.arange(n)
+    dist = prefs = row = None  # distances and children by distance of the members turned away in round 0
+    for t in range(k):
+        if t == 0:
+            c, cd = first, first_d
+        else:
+            if dist is None:
+                dist = dist_rows(todo)
+                order = np.argsort(dist, axis=1, kind="stable")
+                # the other children by distance (the first choice left out by its index, not by
+                # position, so a recomputed row can never send a member back to its first child)
+                prefs = order[order != first[todo][:, None]].reshape(len(todo), k - 1)
+                prefs = prefs.astype(np.int16 if k < 1 << 15 else np.int64)
+                row = np.full(n, -1, np.int64)
+                row[todo] = np.arange(len(todo))
+            r = row[todo]
+            c = prefs[r, t - 1].astype(np.int64)
+            cd = dist[r, c]
+        target = node[todo] * k + c
+        demand = total(np.bincount(target, minlength=n_children))
+        over = demand > room
+        take = ~over[target]
+        if over.any():  # the same on every rank: demand and room are global
+            sel = np.flatnonzero(over[target])
+            key = _sortable(cd[sel])
+            if distributed:
+                take[sel] = _closest_distributed(target[sel], key, pos[todo[sel]], np.flatnonzero(over), room, total)
+            else:
+                take[sel] = _closest_local(target[sel], key, pos[todo[sel]], room)
+        placed = np.minimum(demand, room)
+        room -= placed
+        child[todo[take]] = c[take]
+        todo = todo[~take]
+        if int(demand.sum() - placed.sum()) == 0:
+            break
+    if (child < 0).any():  # unreachable: capacity() leaves room for every member
+        raise AssertionError("balanced assignment left members unplaced")
+    return child
+
+
+def _closest_local(target: np.ndarray, key: np.ndarray, pos: np.ndarray, room: np.ndarray) -> np.ndarray:
+    """Which proposers each child keeps: the ``room[child]`` smallest by (key, position)."""
+    order = np.lexsort((pos, key, target))
+    t = target[order]
+    first = np.searchsorted(t, t, side="left")
+    keep = np.empty(len(order), bool)
+    keep[order] = np.arange(len(order)) - first < room[t]
+    return keep
+
+
+def _closest_distributed(target: np.ndarray, key: np.ndarray, pos: np.ndarray, over: np.ndarray,
+                         room: np.ndarray, total: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+    """:func:`_closest_local` when the proposers are spread over ranks: for every overflowing child
+    (``over``, global indices, the same on every rank), bisect the 64-bit key for the smallest
+    threshold ``u`` with at least ``room`` proposers at or below it (all ranks' counts summed), then,
+    only where several proposers share the threshold key, bisect the position among those. One
+    all-reduce of ``len(over)`` counts per bisection step, at most 64 + 63 steps."""
+    slot = np.searchsorted(over, target)  # this rank's proposers -> index into over
+    want = room[over].astype(np.int64)
+    m = len(over)
+
+    def count(mask: np.ndarray) -> np.ndarray:
+        return total(np.bincount(slot[mask], minlength=m).astype(np.int64))
+
+    lo = np.zeros(m, np.uint64)
+    hi = np.full(m, np.iinfo(np.uint64).max, np.uint64)  # count(key <= hi) = demand > want
+    while (lo < hi).any():  # the same on every rank: lo and hi follow global counts
+        mid = lo + (hi - lo) // np.uint64(2)
+        enough = count(key <= mid[slot]) >= want
+        hi = np.where(enough, mid, hi)
+        lo = np.where(enough, lo, mid + np.uint64(1))
+    below = key < hi[slot]
+    at = key == hi[slot]
+    need = want - count(below)  # proposers to keep among those at the threshold key (>= 1 unless want = 0)
+    if (count(at) == need).all():
+        return below | at
+    plo = np.zeros(m, np.int64)
+    phi = np.full(m, np.iinfo(np.int64).max, np.int64)
+    while (plo < phi).any():
+        mid = plo + (phi - plo) // 2
+        enough = count(at & (pos <= mid[slot])) >= need
+        phi = np.where(enough, mid, phi)
+        plo = np.where(enough, plo, mid + 1)
+    return below | (at & (pos <= phi[slot]))
+
+
 def balance_report(ids: np.ndarray, branching: int) -> dict[str, list]:
     """How even a split is: per level, the largest cluster's share of its parent's assignments
     (``max_cluster_fraction``; level 1's parent is the root, i.e. all rows) and the number of
@@ -403,5 +605,5 @@ def _progress_bar(total: int, enabled: bool) -> Any:
     return tqdm(total=total, desc="training cluster tree", unit="node")
 
 
-__all__ = ["ClusterTree", "balance", "balance_report", "balanced_kmeans", "check_enough", "kmeans_plus_plus",
-           "level_offset", "nearest", "normalize", "num_internal_nodes", "train_tree"]
+__all__ = ["ClusterTree", "balance", "balance_report", "balanced_kmeans", "capacity", "check_enough",
+           "kmeans_plus_plus", "level_offset", "nearest", "normalize", "num_internal_nodes", "train_tree"]

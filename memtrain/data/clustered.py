@@ -7,8 +7,11 @@ Hierarchical-memories paper, Section 2.1, Appendix A.2 and Appendix C. Given tok
    sentence embedding model (all-MiniLM-L6-v2, L2-normalised; :mod:`memtrain.data.embed`);
 2. trains the hierarchical balanced k-means tree on the window embeddings, root to leaves
    (:mod:`memtrain.data.cluster`), and saves it as ``tree.safetensors``;
-3. assigns every document (train and validation) its cluster ids (i_1..i_p) by greedy descent from
-   its normalised mean window embedding;
+3. assigns every document its cluster ids (i_1..i_p) from its normalised mean window embedding:
+   training documents by the balanced descent (:meth:`ClusterTree.assign_balanced`: at every level no
+   child holds more than ``balance_factor / k`` of its parent's documents, up to rounding in tiny
+   nodes), validation documents by the plain greedy descent (:meth:`ClusterTree.assign`), the rule
+   used for any text at evaluation time: they stand for unseen text, whose retrieval is greedy;
 4. packs the documents of each leaf cluster into samples of ``seq_len + 1`` tokens separated by EOT
    (the last sample of a cluster padded with EOT, so rare clusters lose nothing), and puts the leaf
    cluster id in front of every sample: a stored sample is ``[leaf, t_0 .. t_seq_len]``;
@@ -36,13 +39,24 @@ of each split (``idx`` in the seeded split order) and:
    equal to float tolerance.) The cap bounds rank 0's memory on very large corpora; the paper's EM
    visits only ``kmeans_steps * kmeans_samples`` examples per node anyway (Appendix C), so a few
    million windows suffice. When the cap bites, the tree depends on W.
-3. every rank loads ``tree.safetensors`` (written by rank 0 into the shared build folder), assigns
-   its own documents, packs them per leaf (each rank pads its own last sample of a leaf), shuffles
+3. every rank loads ``tree.safetensors`` (written by rank 0 into the shared build folder) and assigns
+   its own documents: the balanced descent of the training documents sums its counts over the ranks
+   and selects the closest proposers globally (``allreduce`` of :meth:`ClusterTree.assign_balanced`,
+   with each document's position ``r + W * j`` in the split as the tie-break), so every document gets
+   the ids the single process gives it and the limit holds over all ranks together, not per rank.
+   Each rank then packs its documents per leaf (each rank pads its own last sample of a leaf), shuffles
    its samples with a seed derived from ``(run.seed, r)`` and writes one MDS part per subtree stream:
    ``<split>/subtree-<i>/part-<r:05d>/``. Rank 0 then merges each stream's parts into
    ``<split>/subtree-<i>/index.json`` (:func:`memtrain.data.shards.merge_parts`).
 
 Counts are summed over ranks; the cluster balance report comes from the summed per-leaf counts.
+
+The report (``prepare_report.json``, :func:`balance_figures` and :func:`affine_busiest_rank`) gives, for
+the training documents: per level the largest child's share of its parent (``max_cluster_fraction``),
+the same under plain greedy descent, the limit ``balance_factor / k`` and the nodes above it (only
+nodes too small for the limit, see :func:`memtrain.data.cluster.capacity`); and, for cluster-affine
+placement, the share of the training samples the busiest rank reads for world sizes
+:data:`AFFINE_WORLD_SIZES` (the training world size is not known when preparing), next to 1/W.
 """
 
 from __future__ import annotations
@@ -59,6 +73,7 @@ import numpy as np
 
 from memtrain.config import Recipe
 from memtrain.data.shards import COLUMN, HASHES, PackStats, merge_parts, pack, part_name
+from memtrain.errors import DataError
 
 TREE_FILE = "tree.safetensors"
 # Distributed preparation: at most this many training windows (summed over ranks, each rank sending
@@ -66,6 +81,10 @@ TREE_FILE = "tree.safetensors"
 # MEMTRAIN_PREPARE_TREE_WINDOWS overrides it; so does prepare(..., tree_windows=N).
 TREE_WINDOWS = 4_000_000
 TREE_WINDOWS_ENV = "MEMTRAIN_PREPARE_TREE_WINDOWS"
+# World sizes for which the report gives the busiest rank's share under cluster-affine placement: one
+# node of 2-8 GPUs to 32 nodes of 8 (the paper trained on 64). Powers of two: a world size's groups are
+# its largest divisor not above the number of level-1 subtrees, so other sizes repeat these patterns.
+AFFINE_WORLD_SIZES = (2, 4, 8, 16, 32, 64, 128, 256)
 
 
 @dataclass
@@ -98,8 +117,6 @@ def tree_windows_cap(requested: Optional[int] = None) -> int:
         except ValueError:
             requested = 0
         if requested < 1:
-            from memtrain.errors import DataError
-
             raise DataError(f"{TREE_WINDOWS_ENV}={raw!r} must be a positive number of windows")
     if requested < 1:
         raise ValueError(f"tree_windows must be positive, got {requested}")
@@ -130,6 +147,97 @@ def balance_from_leaf_counts(leaf_counts: np.ndarray, branching: int, depth: int
         nonempty.append(int(np.count_nonzero(counts)))
         previous = counts
     return {"max_cluster_fraction": fractions, "clusters_per_level": nonempty}
+
+
+def balance_figures(leaf_counts: np.ndarray, greedy_leaf_counts: np.ndarray, branching: int, depth: int,
+                    balance_factor: float, moved: int) -> dict[str, Any]:
+    """The ``balance`` entry of the report, from the training documents per leaf of the balanced
+    assignment and of the plain greedy descent (``[k^depth]`` each) and the number of documents whose
+    leaf the balancing changed.
+
+    ``max_share_of_parent`` (per level; the report's ``max_cluster_fraction``) and
+    ``max_share_of_parent_greedy``: the largest child's share of its parent's documents; ``limit``:
+    ``balance_factor / k``; ``nodes_above_limit`` (per level): nodes whose largest child holds more than
+    ``floor(balance_factor * n / k)`` of their ``n`` documents, which the balanced assignment allows
+    only where that limit could not place every document (:func:`memtrain.data.cluster.capacity`)."""
+    k = branching
+    leaf_counts = np.asarray(leaf_counts, np.int64)
+    above: list[int] = []
+    for level in range(depth):
+        counts = leaf_counts.reshape(k ** (level + 1), -1).sum(axis=1).reshape(-1, k)  # [parents, k]
+        # the limit in whole documents, computed as memtrain.data.cluster.capacity does
+        limit = np.floor(balance_factor * counts.sum(axis=1).astype(np.float64) / k).astype(np.int64)
+        above.append(int(np.count_nonzero(counts.max(axis=1) > limit)))
+    n = int(leaf_counts.sum())
+    return {
+        "balance_factor": balance_factor,
+        "limit": balance_factor / k,
+        "max_share_of_parent": balance_from_leaf_counts(leaf_counts, k, depth)["max_cluster_fraction"],
+        "max_share_of_parent_greedy": balance_from_leaf_counts(greedy_leaf_counts, k, depth)["max_cluster_fraction"],
+        "nodes_above_limit": above,
+        "documents_moved": int(moved),
+        "documents_moved_fraction": round(moved / n, 6) if n else 0.0,
+    }
+
+
+def affine_busiest_rank(samples_per_subtree: dict[int, int], branching: int, balance_factor: float,
+                        world_sizes: tuple[int, ...] = AFFINE_WORLD_SIZES) -> list[dict[str, Any]]:
+    """For cluster-affine placement on each of ``world_sizes``: the share of all training samples read
+    by the busiest rank, with the groups :func:`affine_groups` forms (the train loader's), a group's
+    ranks splitting its samples evenly (a rank reads its group's samples / ranks per
+    group), next to the ideal ``1 / W``.
+
+    ``limit`` is what the level-1 balance guarantees if every subtree holds at most ``balance_factor /
+    k`` of the samples: with one subtree per group (as many groups as non-empty subtrees, e.g. every
+    W that k divides), a group holds at most ``balance_factor / k`` and a rank
+    ``balance_factor / k * groups / W`` (``balance_factor / W`` when the groups number k); with fewer
+    groups, greedy bin packing (largest first, onto the lightest group) keeps a group under ``1 / G +
+    (1 - 1/G) * balance_factor / k`` (list scheduling: the group was the lightest before its last
+    subtree). The assignment balances documents; samples follow their tokens, so a subtree of longer
+    than average documents can exceed its document share (``within_limit`` says whether it did)."""
+    counts = {int(s): int(n) for s, n in samples_per_subtree.items() if n > 0}
+    total = sum(counts.values())
+    if not total:
+        return []
+    cap = balance_factor / branching
+    out = []
+    for world in world_sizes:
+        groups, per_group = affine_groups(counts, world)
+        g = len(groups)
+        busiest = max(sum(counts[s] for s in group) for group in groups) / total / per_group
+        group_limit = cap if g == len(counts) else 1 / g + (1 - 1 / g) * cap
+        limit = min(1.0, group_limit) / per_group
+        out.append({"world_size": world, "groups": g, "ranks_per_group": per_group,
+                    "busiest_rank_share": round(busiest, 6), "ideal": round(1 / world, 6),
+                    "ratio_to_ideal": round(busiest * world, 4), "limit": round(limit, 6),
+                    "within_limit": bool(busiest <= limit + 1e-12)})
+    return out
+
+
+def affine_groups(samples_per_subtree: dict[int, int], world_size: int) -> tuple[list[list[int]], int]:
+    """Level-1 subtrees bin-packed onto groups of ranks by sample count; returns (subtrees of each
+    group, ranks per group).
+
+    The number of groups is the largest divisor of the world size not above the number of subtrees,
+    so every group has the same number of ranks and at least one subtree. Subtrees go, largest first,
+    to the group with the fewest samples so far (ties: lowest group), which is deterministic.
+
+    Samples are a token count: every sample holds exactly ``seq_len + 1`` tokens (documents packed with
+    EOT), so a subtree's tokens are its samples times ``seq_len + 1``. The only tokens that carry no
+    document are the EOT padding of each leaf cluster's last sample (``padded_tokens`` in the prepare
+    report): less than one sample per leaf, which does not change the packing at any real scale.
+    """
+    subtrees = sorted(samples_per_subtree, key=lambda s: (-samples_per_subtree[s], s))
+    if not subtrees:
+        raise DataError("the prepared data has no level-1 subtree streams; prepare it again")
+    n_groups = max(g for g in range(1, min(world_size, len(subtrees)) + 1) if world_size % g == 0)
+    groups: list[list[int]] = [[] for _ in range(n_groups)]
+    load = [0] * n_groups
+    for s in subtrees:
+        g = min(range(n_groups), key=lambda i: (load[i], i))
+        groups[g].append(s)
+        load[g] += samples_per_subtree[s]
+    return [sorted(g) for g in groups], world_size // n_groups
 
 
 def stream_name(subtree: int, branching: int) -> str:
@@ -196,8 +304,10 @@ def build_clustered(recipe: Recipe, out: Path, docs: list[str], splits: dict[str
     timings["tree"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    ids = {split: tree.assign(emb) for split, emb in doc_emb.items()}
+    ids = {split: tree.assign_balanced(emb, cl.balance_factor) if split == "train" else tree.assign(emb)
+           for split, emb in doc_emb.items()}
     timings["assignment"] = time.perf_counter() - t
+    greedy_leaves = tree.assign(doc_emb["train"])[:, -1]  # for the report: what plain descent would give
 
     t = time.perf_counter()
     dtype = prefixed_dtype(tokenizer.vocab_size, k, p)
@@ -220,6 +330,9 @@ def build_clustered(recipe: Recipe, out: Path, docs: list[str], splits: dict[str
     timings["packing_writing"] = time.perf_counter() - t
 
     report = balance_report(ids["train"], k)
+    leaves = ids["train"][:, -1]
+    report["balance"] = balance_figures(np.bincount(leaves, minlength=k**p), np.bincount(greedy_leaves, minlength=k**p),
+                                        k, p, cl.balance_factor, int(np.count_nonzero(leaves != greedy_leaves)))
     return _result(cl, dtype, streams, counts, report, timings, {split: len(idx) for split, idx in splits.items()})
 
 
@@ -261,6 +374,9 @@ def _result(cl, dtype: str, streams: dict[str, list[dict]], counts: dict[str, di
             "branching": k, "depth": p,
             "clusters_per_level": report["clusters_per_level"],
             "max_cluster_fraction": report["max_cluster_fraction"],
+            "balance": report["balance"],
+            "affine_busiest_rank": affine_busiest_rank({s["subtree"]: s["samples"] for s in streams.get("train", [])},
+                                                       k, cl.balance_factor),
             "seconds": {key: round(v, 3) for key, v in timings.items()},
             "documents_per_s": {
                 "embedding": round(n_docs / max(timings["embedding"], 1e-9), 1),
@@ -330,15 +446,28 @@ def _build_distributed(recipe: Recipe, out: Path, docs: list[str], splits: dict[
     dtype = prefixed_dtype(tokenizer.vocab_size, k, p)
     sample_len = d.seq_len + 1
 
+    t = time.perf_counter()
+    tree = comm.run(lambda: ClusterTree.load(out / TREE_FILE, expect_branching=k, expect_depth=p))
+    # Every rank takes part in the balanced assignment's all-reduces, with or without training documents
+    # (outside comm.run: the collectives must not be interleaved with its failure agreement).
+    train_emb = doc_emb.get("train", np.zeros((0, tree.dim), np.float32))
+    balanced = tree.assign_balanced(train_emb, cl.balance_factor, positions=rank + world * np.arange(len(train_emb)),
+                                    allreduce=lambda a: np.asarray(comm.sum(np.asarray(a).tolist()), np.int64))
+    assign_s = time.perf_counter() - t
+
     def assign_pack_write() -> dict[str, Any]:
         t = time.perf_counter()
-        tree = ClusterTree.load(out / TREE_FILE, expect_branching=k, expect_depth=p)
-        ids = {split: tree.assign(emb) for split, emb in doc_emb.items()}
-        mine: dict[str, Any] = {"seconds": {"assignment": time.perf_counter() - t}}
+        ids = {split: balanced if split == "train" else tree.assign(emb) for split, emb in doc_emb.items()}
+        mine: dict[str, Any] = {"seconds": {"assignment": assign_s + time.perf_counter() - t}}
         t = time.perf_counter()
         leaf_counts = np.zeros(k**p, np.int64)
+        greedy_counts = np.zeros(k**p, np.int64)
+        moved = 0
         if "train" in ids:
             leaf_counts += np.bincount(ids["train"][:, -1], minlength=k**p)
+            greedy = tree.assign(doc_emb["train"])[:, -1]
+            greedy_counts += np.bincount(greedy, minlength=k**p)
+            moved = int(np.count_nonzero(greedy != ids["train"][:, -1]))
         rng = random.Random(rank_seed(seed, rank))
         per_split: dict[str, dict] = {}
         for split, idx in splits.items():
@@ -355,6 +484,8 @@ def _build_distributed(recipe: Recipe, out: Path, docs: list[str], splits: dict[
         mine["seconds"]["packing_writing"] = time.perf_counter() - t
         mine["splits"] = per_split
         mine["leaf_counts"] = leaf_counts.tolist()
+        mine["greedy_leaf_counts"] = greedy_counts.tolist()
+        mine["moved"] = moved
         return mine
 
     everyone = comm.all_gather(comm.run(assign_pack_write))
@@ -387,8 +518,6 @@ def _build_distributed(recipe: Recipe, out: Path, docs: list[str], splits: dict[
             for entry in entries:
                 merged = merge_parts(out / entry["dir"])
                 if merged != entry["samples"]:
-                    from memtrain.errors import DataError
-
                     raise DataError(f"{out / entry['dir']} lists {merged} samples in its parts but the ranks wrote "
                                     f"{entry['samples']}; is the parent of data.dir on a filesystem shared by all "
                                     "nodes?")
@@ -396,9 +525,12 @@ def _build_distributed(recipe: Recipe, out: Path, docs: list[str], splits: dict[
     comm.run(merge_on_rank0)
     leaf_counts = np.sum([np.asarray(r["leaf_counts"], np.int64) for r in everyone], axis=0)
     report = balance_from_leaf_counts(leaf_counts, k, p)
+    greedy_counts = np.sum([np.asarray(r["greedy_leaf_counts"], np.int64) for r in everyone], axis=0)
+    report["balance"] = balance_figures(leaf_counts, greedy_counts, k, p, cl.balance_factor,
+                                        sum(r["moved"] for r in everyone))
     return _result(cl, dtype, streams, counts, report, timings, dist.sizes)
 
 
-__all__ = ["TREE_FILE", "TREE_WINDOWS", "DistPart", "balance_from_leaf_counts", "build_clustered", "pack_by_leaf",
-           "prefixed_dtype", "rank_seed", "sample_windows", "stream_name", "tree_windows_cap",
-           "write_subtree_streams"]
+__all__ = ["AFFINE_WORLD_SIZES", "TREE_FILE", "TREE_WINDOWS", "DistPart", "affine_busiest_rank", "balance_figures",
+           "balance_from_leaf_counts", "build_clustered", "pack_by_leaf", "prefixed_dtype", "rank_seed",
+           "sample_windows", "stream_name", "tree_windows_cap", "write_subtree_streams"]

@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from memtrain.config import Recipe
+from memtrain.data.clustered import affine_groups
 from memtrain.data.prepare import FORMAT_VERSION, META
 from memtrain.errors import DataError
 
@@ -306,32 +307,6 @@ class ValidationSet:
             if not chosen:
                 batch["labels"].fill_(IGNORE_INDEX)
             yield batch
-
-
-def affine_groups(samples_per_subtree: dict[int, int], world_size: int) -> tuple[list[list[int]], int]:
-    """Level-1 subtrees bin-packed onto groups of ranks by sample count; returns (subtrees of each
-    group, ranks per group).
-
-    The number of groups is the largest divisor of the world size not above the number of subtrees,
-    so every group has the same number of ranks and at least one subtree. Subtrees go, largest first,
-    to the group with the fewest samples so far (ties: lowest group), which is deterministic.
-
-    Samples are a token count: every sample holds exactly ``seq_len + 1`` tokens (documents packed with
-    EOT), so a subtree's tokens are its samples times ``seq_len + 1``. The only tokens that carry no
-    document are the EOT padding of each leaf cluster's last sample (``padded_tokens`` in the prepare
-    report): less than one sample per leaf, which does not change the packing at any real scale.
-    """
-    subtrees = sorted(samples_per_subtree, key=lambda s: (-samples_per_subtree[s], s))
-    if not subtrees:
-        raise DataError("the prepared data has no level-1 subtree streams; prepare it again")
-    n_groups = max(g for g in range(1, min(world_size, len(subtrees)) + 1) if world_size % g == 0)
-    groups: list[list[int]] = [[] for _ in range(n_groups)]
-    load = [0] * n_groups
-    for s in subtrees:
-        g = min(range(n_groups), key=lambda i: (load[i], i))
-        groups[g].append(s)
-        load[g] += samples_per_subtree[s]
-    return [sorted(g) for g in groups], world_size // n_groups
 
 
 def affine_subtree_ranks(recipe: Recipe, world_size: int) -> list[list[int]]:

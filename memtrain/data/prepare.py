@@ -84,7 +84,9 @@ def data_settings(recipe: Recipe) -> dict[str, Any]:
         "seq_len": d.seq_len, "val_fraction": d.val_fraction, "tokenizer": tokenizer, "seed": recipe.run.seed,
     }
     if d.clustering.enabled:
-        settings["clustering"] = dataclasses.asdict(d.clustering)
+        # "assignment": how training documents are assigned to leaves (balanced since the final assignment
+        # respects the balancing limit); data prepared by the greedy assignment then fingerprints differently.
+        settings["clustering"] = {**dataclasses.asdict(d.clustering), "assignment": "balanced"}
     if "builtin" in d.sources:
         from memtrain.data.builtin import BUILTIN_VERSION
 
