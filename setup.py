@@ -34,6 +34,8 @@ setup(
         "faiss-cpu>=1.8",
         # LoRA on pretrained models (MemoryLlama)
         "peft>=0.13",
+        # the scaling report's plot (memtrain scaling; imported only there, with the Agg backend)
+        "matplotlib>=3.8",
     ],
     # import-linter checks the package's layers (.importlinter; tests/test_layers.py)
     extras_require={"dev": ["pytest>=8", "pytest-timeout>=2.3", "import-linter>=2.1"]},

@@ -385,6 +385,11 @@ class ParallelConfig:
     precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     activation_checkpointing: bool = False
+    # Hang guard: a collective that does not complete within this many minutes (a rank frozen, dead or
+    # cut off) ends the run with one error instead of the 30-minute default wait. Checkpoint writes, where
+    # a slow filesystem can hold one rank back legitimately, wait checkpoint_timeout_minutes instead.
+    timeout_minutes: float = 5.0
+    checkpoint_timeout_minutes: float = 30.0
 
 
 @dataclass
@@ -406,9 +411,14 @@ class LoggingConfig:
 class SlurmConfig:
     job_name: Optional[str] = None  # default run.name
     nodes: int = 1
-    gpus_per_node: int = 8
-    cpus_per_task: int = 8
-    time: str = "24:00:00"
+    gpus_per_node: int = 8  # 0: a CPU job (no GPU request; gloo)
+    tasks_per_node: Optional[int] = None  # ranks per node; default gpus_per_node (one per GPU), 1 on CPU jobs
+    cpus_per_task: int = 8  # CPUs per rank
+    # sbatch's formats: minutes (3 = 3 minutes), MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS
+    time: Union[str, int] = "24:00:00"
+    # Slurm signals the job this many seconds before its time limit; the run checkpoints, stops and
+    # requeues itself. Raise it when a checkpoint takes longer to write.
+    signal_seconds: int = 120
     partition: Optional[str] = None
     account: Optional[str] = None
     qos: Optional[str] = None
@@ -491,6 +501,21 @@ def _to_plain(obj: Any) -> Any:
     return obj
 
 
+class RecipeLoader(yaml.SafeLoader):
+    """``yaml.safe_load`` without YAML 1.1's base-60 integers: ``24:00:00`` and ``30:00`` (Slurm times)
+    stay strings instead of becoming 86400 and 1800."""
+
+
+RecipeLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers
+            if not (tag == "tag:yaml.org,2002:int" and regexp.match("1:30"))]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+RecipeLoader.add_implicit_resolver(  # the same int pattern, its base-60 branch removed
+    "tag:yaml.org,2002:int",
+    re.compile(r"""^(?:[-+]?0b[0-1_]+|[-+]?0[0-7_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$""", re.X),
+    list("-+0123456789"))
+
+
 # --------------------------------------------------------------------------------------------------
 # Conversion from plain YAML data into the dataclasses, with strict types
 
@@ -500,7 +525,9 @@ def _type_name(tp: Any) -> str:
     if origin is Literal:
         return " | ".join(repr(a) for a in typing.get_args(tp))
     if origin in (Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in typing.get_args(tp) if a is not type(None)) + " or null"
+        args = typing.get_args(tp)
+        return (" or ".join(_type_name(a) for a in args if a is not type(None))
+                + (" or null" if type(None) in args else ""))
     if origin is list:
         return f"a list of {_type_name(typing.get_args(tp)[0])}"
     if tp is Duration:
@@ -512,9 +539,17 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
     origin = typing.get_origin(tp)
     if origin in (Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if value is None:
+        if value is None and len(args) < len(typing.get_args(tp)):
             return None
-        return _convert(args[0], value, key)
+        first = None
+        for arg in args:  # the first type the value converts to
+            try:
+                return _convert(arg, value, key)
+            except RecipeError as e:
+                first = first or e
+        if len(args) == 1:
+            raise first
+        raise RecipeError(key, f"expected {_type_name(tp)}, got {value!r}") from None
     if origin is Literal:
         choices = typing.get_args(tp)
         if value not in choices:
@@ -594,7 +629,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     if not key:
         raise RecipeError("", f"override {text!r} has no key")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = yaml.load(raw, Loader=RecipeLoader) if raw.strip() else None
     except yaml.YAMLError:
         value = raw
     return key, value
@@ -731,11 +766,47 @@ def validate(recipe: Recipe) -> Recipe:
         positive("logging.peak_flops", recipe.logging.peak_flops)
 
     s = recipe.slurm
-    for key in ("nodes", "gpus_per_node", "cpus_per_task"):
+    for key in ("nodes", "cpus_per_task", "signal_seconds"):
         positive(f"slurm.{key}", getattr(s, key))
-    if not re.fullmatch(r"(\d+-)?\d{1,3}(:\d{2}){0,2}", s.time):
-        raise RecipeError("slurm.time", f"expected a Slurm time like 24:00:00 or 2-00:00:00, got {s.time!r}")
+    if s.gpus_per_node < 0:
+        raise RecipeError("slurm.gpus_per_node", f"must be >= 0 (0: a CPU job), got {s.gpus_per_node}")
+    if s.tasks_per_node is not None:
+        positive("slurm.tasks_per_node", s.tasks_per_node)
+        if s.gpus_per_node and s.tasks_per_node != s.gpus_per_node:
+            raise RecipeError("slurm.tasks_per_node", f"is {s.tasks_per_node} but a GPU job runs one rank per GPU "
+                              f"(slurm.gpus_per_node {s.gpus_per_node}); leave it unset, or set slurm.gpus_per_node: 0 "
+                              "for a CPU job")
+    s.time = str(s.time)
+    seconds = slurm_time_seconds(s.time)
+    if seconds is None:
+        raise RecipeError("slurm.time", f"expected a Slurm time: minutes (30), MM:SS, HH:MM:SS, D-HH, D-HH:MM or "
+                          f"D-HH:MM:SS, got {s.time!r}")
+    if seconds <= s.signal_seconds:
+        raise RecipeError("slurm.signal_seconds", f"{s.signal_seconds} s is not shorter than slurm.time {s.time} "
+                          f"({seconds} s): the run would be told to stop before it starts")
+    for key in ("timeout_minutes", "checkpoint_timeout_minutes"):
+        positive(f"parallel.{key}", getattr(p, key))
     return recipe
+
+
+_SLURM_TIME = re.compile(r"^(?:(\d+)-(\d+)(?::(\d+)(?::(\d+))?)?|(\d+)(?::(\d+)(?::(\d+))?)?)$")
+
+
+def slurm_time_seconds(text: str) -> Optional[int]:
+    """Seconds of an sbatch ``--time`` value (``30`` minutes, ``MM:SS``, ``HH:MM:SS``, ``D-HH``, ``D-HH:MM``,
+    ``D-HH:MM:SS``), or None when it is none of those."""
+    m = _SLURM_TIME.match(str(text).strip())
+    if not m:
+        return None
+    if m.group(1) is not None:  # days-hours[:minutes[:seconds]]
+        d, h, mi, se = (int(g) if g else 0 for g in m.group(1, 2, 3, 4))
+        return ((d * 24 + h) * 60 + mi) * 60 + se
+    parts = [int(g) for g in m.group(5, 6, 7) if g is not None]
+    if len(parts) == 1:
+        return parts[0] * 60  # minutes
+    if len(parts) == 2:
+        return parts[0] * 60 + parts[1]  # minutes:seconds
+    return (parts[0] * 60 + parts[1]) * 60 + parts[2]  # hours:minutes:seconds
 
 
 def _validate_memory(recipe: Recipe) -> None:
@@ -906,7 +977,7 @@ def load_recipe(path: str | Path, overrides: Optional[list[str]] = None) -> Reci
         raise RecipeError("", f"recipe file {str(path)!r} does not exist; pass a YAML recipe such as "
                           "recipes/quickstart.yaml")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=RecipeLoader)
     except (yaml.YAMLError, UnicodeDecodeError) as e:
         raise RecipeError("", f"{path} is not valid YAML: {e}") from None
     return recipe_from_dict(data or {}, overrides)

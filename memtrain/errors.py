@@ -32,3 +32,11 @@ class DivergenceError(MemtrainError):
     a bad input (2) and from a crash (1)."""
 
     exit_code = 3
+
+
+class CollectiveError(MemtrainError):
+    """A collective operation did not complete: another rank hung (``parallel.timeout_minutes`` passed)
+    or died. Exit code 4: neither the input's fault (2) nor a bug of this process (1); the run resumes
+    from its last checkpoint once the failed rank's cause is fixed."""
+
+    exit_code = 4

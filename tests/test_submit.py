@@ -21,11 +21,12 @@ def test_render_srun_script_quotes_shell_values():
     assert "#SBATCH --nodes=2" in script and "#SBATCH --ntasks-per-node=4" in script
     assert "#SBATCH --gpus-per-node=4" in script and "#SBATCH --partition=gpu" in script
     assert "#SBATCH --account=proj-1" in script and "#SBATCH --constraint=h100" in script
-    assert "#SBATCH --time=2-00:00:00" in script and "#SBATCH --signal=USR1@120" in script
+    assert "#SBATCH --time=2-00:00:00" in script and "#SBATCH --signal=B:USR1@120" in script
+    assert "#SBATCH --open-mode=append" in script and "#SBATCH --requeue" in script
     assert "cd '/work dir'" in script and "module load cuda" in script
     assert ("srun --kill-on-bad-exit=1 /venv/bin/python -m memtrain train '/shared/my runs/recipe $HOME.yaml'"
             in script)
-    assert "${" not in script.replace('"$SLURM_JOB_NODELIST"', "")
+    assert re.search(r"\$\{[a-z_]+\}", script) is None  # every template placeholder filled (the shell's are upper case)
 
 
 def test_render_torchrun_script_runs_one_task_per_node():
@@ -33,8 +34,8 @@ def test_render_torchrun_script_runs_one_task_per_node():
                                                                   "launcher": "torchrun"}})
     script = render(recipe, "/r.yaml", workdir="/w", python="python")
     assert "#SBATCH --ntasks-per-node=1" in script
-    assert "-m torch.distributed.run --nnodes 3 --nproc-per-node 8" in script
-    assert '--rdzv-endpoint "$head:29500" -m memtrain train /r.yaml' in script
+    assert "-m memtrain.launcher.torchrun --nnodes 3 --nproc-per-node 8" in script
+    assert '--rdzv-id "memtrain-$SLURM_JOB_ID" --rdzv-endpoint "$head:$port" -m memtrain train /r.yaml' in script
 
 
 @pytest.mark.parametrize("slurm, key", [
@@ -102,6 +103,8 @@ RENDERED = {
         "/shared/my runs/recipe $HOME.yaml"),
     "torchrun": ({"run": {"name": "exp2"}, "slurm": {"nodes": 3, "gpus_per_node": 8, "launcher": "torchrun",
                                                      "exclusive": True}}, "/r's.yaml"),
+    "cpu": ({"run": {"name": "exp3"}, "slurm": {"gpus_per_node": 0, "tasks_per_node": 2, "cpus_per_task": 3,
+                                                "time": 30, "exclusive": False, "signal_seconds": 60}}, "/r.yaml"),
 }
 
 
@@ -114,15 +117,42 @@ def _directives(script: str) -> dict[str, str]:
     return out
 
 
+def _stand_ins(tmp_path: Path, preempted: bool) -> tuple[dict, Path]:
+    """srun, scontrol and module stand-ins: srun records its argv, working directory and environment and,
+    with ``preempted``, writes the trainer's "preempted" attempt record; scontrol prints node names and
+    records a requeue."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    record = tmp_path / "record.json"
+    attempts = tmp_path / "run" / "attempts.jsonl"
+    end = {"event": "end", "time": 1.0, "state": "preempted" if preempted else "complete", "step": 3}
+    (bin_dir / "srun").write_text(
+        "#!/usr/bin/env python3\nimport json, os, sys\n"
+        f"json.dump({{'argv': sys.argv[1:], 'cwd': os.getcwd(), 'env': dict(os.environ)}}, open({str(record)!r}, 'w'))\n"
+        f"os.makedirs({str(attempts.parent)!r}, exist_ok=True)\n"
+        f"open({str(attempts)!r}, 'a').write(json.dumps({end!r}) + '\\n')\n")
+    (bin_dir / "scontrol").write_text(
+        "#!/bin/sh\nif [ \"$1\" = requeue ]; then echo \"$2\" > \"$(dirname \"$0\")/requeued\"; exit 0; fi\n"
+        "printf 'node-a\\nnode-b\\nnode-c\\n'\n")
+    (bin_dir / "module").write_text("#!/bin/sh\n")
+    for f in bin_dir.iterdir():
+        f.chmod(f.stat().st_mode | stat.S_IEXEC)
+    env = {"PATH": f"{bin_dir}{os.pathsep}/usr/bin:/bin", "HOME": "/home/someone", "SLURM_JOB_ID": "4242",
+           "SLURM_JOB_NODELIST": "node-[a-c]", "TMPDIR": str(tmp_path / "tmp")}
+    return env, record
+
+
 @pytest.mark.parametrize("kind", sorted(RENDERED))
 def test_rendered_scripts_pass_bash_n_and_run_the_exact_command(kind, tmp_path):
     """`bash -n` accepts every rendered script; run under bash with stand-ins for srun and scontrol, the
-    script changes into the work directory and hands srun exactly the intended argv (quoting checked by
-    the shell itself, paths with spaces, quotes and $ included)."""
+    script changes into the work directory, exports the per-job caches and thread count, and hands srun
+    exactly the intended argv (quoting checked by the shell itself: paths with spaces, quotes and $)."""
     import json
     import subprocess
 
     recipe_dict, recipe_path = RENDERED[kind]
+    recipe_dict = json.loads(json.dumps(recipe_dict))
+    recipe_dict["run"]["dir"] = str(tmp_path / "run")
     workdir = tmp_path / "work dir"
     workdir.mkdir()
     script = render(recipe_from_dict(recipe_dict), recipe_path, workdir=str(workdir), python="/venv/bin/python")
@@ -134,33 +164,50 @@ def test_rendered_scripts_pass_bash_n_and_run_the_exact_command(kind, tmp_path):
     broken.write_text(script.replace("cd ", "cd '", 1))  # the negative control: bash -n does read it
     assert subprocess.run(["bash", "-n", str(broken)], capture_output=True).returncode != 0
 
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    record = tmp_path / "argv.json"
-    (bin_dir / "srun").write_text("#!/usr/bin/env python3\nimport json, os, sys\n"
-                                  f"json.dump({{'argv': sys.argv[1:], 'cwd': os.getcwd()}}, open({str(record)!r}, 'w'))\n")
-    (bin_dir / "scontrol").write_text("#!/bin/sh\nprintf 'node-a\\nnode-b\\nnode-c\\n'\n")
-    (bin_dir / "module").write_text("#!/bin/sh\n")
-    for f in bin_dir.iterdir():
-        f.chmod(f.stat().st_mode | stat.S_IEXEC)
-    env = {"PATH": f"{bin_dir}{os.pathsep}/usr/bin:/bin", "HOME": "/home/someone", "SLURM_JOB_NODELIST": "node-[a-c]"}
+    env, record = _stand_ins(tmp_path, preempted=False)
     ran = subprocess.run(["bash", str(path)], capture_output=True, text=True, env=env, cwd=tmp_path)
     assert ran.returncode == 0, ran.stderr
+    assert "memtrain: job 4242 starts on " in ran.stdout and "(restart 0)" in ran.stdout
+    assert "requeueing" not in ran.stdout and not (tmp_path / "bin" / "requeued").exists()  # complete: no requeue
     got = json.loads(record.read_text())
     assert got["cwd"] == str(workdir)
+    job_tmp = str(tmp_path / "tmp" / "memtrain-4242")
+    assert got["env"]["TMPDIR"] == job_tmp and got["env"]["TRITON_CACHE_DIR"] == job_tmp + "/triton"
+    assert got["env"]["TORCH_EXTENSIONS_DIR"] == job_tmp + "/torch_extensions"
+    assert not Path(job_tmp).exists()  # removed when the job ends
     d = _directives(script)
     if kind == "srun":
         assert got["argv"] == ["--kill-on-bad-exit=1", "/venv/bin/python", "-m", "memtrain", "train", recipe_path]
+        assert got["env"]["OMP_NUM_THREADS"] == "8"
         assert d == {"--job-name": "exp1", "--nodes": "2", "--ntasks-per-node": "4", "--gpus-per-node": "4",
-                     "--cpus-per-task": "8", "--time": "2-00:00:00", "--signal": "USR1@120", "--requeue": "",
-                     "--partition": "gpu", "--account": "proj-1", "--constraint": "h100", "--exclusive": ""}
-    else:
-        assert got["argv"] == ["--kill-on-bad-exit=1", "/venv/bin/python", "-m", "torch.distributed.run",
-                               "--nnodes", "3", "--nproc-per-node", "8", "--rdzv-backend", "c10d", "--rdzv-id", "exp2",
-                               "--rdzv-endpoint", "node-a:29500", "-m", "memtrain", "train", recipe_path]
-        assert d == {"--job-name": "exp2", "--nodes": "3", "--ntasks-per-node": "1", "--gpus-per-node": "8",
-                     "--cpus-per-task": "64", "--time": d["--time"], "--signal": "USR1@120", "--requeue": "",
-                     "--exclusive": ""}
+                     "--cpus-per-task": "8", "--time": "2-00:00:00", "--signal": "B:USR1@120", "--requeue": "",
+                     "--open-mode": "append", "--partition": "gpu", "--account": "proj-1",
+                     "--constraint": "h100", "--exclusive": ""}
+    elif kind == "torchrun":
+        assert got["argv"] == ["--kill-on-bad-exit=1", "/venv/bin/python", "-m", "memtrain.launcher.torchrun",
+                               "--nnodes", "3", "--nproc-per-node", "8", "--rdzv-backend", "c10d",
+                               "--rdzv-id", "memtrain-4242", "--rdzv-endpoint", f"node-a:{20000 + 4242}",
+                               "-m", "memtrain", "train", recipe_path]
+        assert got["env"]["OMP_NUM_THREADS"] == "8"  # per worker: the task's 64 CPUs over 8 workers
+        assert d["--ntasks-per-node"] == "1" and d["--cpus-per-task"] == "64" and d["--gpus-per-node"] == "8"
+    else:  # a CPU job: no GPU request, two ranks per node
+        assert "--gpus-per-node" not in d and d["--ntasks-per-node"] == "2" and d["--cpus-per-task"] == "3"
+        assert d["--time"] == "30" and d["--signal"] == "B:USR1@60" and got["env"]["OMP_NUM_THREADS"] == "3"
+
+
+def test_a_preempted_run_requeues_its_job(tmp_path):
+    """The trainer recorded its attempt as preempted (it stopped at a checkpoint before train.max_steps):
+    the batch script requeues the job with scontrol."""
+    import subprocess
+
+    recipe = recipe_from_dict({"run": {"name": "p", "dir": str(tmp_path / "run")}, "slurm": {"gpus_per_node": 0}})
+    path = tmp_path / "job.sbatch"
+    path.write_text(render(recipe, "/r.yaml", workdir=str(tmp_path), python="python"))
+    env, _ = _stand_ins(tmp_path, preempted=True)
+    ran = subprocess.run(["bash", str(path)], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert ran.returncode == 0, ran.stderr
+    assert "stopped at a checkpoint before train.max_steps: requeueing job 4242" in ran.stdout
+    assert (tmp_path / "bin" / "requeued").read_text().strip() == "4242"
 
 
 @pytest.mark.slurm
@@ -168,9 +215,33 @@ def test_rendered_script_passes_sbatch_test_only(tmp_path):
     """Where Slurm runs, sbatch itself validates the script without queueing it."""
     import subprocess
 
-    script = render(recipe_from_dict({"run": {"name": "check"}, "slurm": {"nodes": 1, "gpus_per_node": 0}}),
-                    "/r.yaml", workdir=str(tmp_path))
+    script = render(recipe_from_dict({"run": {"name": "check"}, "slurm": {
+        "nodes": 1, "gpus_per_node": 0, "cpus_per_task": 1, "time": 5, "exclusive": False}}),
+        "/r.yaml", workdir=str(tmp_path))
     path = tmp_path / "job.sbatch"
     path.write_text(script)
     out = subprocess.run(["sbatch", "--test-only", str(path)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "to start at" in (out.stdout + out.stderr), out.stderr
+
+
+def test_overrides_stand_anywhere_on_the_command_line(tmp_path, monkeypatch, capsys):
+    """key=value after a sub-command's flags (argparse alone rejected them), and slurm.time=3 meaning three
+    minutes as in sbatch (it was a type error)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "r.yaml").write_text("run: {name: anywhere}\n")
+    assert main(["submit", "r.yaml", "--dry-run", "slurm.time=3", "slurm.gpus_per_node=0"]) == 0
+    script = capsys.readouterr().out
+    assert "#SBATCH --time=3\n" in script and "--gpus-per-node" not in script
+    assert main(["recipe", "show", "r.yaml", "--world-size", "1", "train.max_steps=77"]) == 0
+    assert "max_steps: 77" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="2"):
+        main(["submit", "r.yaml", "--dry-run", "--bogus"])
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+    assert main(["submit", "r.yaml", "--dry-run", "slurm.time=30:00"]) == 0  # MM:SS, not YAML's base-60 1800
+    assert "#SBATCH --time=30:00\n" in capsys.readouterr().out
+    assert main(["submit", "r.yaml", "--dry-run", "slurm.time=1:2:3:4"]) == 2
+    assert "recipe error: slurm.time: expected a Slurm time" in capsys.readouterr().err
+    assert main(["submit", "r.yaml", "--dry-run", "slurm.time=2", "slurm.signal_seconds=120"]) == 2
+    assert "slurm.signal_seconds: 120 s is not shorter than slurm.time 2 (120 s)" in capsys.readouterr().err
+    assert main(["submit", "r.yaml", "--dry-run", "slurm.gpus_per_node=4", "slurm.tasks_per_node=2"]) == 2
+    assert "recipe error: slurm.tasks_per_node: is 2 but a GPU job runs one rank per GPU" in capsys.readouterr().err

@@ -536,3 +536,83 @@ def test_resume_after_a_crash_leaves_one_metrics_row_and_event_per_step(workdir,
     assert events["loss/train"] == list(range(1, 9)) and events["loss/val"] == [4, 8]
     for tag, steps in events.items():
         assert len(steps) == len(set(steps)), (tag, steps)
+
+
+def test_a_rerun_after_a_crash_before_the_first_checkpoint_starts_a_clean_history(workdir, reference):
+    """A run that crashes at step 3, before its first checkpoint (step 4), and is run again starts from
+    scratch: metrics.jsonl and the raw TensorBoard events keep nothing of the crashed attempt (steps 1-3
+    were logged twice before), and attempts.jsonl records both attempts."""
+    crash_at_3 = textwrap.dedent("""
+        import memtrain.launcher.train as t
+        real = t.format_line
+        def line(step, *args, **kwargs):
+            if step == 3:
+                raise RuntimeError("simulated crash at step 3")
+            return real(step, *args, **kwargs)
+        t.format_line = line
+    """)
+    out = train(workdir, "early-crash", prelude=crash_at_3, check=False)
+    assert out.returncode == 1 and "simulated crash at step 3" in out.stderr
+    run = workdir / "runs" / "early-crash"
+    assert not (run / "checkpoints").exists()
+    train(workdir, "early-crash")
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    for r in rows:
+        assert r["loss/train"] == pytest.approx(reference[r["step"]], rel=0, abs=1e-6), r["step"]
+    events = _event_steps(run / "tensorboard")
+    assert events["loss/train"] == list(range(1, 9))
+    attempts = [json.loads(line) for line in (run / "attempts.jsonl").read_text().splitlines()]
+    assert [(a["event"], a.get("state"), a.get("step")) for a in attempts] == [
+        ("start", None, None), ("end", "failed", 3), ("start", None, None), ("end", "complete", 8)]
+    assert attempts[0]["resumed_from_step"] is None and attempts[2]["resumed_from_step"] is None
+
+
+HANG = textwrap.dedent("""
+    # Rank 1 freezes (SIGSTOP) after logging step 3; rank 0 must give up on the next collective.
+    import os, signal, sys
+    import memtrain.launcher.train as t
+    real = t.format_line
+    def line(step, *args, **kwargs):
+        if step == 3 and os.environ.get("RANK") == "1":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return real(step, *args, **kwargs)
+    t.format_line = line
+    from memtrain.launcher.cli import main
+    raise SystemExit(main(sys.argv[1:]))
+""")
+
+
+def test_a_frozen_rank_ends_the_run_with_one_error_within_the_timeout(workdir):
+    """The hang guard: with rank 1 stopped (SIGSTOP) mid-run, rank 0 waits parallel.timeout_minutes (here
+    6 s) for its next collective, then exits with code 4 and one line saying a rank hung or died, instead
+    of torch's 30-minute default."""
+    import signal
+    import time
+
+    script = workdir / "hang.py"
+    script.write_text(HANG)
+    port = str(_port())
+    procs = []
+    try:
+        for rank in range(2):
+            env = _env({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+            procs.append(subprocess.Popen(
+                [sys.executable, str(script), "train", "tiny.yaml", "run.dir=runs/hang", "parallel.timeout_minutes=0.1",
+                 "train.max_steps=20"], cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                text=True))
+        t0 = time.monotonic()
+        out, err = procs[0].communicate(timeout=600)
+        waited = time.monotonic() - t0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+                p.wait()
+    assert procs[0].returncode == 4, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("memtrain: rank 0: a collective did not complete (") and "Traceback" not in err
+    assert "another rank is hung or has died (parallel.timeout_minutes 0.1 per training step" in last
+    assert "step 3/20" in out and "step 4/20" not in out
+    assert waited < 300  # seconds: the guard, not torch's 30 minutes, ended it

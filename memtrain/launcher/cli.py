@@ -5,12 +5,19 @@
     memtrain prepare RECIPE [key=value ...] --verify   check the prepared shards against their checksums
     memtrain recipe show RECIPE [key=value ...]        resolved recipe, DeepSpeed config, parameters
     memtrain submit  RECIPE [key=value ...] [--dry-run] write an sbatch script and submit it to Slurm
+    memtrain status  RUN_DIR                           a run's progress, checkpoints, attempts and restarts
+    memtrain scaling RUN_DIR [RUN_DIR ...] [--out DIR] tokens/s, MFU and scaling efficiency of several runs
     memtrain eval    RECIPE [key=value ...] [checkpoint=PATH] [--batches N] [--out FILE] [--modes M,...]
                      [--tasks T,...] [--lengths N,...] [--samples N] [--max-new-tokens N]
                                                        val perplexity, long-tail fact probes and long-context
                                                        tasks (S-NIAH, BABILong-style) of a checkpoint
 
-Errors the user can fix are printed as one line and exit with code 2.
+Overrides (``key=value``) may stand anywhere after the sub-command, before or after its flags. Errors the
+user can fix are printed as one line and exit with code 2; `memtrain train` exits 3 when training
+diverged and 4 when another rank hung or died. A run stopped by SIGTERM or SIGUSR1 (preemption) exits 0
+after its checkpoint, with every rank (so that srun's --kill-on-bad-exit kills nobody mid-save); it
+records how it ended in run.dir/attempts.jsonl (`memtrain status`), which the Slurm batch script reads
+to requeue the job.
 """
 
 from __future__ import annotations
@@ -56,6 +63,13 @@ def _parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("submit", help="write an sbatch script for the recipe and submit it with sbatch")
     recipe_args(sp)
     sp.add_argument("--dry-run", action="store_true", help="print the script; write and submit nothing")
+    sp = sub.add_parser("status", help="a run's last step, loss, throughput, checkpoints, attempts and restarts")
+    sp.add_argument("run_dir", metavar="RUN_DIR", help="the run's run.dir")
+    sp = sub.add_parser("scaling", help="compare runs of one recipe on different numbers of ranks: a Markdown "
+                        "table and a PNG of tokens/s per device, MFU, scaling efficiency, step-time split and "
+                        "traffic per step")
+    sp.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="the runs' run.dir folders")
+    sp.add_argument("--out", default=".", metavar="DIR", help="where scaling.md and scaling.png go (default: .)")
     sp = sub.add_parser("eval", help="evaluate a checkpoint: val perplexity (fetched / generic memory), the "
                         "builtin:longtail fact probes (fetched, generic, blocked, corrupted retrieval) and the "
                         "long-context tasks (S-NIAH, BABILong-style qa1-qa5)",
@@ -192,8 +206,35 @@ def split_checkpoint_override(overrides: Sequence[str]) -> tuple[list[str], Opti
     return rest, path
 
 
+def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    """Parse the command line; ``key=value`` overrides are taken wherever they stand (argparse alone
+    takes them only before the sub-command's flags)."""
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    takes_overrides = hasattr(args, "overrides")
+    stray = [a for a in extra if not takes_overrides or a.startswith("-") or "=" not in a]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if takes_overrides:
+        args.overrides = [*args.overrides, *extra]
+    return args
+
+
 def run(argv: Optional[list[str]] = None) -> int:
-    args = _parser().parse_args(argv)
+    args = parse(argv)
+    if args.command == "status":
+        from memtrain.launcher.reports import format_status, run_status
+
+        print(format_status(run_status(args.run_dir)), flush=True)
+        return 0
+    if args.command == "scaling":
+        from memtrain.launcher.reports import scaling_report
+
+        report = scaling_report(args.run_dirs, args.out)
+        with open(report["markdown"], encoding="utf-8") as f:
+            print(f.read().rstrip(), flush=True)
+        print(f"\nwrote {report['markdown']} and {report['png']}", flush=True)
+        return 0
     from memtrain.config import load_recipe
 
     overrides, checkpoint = args.overrides, None

@@ -21,6 +21,11 @@ import time
 from pathlib import Path
 from typing import Optional, TextIO
 
+# One JSON object per line in <run.dir>: a "start" event for every attempt at the run (who, where, resumed
+# from which step) and an "end" event with how it ended (complete, preempted, diverged, failed). Written by
+# the trainer (rank 0), read by `memtrain status` and by the Slurm batch script (requeue when preempted).
+ATTEMPTS = "attempts.jsonl"
+
 
 class MetricsWriter:
     def __init__(self, run_dir: Path, *, enabled: bool, tensorboard: bool, resume_step: Optional[int],

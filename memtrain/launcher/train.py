@@ -37,7 +37,9 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import signal
+import socket
 import time
 from typing import Optional
 
@@ -45,9 +47,9 @@ import torch
 import torch.nn.functional as F
 
 from memtrain.config import Recipe, RecipeError
-from memtrain.errors import CheckpointError, DivergenceError, LaunchError
+from memtrain.errors import CheckpointError, CollectiveError, DivergenceError, LaunchError
 from memtrain.parallel import dist
-from memtrain.launcher.metrics import MetricsWriter, format_line
+from memtrain.launcher.metrics import ATTEMPTS, MetricsWriter, format_line
 
 
 IGNORE_INDEX = -100  # labels the loss skips (memtrain.data.loader.IGNORE_INDEX, cross_entropy's default)
@@ -89,6 +91,30 @@ class _StopFlag:
     def restore(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+class _StepClock:
+    """Wall time per part of a step (forward, backward, optimizer), summed over its micro-batches. With
+    ``sync`` on a GPU each mark waits for the device first, so the parts are the device's time, not the
+    launch time; without it (unlogged steps) nothing waits."""
+
+    def __init__(self, device: torch.device, sync: bool) -> None:
+        self.sync = sync and device.type == "cuda"
+        self.device = device
+        self.seconds = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
+        self.t = time.perf_counter()
+
+    def start(self) -> None:
+        if self.sync:
+            torch.cuda.synchronize(self.device)
+        self.t = time.perf_counter()
+
+    def mark(self, part: str) -> None:
+        if self.sync:
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.seconds[part] += now - self.t
+        self.t = now
 
 
 def _all_sum(values: list[float], device: torch.device) -> list[float]:
@@ -230,22 +256,76 @@ def train(recipe: Recipe) -> dict:
         raise CheckpointError(f"{run_dir} already holds checkpoints (newest {latest.tag}) and checkpoint.resume "
                               "is false; resume it, or choose a new run.dir")
 
-    dist.init(dist_env, device, recipe.parallel.backend)
+    # A preemption signal may arrive at any moment, start-up included: from here on it only sets the flag
+    # the loop checks after each step. Helper processes must survive it (they get it too under srun).
+    stop = _StopFlag()
+    stop.install()
+    _start_resource_tracker_ignoring_signals()
+    # Start-up (data checksums, a universal conversion by rank 0) may keep ranks apart for minutes: the
+    # long timeout until the loop starts, the short one per step (the hang guard).
+    dist.init(dist_env, device, recipe.parallel.backend, timeout_minutes=recipe.parallel.checkpoint_timeout_minutes)
     rank, world = dist_env.rank, dist_env.world_size
-    if recipe.data.verify:
-        _verify_data(recipe, rank, world, device)
-    created = not run_dir.exists()
-    lock = _lock_run_dir(run_dir, rank, device)
+    attempt: dict = {}
     try:
-        return _train(recipe, dist_env, device, prec, accum, meta)
+        if recipe.data.verify:
+            _verify_data(recipe, rank, world, device)
+        created = not run_dir.exists()
+        lock = _lock_run_dir(run_dir, rank, device)
+        state = "failed"
+        try:
+            summary = _train(recipe, dist_env, device, prec, accum, meta, stop, attempt)
+            state = "preempted" if summary.get("stopped") else "complete"
+            return summary
+        except DivergenceError:
+            state = "diverged"
+            raise
+        finally:
+            if attempt.get("started") and rank == 0:
+                _record_attempt(run_dir, {"event": "end", "time": time.time(), "state": state,
+                                          "step": attempt.get("step")})
+            if lock is not None:
+                lock.release()
+                if created:  # a run that failed before writing anything leaves no run directory (rmdir: only if empty)
+                    try:
+                        run_dir.rmdir()
+                    except OSError:
+                        pass
+    except RuntimeError as e:
+        if world > 1 and dist.is_collective_failure(e):
+            raise CollectiveError(
+                f"rank {rank}: a collective did not complete ({str(e).strip().splitlines()[0][:200]}): another rank "
+                f"is hung or has died (parallel.timeout_minutes {recipe.parallel.timeout_minutes} per training step, "
+                f"{recipe.parallel.checkpoint_timeout_minutes} around checkpoints); see the other ranks' output. "
+                "Running the same command again resumes from the last complete checkpoint") from None
+        raise
     finally:
-        if lock is not None:
-            lock.release()
-            if created:  # a run that failed before writing anything leaves no run directory (rmdir: only if empty)
-                try:
-                    run_dir.rmdir()
-                except OSError:
-                    pass
+        stop.restore()
+
+
+def _record_attempt(run_dir, event: dict) -> None:
+    """Append one start or end event to ``<run.dir>/attempts.jsonl`` (rank 0): `memtrain status` counts
+    restarts and tells how each attempt ended (complete, preempted, diverged, failed)."""
+    import json
+
+    with open(run_dir / ATTEMPTS, "a", encoding="utf-8") as f:
+        f.write(json.dumps(event) + "\n")
+
+
+def _start_resource_tracker_ignoring_signals() -> None:
+    """Start multiprocessing's resource tracker (mosaicml-streaming's shared memory registers with it)
+    with SIGUSR1 ignored: Slurm delivers the preemption signal to every process of the job step, and a
+    tracker killed by it made every later unregister print a KeyError traceback. (It ignores SIGINT and
+    SIGTERM itself; an ignored signal stays ignored across its exec.)"""
+    from multiprocessing import resource_tracker
+
+    try:
+        previous = signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    except ValueError:  # not the main thread: leave it to start as it would
+        return
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
 
 
 def _verify_data(recipe: Recipe, rank: int, world: int, device: torch.device) -> None:
@@ -294,7 +374,10 @@ def _finite_weights(engine, bank, device: torch.device) -> bool:
     return not _any(not ok, device)
 
 
-def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int, meta: dict) -> dict:
+def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int, meta: dict, stop: "_StopFlag",
+           attempt: dict) -> dict:
+    """The run itself (see :func:`train`). ``attempt`` receives ``started`` once the run directory is
+    written to, and the ``step`` reached."""
     from memtrain.data.loader import LoaderIterator, ValidationSet, build_loader
     from memtrain.model import build, flops_per_token, peak_flops, count_parameters
     from memtrain.parallel import checkpoint as ckpt
@@ -408,14 +491,20 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
         _log(f"resuming from {latest.path} (step {step}, {tokens_seen} tokens seen)", rank)
     if rank == 0:  # only once the checkpoint has loaded: a failed resume leaves the run as it was
         (run_dir / "recipe.yaml").write_text(recipe.to_yaml(), encoding="utf-8")
+        restarts = os.environ.get("SLURM_RESTART_COUNT")
+        _record_attempt(run_dir, {"event": "start", "time": time.time(), "host": socket.gethostname(),
+                                  "pid": os.getpid(), "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+                                  "slurm_restart_count": int(restarts) if restarts and restarts.isdigit() else None,
+                                  "world_size": world, "resumed_from_step": step if latest is not None else None})
+    attempt.update(started=True, step=step)
 
     max_steps = recipe.max_steps
     log_every = recipe.steps(recipe.logging.every_steps)
     ckpt_every = recipe.steps(recipe.checkpoint.every_steps)
     eval_every = recipe.steps(recipe.train.eval.every_steps)
     max_nonfinite = recipe.train.max_nonfinite_steps
-    writer = MetricsWriter(run_dir, enabled=rank == 0, tensorboard=recipe.logging.tensorboard,
-                           resume_step=step if latest is not None else None)
+    # Rows an earlier attempt logged past the checkpoint resumed from (all of them without one) go.
+    writer = MetricsWriter(run_dir, enabled=rank == 0, tensorboard=recipe.logging.tensorboard, resume_step=step)
     if recipe.model.type == "hf":  # 6N for a pretrained model whose shape the recipe does not describe
         fpt = 6.0 * count_parameters(model.hf_model)
     elif recipe.model.type == "titans":
@@ -449,20 +538,21 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
         write_bank = None
         if bank is not None:  # replicated: rank 0 writes it; sharded: every rank its rows
             write_bank = lambda path: ckpt.save_bank(bank, path, rank)  # noqa: E731
+        dist.set_timeout(recipe.parallel.checkpoint_timeout_minutes)  # one rank may write for a while
         path = ckpt.save(engine, recipe, step=at_step, rank=rank, world_size=world,
                          trainer_state={"step": at_step, "tokens_seen": tokens_seen, "loader": loader_state,
                                         "world_size": world, "nonfinite_steps": nonfinite_total,
                                         "nonfinite_run": nonfinite_run},
                          rank_extra={"loader": loader_state}, write_extra=write_bank)
+        dist.set_timeout(recipe.parallel.timeout_minutes)
         _log(f"saved checkpoint {path}", rank)
 
     if step >= max_steps:
         _log(f"run already complete at step {step} (train.max_steps {max_steps}); nothing to do", rank)
         writer.close()
         return {"step": step, "tokens_seen": tokens_seen, "resumed": True}
+    dist.set_timeout(recipe.parallel.timeout_minutes)  # the hang guard, per step (save() lengthens it)
 
-    stop = _StopFlag()
-    stop.install()
     last: dict = {}
     engine.train()
     last_saved = step if latest is not None else -1
@@ -474,6 +564,8 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
             t_start = time.perf_counter()
             anchor_comm.reset()  # evaluation and checkpoints between steps are not charged to this one
             pre_clip_norm, bank_norm, skip = float("nan"), None, False
+            # time/* split of logged steps: on a GPU the clock waits for the device at those steps only
+            split = _StepClock(device, (step + 1) % log_every == 0 or step + 1 == max_steps)
             # The whole step's micro-batches first: the loss is normalised by the scored tokens of the
             # global batch, which one all-reduce of the counts gives before the first backward.
             micro = [_to_device(_next_batch(train_batches), device) for _ in range(accum)]
@@ -482,6 +574,7 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
             scale = accum * world / max(step_tokens, 1.0)
             ce_parts, aux_parts = [], []
             for batch in micro:
+                split.start()
                 memory = None
                 if bank is not None:
                     # Generic memory with probability 1/(k+1) per sequence (Section 4), drawn per sample.
@@ -494,7 +587,9 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
                 if out.aux_loss is not None:
                     loss = loss + out.aux_loss
                     aux_parts.append(out.aux_loss.detach())
+                split.mark("forward")
                 engine.backward(loss)
+                split.mark("backward")
                 boundary = engine.is_gradient_accumulation_boundary()
                 if boundary:
                     if bank is not None:
@@ -518,17 +613,21 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
                     # ZeRO 1-3: DeepSpeed clipped the anchor by the joint norm
                     bank_norm = clip_memory_after_step(bank, joint_norm, bank_norm)
                     pre_clip_norm = bank_norm["total"]
+                split.mark("optimizer")
             # DeepSpeed's own overflow check (ZeRO 1-3, bf16) can skip a step whose losses were finite.
             applied = engine.was_step_applied()
             nonfinite = skip or not applied
             if not applied and engine.lr_scheduler is not None:
                 engine.lr_scheduler.step()  # the schedule follows the step count, skipped steps included
+            split.start()
             if bank is not None:
                 if nonfinite:
                     bank.skip_step()
                 else:
                     bank.step(memory_schedule(step))
+            split.mark("optimizer")
             step += 1
+            attempt["step"] = step
             tokens_seen += recipe.tokens_per_step
             nonfinite_total += int(nonfinite)
             nonfinite_run = nonfinite_run + 1 if nonfinite else 0
@@ -552,6 +651,8 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
                 "throughput/device/tokens_per_sec": recipe.tokens_per_step / step_time / world,
                 "throughput/step_time_s": step_time,
                 "throughput/data_wait_frac": data_frac / world,
+                "time/data_s": data_wait,
+                **{f"time/{part}_s": seconds for part, seconds in split.seconds.items()},
                 "progress/tokens_seen": float(tokens_seen),
             }
             values.update(anchor_comm.stats())
@@ -602,10 +703,12 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
                     save(step)
                     last_saved = step
             if stopping:
-                _log(f"stopped by signal at step {step}; run the same command to resume", rank)
+                if step < max_steps:
+                    last["stopped"] = True
+                    _log(f"stopped by signal at step {step} (checkpoint written); run the same command to resume",
+                         rank)
                 break
     finally:
-        stop.restore()
         writer.close()
     last["resumed"] = latest is not None
     last["last_checkpoint_step"] = last_saved

@@ -24,6 +24,7 @@ import shutil
 import socket
 import subprocess
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Mapping, Optional
 
 from memtrain.errors import LaunchError
@@ -152,8 +153,9 @@ def resolve_device(requested: str, dist_env: DistEnv):
     return torch.device("cpu")
 
 
-def init(dist_env: DistEnv, device, backend: str = "auto") -> None:
-    """Export the layout and start the default process group (idempotent)."""
+def init(dist_env: DistEnv, device, backend: str = "auto", timeout_minutes: Optional[float] = None) -> None:
+    """Export the layout and start the default process group (idempotent). ``timeout_minutes``: how long a
+    collective may wait for the other ranks (None: torch's default); see :func:`set_timeout`."""
     import torch
     import torch.distributed as dist
 
@@ -174,7 +176,33 @@ def init(dist_env: DistEnv, device, backend: str = "auto") -> None:
         raise LaunchError("parallel.backend is 'nccl' but this rank runs on CPU; use gloo or auto")
     dist.init_process_group(backend=backend, init_method="env://", rank=dist_env.rank,
                             world_size=dist_env.world_size,
-                            device_id=device if device.type == "cuda" else None)
+                            device_id=device if device.type == "cuda" else None,
+                            timeout=timedelta(minutes=timeout_minutes) if timeout_minutes else None)
+
+
+def set_timeout(minutes: float) -> None:
+    """Change how long the default process group's collectives wait for the other ranks (the hang guard:
+    short while training steps, long around checkpoint writes and start-up, where one rank may
+    legitimately work alone for minutes). A no-op without a process group."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    setter = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout  # torch < 2.12: private
+    setter(timedelta(minutes=minutes))
+
+
+def is_collective_failure(error: BaseException) -> bool:
+    """Whether ``error`` is a collective that timed out or lost its peer (a hung or dead rank), as gloo and
+    NCCL report them, rather than a bug."""
+    import torch.distributed as dist
+
+    if isinstance(error, getattr(dist, "DistError", ())):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and any(s in text for s in (
+        "Timed out waiting", "timed out", "Connection reset by peer", "Connection closed by peer",
+        "Socket Timeout", "NCCL communicator was aborted", "Watchdog caught collective operation timeout"))
 
 
 def barrier() -> None:
