@@ -6,7 +6,7 @@ PYTHON ?= python3
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.memtrain-installed
 
-.PHONY: install quickstart demo-memory test test-fast bench clean
+.PHONY: install quickstart demo-memory demo-crossattn test test-fast bench clean
 
 $(STAMP): setup.py constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,16 @@ demo-memory: $(STAMP)
 	$(VENV)/bin/memtrain eval recipes/quickstart-memory.yaml
 	$(VENV)/bin/memtrain eval recipes/quickstart-memory.yaml $(ANCHOR_ONLY)
 
+# Cross-attention memory banks on the same corpus (README, "Cross-attention memory banks"): the anchor with a
+# routed shared bank of latent tokens, and the anchor alone on the same tokens, both scored on the fact probes.
+CA_ANCHOR := memory.type=none memory.crossattn=null run.name=quickstart-crossattn-anchor
+demo-crossattn: $(STAMP)
+	$(VENV)/bin/memtrain prepare recipes/quickstart-crossattn.yaml
+	$(VENV)/bin/memtrain train recipes/quickstart-crossattn.yaml
+	$(VENV)/bin/memtrain train recipes/quickstart-crossattn.yaml $(CA_ANCHOR)
+	$(VENV)/bin/memtrain eval recipes/quickstart-crossattn.yaml
+	$(VENV)/bin/memtrain eval recipes/quickstart-crossattn.yaml $(CA_ANCHOR)
+
 test: $(STAMP)
 	$(VENV)/bin/pytest -q
 
@@ -44,4 +54,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/bank_comm.py --quick
 
 clean:
-	rm -rf runs data/quickstart data/quickstart-memory .pytest_cache
+	rm -rf runs data/quickstart data/quickstart-memory data/quickstart-crossattn .pytest_cache

@@ -1,6 +1,8 @@
-"""Communication of the row-sharded memory bank (memtrain.parallel.sharded_bank) against dense ZeRO-3.
+"""Communication of the row-sharded memory banks (memtrain.parallel.sharded_bank, and its chapter bank
+memtrain.parallel.chapter_bank) against dense ZeRO-3.
 
-Three parts, one JSON line each (``"kind"`` says which):
+Five parts, in JSON lines (``"kind"`` says which; parts 1-4 are the hierarchical bank, 5 the
+cross-attention bank, ``--only hierarchical`` / ``--only chapter_bank`` runs one of the two):
 
 1. ``"measured"``: W = 2 and 4 gloo processes on CPU run a few training steps of a
    :class:`ShardedMemoryBank` for the paper's two bank configurations, levels (256, 64, 16, 0) on the
@@ -43,8 +45,32 @@ Three parts, one JSON line each (``"kind"`` says which):
    :func:`memtrain.data.clustered.affine_busiest_rank`); ``ratio_vs_zero3_busiest_rank_greedy`` and
    ``..._balanced`` repeat the busiest-rank ratios at the top level. Uniform ids are the perfectly
    balanced case: no assignment does better than ``ratio_vs_zero3_busiest_rank`` there.
+5. ``"chapter_bank"``: the sharded cross-attention bank (:class:`ShardedChapterBank`, a chapter is a row
+   of a ShardedMemoryBank). ``"part": "measured"``: W = 2 and 4 gloo processes train one shared bank of
+   1,000,000 latent tokens in C = 1,000 chapters of 1,000 tokens, its width scaled down to fit a CPU
+   (8 with ``--quick``, 16 otherwise: ``"width_scaled": true``; only the bytes per chapter shrink),
+   read by 4 memory layers with sequence-level routing: per micro-batch (``--micro-batch`` sequences,
+   16 by default) and per layer, each sequence picks top-k = 16 distinct chapters uniformly (seeded by
+   step, rank, micro-batch and layer, :func:`chapter_ids`) and the layer fetches the unique ones through
+   ``ChapterBankView.chapters`` (the model's path: one fetch per layer per forward); loss = sum of
+   squares of the fetched chapters -> backward -> ``reduce_gradients()`` -> ``step(lr)``. Reported per
+   rank per step: the counted bytes sent and received (``comm_bytes()``), ``model_matches_measured``
+   (:func:`predict_chapter_bytes` on every rank's ids equals them exactly for every rank and step; the
+   script fails otherwise), ``zero3_reference_bytes`` (:func:`zero3_chapter_bytes`: the bank as a dense
+   ZeRO-3 parameter, gathered once per micro-batch) and ``ratio_vs_zero3``, the routed shares (distinct
+   chapters / C: a rank's per fetch and per step, all ranks' per step, the last checked against
+   ``stats()``), and the time per step (slowest rank, median after a warm-up step). At the first W the
+   same bank also runs with top-k 4: ``"part": "traffic_vs_routing"`` gives
+   ``bytes_ratio_top16_vs_top4`` next to the ratio of routed chapters (the bank and ZeRO-3's bytes stay
+   the same). ``"part": "derived_64_ranks"``: 64 ranks, the same bank at full width d = 1024 and 2048,
+   top-k 10 and 20, 16 sequences per rank, 4 layers, one micro-batch: the expected bytes per rank per
+   step of :func:`expected_chapter_bytes` (the byte model's formula with the expected distinct chapters
+   per fetch and per step from ``expected_unique``; ``"formula"`` writes it out; the byte model's mean
+   over ``--draws`` seeded draws is reported next to it) against ZeRO-3's of the same bank. Uniform
+   routing is assumed (``"note"``); nothing of this part runs a model.
 
-    python benchmarks/bank_comm.py --quick          # CPU, gloo, about a minute or two
+    python benchmarks/bank_comm.py --quick          # CPU, gloo, a few minutes
+    python benchmarks/bank_comm.py --quick --only chapter_bank
     python benchmarks/bank_comm.py --world 2,4 --steps 6 --out bank_comm.jsonl
 
 Not part of the test suite.
@@ -71,6 +97,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from memtrain.config import MemoryConfig, ModelConfig  # noqa: E402
 from memtrain.model.anchor import anchor_dims  # noqa: E402
 from memtrain.model.hierarchical import MemoryLayout  # noqa: E402
+from memtrain.parallel.chapter_bank import (expected_unique, predict_chapter_bytes,  # noqa: E402
+                                            zero3_chapter_bytes)
 
 K = 16  # branching
 ANCHORS = {  # the paper's anchors (memtrain ModelConfig)
@@ -284,50 +312,64 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str, spec: dict) -> None:
+def _rank_main(rank: int, world: int, port: int, out_dir: str, body, spec: dict) -> None:
+    """One gloo process (one thread): ``body(rank, spec)``'s result saved as ``rank{rank}.pt``."""
     import torch.distributed as dist
-
-    from memtrain.parallel.sharded_bank import ShardedMemoryBank
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        lay = build_layout(ModelConfig(**spec["model"]), spec["levels"])
-        t0 = time.perf_counter()
-        bank = ShardedMemoryBank(lay, seed=0, dtype=getattr(torch, spec["dtype"]))
-        bank.build_optimizer(LR, (0.9, 0.95), 1e-8, 0.1)
-        init_s = time.perf_counter() - t0
-        steps = []
-        for step in range(spec["steps"]):
-            dist.barrier()
-            t0 = time.perf_counter()
-            for micro in range(spec["accum"]):
-                mem = bank.fetch(micro_ids(step, rank, micro, spec["B"], lay.depth))
-                loss = sum(r.square().sum() for r in mem.levels if r is not None)
-                loss.backward()
-            bank.reduce_gradients()
-            bank.step(LR)
-            secs = time.perf_counter() - t0
-            steps.append({"secs": secs, **bank.comm_bytes(), "zero3": bank.zero3_reference_bytes()})
-        torch.save({"steps": steps, "init_s": init_s}, os.path.join(out_dir, f"rank{rank}.pt"))
+        torch.save(body(rank, spec), os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
-def measure(name: str, levels, world: int, quick: bool, B: int, accum: int, steps: int,
-            dtype: str = "float32") -> dict:
+def spawn_ranks(body, world: int, spec: dict) -> tuple[list[dict], float]:
+    """Run ``body(rank, spec)`` (a module-level function) on ``world`` gloo processes on this machine;
+    returns every rank's result and the wall time of the whole spawn."""
     import torch.multiprocessing as mp
 
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        mp.spawn(_rank_main, args=(world, _free_port(), tmp, body, spec), nprocs=world, join=True)
+        wall = time.perf_counter() - t0
+        return [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(world)], wall
+
+
+def _hierarchical_rank(rank: int, spec: dict) -> dict:
+    """Part 1 on one rank: a few training steps of the ShardedMemoryBank, bytes and time per step."""
+    import torch.distributed as dist
+
+    from memtrain.parallel.sharded_bank import ShardedMemoryBank
+
+    lay = build_layout(ModelConfig(**spec["model"]), spec["levels"])
+    t0 = time.perf_counter()
+    bank = ShardedMemoryBank(lay, seed=0, dtype=getattr(torch, spec["dtype"]))
+    bank.build_optimizer(LR, (0.9, 0.95), 1e-8, 0.1)
+    init_s = time.perf_counter() - t0
+    steps = []
+    for step in range(spec["steps"]):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for micro in range(spec["accum"]):
+            mem = bank.fetch(micro_ids(step, rank, micro, spec["B"], lay.depth))
+            loss = sum(r.square().sum() for r in mem.levels if r is not None)
+            loss.backward()
+        bank.reduce_gradients()
+        bank.step(LR)
+        secs = time.perf_counter() - t0
+        steps.append({"secs": secs, **bank.comm_bytes(), "zero3": bank.zero3_reference_bytes()})
+    return {"steps": steps, "init_s": init_s}
+
+
+def measure(name: str, levels, world: int, quick: bool, B: int, accum: int, steps: int,
+            dtype: str = "float32") -> dict:
     model_cfg = scaled_anchor(name, quick)
     lay = build_layout(model_cfg, levels)
     spec = {"model": {k: getattr(model_cfg, k) for k in ("d_model", "n_layers", "n_heads", "head_dim", "ffn_dim")},
             "levels": list(levels), "B": B, "accum": accum, "steps": steps, "dtype": dtype}
     row_bytes = torch.empty((), dtype=getattr(torch, dtype)).element_size()
-    with tempfile.TemporaryDirectory() as tmp:
-        t0 = time.perf_counter()
-        mp.spawn(_worker, args=(world, _free_port(), tmp, spec), nprocs=world, join=True)
-        wall = time.perf_counter() - t0
-        res = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(world)]
+    res, wall = spawn_ranks(_hierarchical_rank, world, spec)
 
     # The byte model on the same ids, step by step, rank by rank.
     mismatches = []
@@ -467,6 +509,255 @@ def derive_64(name: str, levels, draws: int, measured_ok: bool | None, assignmen
 
 
 # --------------------------------------------------------------------------------------------------
+# Part 5: the sharded cross-attention bank (memtrain.parallel.chapter_bank)
+
+CB_TOKENS, CB_CHAPTERS = 1_000_000, 1000  # the proposal's shared bank: 1M latent tokens, 1,000 chapters of 1,000
+CB_LAYERS = 4  # memory layers reading the one shared bank: one fetch each per forward
+CB_TOP_K, CB_TOP_K_SMALL = 16, 4  # measured routing (chapters per sequence), and the comparison run's
+CB_DERIVED_WIDTHS, CB_DERIVED_TOP_K = (1024, 2048), (10, 20)
+
+
+def chapter_ids(step: int, rank: int, micro: int, layer: int, B: int, chapters: int, top_k: int,
+                seed: int = 0) -> torch.Tensor:
+    """``[B, top_k]`` sequence-level routing of one memory layer: each of the B sequences picks
+    ``top_k`` distinct chapters uniformly, seeded by step, rank, micro-batch and layer."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + 100_003 * step + 1_009 * rank + 101 * micro + layer)
+    return torch.multinomial(torch.ones(B, chapters), top_k, replacement=False, generator=g)
+
+
+def chapter_fetches(step: int, rank: int, run: dict, seed: int = 0) -> list[tuple[int, torch.Tensor]]:
+    """Rank ``rank``'s fetches of one step in call order, as ``predict_chapter_bytes`` takes them: per
+    micro-batch, per memory layer, (bank 0, the sorted unique chapters of the layer's routing), which
+    is what ``sequence_routed_attention`` passes to ``bank.chapters``."""
+    return [(0, torch.unique(chapter_ids(step, rank, micro, layer, run["B"], run["chapters"], run["top_k"], seed)))
+            for micro in range(run["accum"]) for layer in range(run["layers"])]
+
+
+def _chapter_rank(rank: int, spec: dict) -> dict:
+    """Part 5 on one rank: for each run of ``spec["runs"]``, a ShardedChapterBank trained a few steps
+    through its view (``ChapterBankView.chapters``, the model's path), bytes and time per step."""
+    import torch.distributed as dist
+
+    from memtrain.parallel.chapter_bank import ShardedChapterBank
+
+    out = []
+    for run in spec["runs"]:
+        t0 = time.perf_counter()
+        bank = ShardedChapterBank(1, run["tokens"], run["width"], run["chapters"], dtype=getattr(torch, run["dtype"]),
+                                  seed=0, reads_per_forward=run["layers"])
+        bank.build_optimizer(LR, (0.9, 0.95), 1e-8, 0.1)
+        init_s = time.perf_counter() - t0
+        view = bank.views[0]  # training mode: its fetches are counted
+        steps = []
+        for step in range(run["steps"]):
+            fetches = chapter_fetches(step, rank, run)
+            dist.barrier()
+            t0 = time.perf_counter()
+            for micro in range(run["accum"]):
+                reads = fetches[micro * run["layers"]:(micro + 1) * run["layers"]]
+                loss = sum(view.chapters(ids).square().sum() for _, ids in reads)  # one forward: every layer reads
+                loss.backward()
+            bank.reduce_gradients()
+            bank.step(LR)
+            secs = time.perf_counter() - t0
+            frac = bank.stats(norms=False)["memory_module/bank_chapters_fetched_frac"]  # collective, untimed
+            steps.append({"secs": secs, **bank.comm_bytes(), "zero3": bank.zero3_reference_bytes(),
+                          "fetched_frac": frac})
+        out.append({"steps": steps, "init_s": init_s})
+        del bank, view
+    return {"runs": out}
+
+
+def expected_chapter_bytes(world: int, chapters: int, chapter_tokens: int, width: int, top_k: int, B: int,
+                           layers: int, accum: int = 1, row_bytes: int = 4, grad_bytes: int = 4) -> dict:
+    """Expected bytes one rank sends per step (= receives; mean over ranks) under uniform sequence-level
+    routing: :func:`predict_chapter_bytes`'s formula with the counts replaced by expectations. With
+    R = chapter_tokens * width numbers a chapter, m = ``accum`` micro-batches, L = ``layers`` fetches
+    per forward, U_f = ``expected_unique(C, k, B)`` (a rank's distinct chapters per fetch) and
+    U_s = ``expected_unique(C, k, B L m)`` (its union over the step, what ``reduce_gradients`` sends),
+    a fraction (W - 1) / W of them owned by other ranks (round robin)::
+
+        m L [(W-1) 8 + (W-1)/W U_f (8 + R e)]  +  (W-1) 8 + (W-1)/W U_s (8 + R 4)
+
+    (split sizes; ids out and chapters back per fetch, e = storage bytes; (id, fp32 gradient row)
+    pairs per bank per step). The rank's own chapters (1/W) move nothing."""
+    off = (world - 1) / world
+    splits = (world - 1) * ID_BYTES
+    R = chapter_tokens * width
+    u_fetch = expected_unique(chapters, top_k, B)
+    u_step = expected_unique(chapters, top_k, B * layers * accum)
+    fetch = accum * layers * (splits + off * u_fetch * (ID_BYTES + R * row_bytes))
+    grads = splits + off * u_step * (ID_BYTES + R * grad_bytes)
+    return {"bytes": fetch + grads, "fetch_bytes": fetch, "gradient_bytes": grads,
+            "unique_per_fetch": u_fetch, "unique_per_step": u_step}
+
+
+def measure_chapter_bank(world: int, runs: list[dict], env: dict) -> list[dict]:
+    """The runs (one spawn of ``world`` gloo processes) checked against :func:`predict_chapter_bytes`,
+    one ``"chapter_bank"`` line each."""
+    res, wall = spawn_ranks(_chapter_rank, world, {"runs": runs})
+    lines = []
+    for i, run in enumerate(runs):
+        got = [res[r]["runs"][i] for r in range(world)]
+        steps, C = run["steps"], run["chapters"]
+        chapter_tokens = run["tokens"] // C
+        row_bytes = torch.empty((), dtype=getattr(torch, run["dtype"])).element_size()
+        mismatches, share_fetch, share_step, share_all = [], [], [], []
+        share_matches_stats = True
+        for step in range(steps):
+            fetches = [chapter_fetches(step, r, run) for r in range(world)]
+            pred = predict_chapter_bytes(1, chapter_tokens * run["width"], fetches, row_bytes=row_bytes)
+            for r in range(world):
+                g = got[r]["steps"][step]
+                if (g["sent"], g["received"]) != (pred[r]["sent"], pred[r]["received"]):
+                    mismatches.append({"step": step, "rank": r, "measured": [g["sent"], g["received"]],
+                                       "model": [pred[r]["sent"], pred[r]["received"]]})
+            unions = [torch.unique(torch.cat([ids for _, ids in f])) for f in fetches]
+            share_fetch += [len(ids) / C for f in fetches for _, ids in f]
+            share_step += [len(u) / C for u in unions]
+            share_all.append(len(torch.unique(torch.cat(unions))) / C)
+            share_matches_stats &= abs(got[0]["steps"][step]["fetched_frac"] - share_all[-1]) < 1e-12
+        P = run["tokens"] * run["width"]
+        zero3 = got[0]["steps"][0]["zero3"]
+        assert zero3 == zero3_chapter_bytes(P, world, run["accum"], row_bytes)
+        sent = [got[r]["steps"][s]["sent"] for r in range(world) for s in range(steps)]
+        recv = [got[r]["steps"][s]["received"] for r in range(world) for s in range(steps)]
+        timed = range(1, steps) if steps > 1 else range(steps)  # step 0: warm-up
+        step_secs = [max(got[r]["steps"][s]["secs"] for r in range(world)) for s in timed]  # slowest rank
+        mean_sent = statistics.fmean(sent)
+        expected = expected_chapter_bytes(world, C, chapter_tokens, run["width"], run["top_k"], run["B"],
+                                          run["layers"], run["accum"], row_bytes)
+        lines.append({
+            "kind": "chapter_bank", "part": "measured", "bank": "ShardedChapterBank (one shared bank)",
+            "tokens": run["tokens"], "chapters": C, "chapter_tokens": chapter_tokens,
+            "width": run["width"], "width_scaled": True, "bank_params": P, "bank_dtype": run["dtype"],
+            "memory_layers": run["layers"], "fetches_per_forward": run["layers"], "routing": "sequence",
+            "top_k": run["top_k"], "seqs_per_rank_micro_batch": run["B"], "micro_batches_per_step": run["accum"],
+            "ids": "uniform, distinct per sequence, seeded by step, rank, micro-batch and layer",
+            "world": world, "backend": "gloo", "device": "cpu", "threads_per_rank": 1,
+            "steps": steps, "timed_steps": len(step_secs),
+            "bank_bytes_sent_per_rank_step_mean": round(mean_sent, 1),
+            "bank_bytes_sent_per_rank_step_max": max(sent),
+            "bank_bytes_received_per_rank_step_mean": round(statistics.fmean(recv), 1),
+            "expected_bytes_per_rank_step_uniform": round(expected["bytes"], 1),
+            "zero3_reference_bytes": zero3,
+            "ratio_vs_zero3": round(zero3 / mean_sent, 3),
+            "ratio_vs_zero3_busiest_rank": round(zero3 / max(sent), 3),
+            "routed_share_per_rank_fetch": round(statistics.fmean(share_fetch), 4),
+            "routed_share_per_rank_step": round(statistics.fmean(share_step), 4),
+            "routed_share_all_ranks_step": round(statistics.fmean(share_all), 4),
+            "routed_share_matches_stats": share_matches_stats,
+            "step_s_median": round(statistics.median(step_secs), 5),
+            "step_s_max": round(max(step_secs), 5),
+            "bank_init_s_max": round(max(g["init_s"] for g in got), 3),
+            "spawn_wall_s": round(wall, 2),
+            "model_matches_measured": not mismatches, "model_mismatches": mismatches[:4],
+            "what": "measured: per step each rank draws its routing, then fetch (ChapterBankView.chapters of each "
+                    "layer's unique chapters, one fetch per memory layer) -> loss = sum of squares -> backward -> "
+                    "reduce_gradients() -> step(lr); bytes from comm_bytes() on every rank and step, checked "
+                    "exactly against predict_chapter_bytes on every rank's ids; ZeRO-3 bytes from "
+                    "zero3_reference_bytes() (= zero3_chapter_bytes: gathered once per micro-batch, a lower bound "
+                    "for a bank read by several layers); routed shares = distinct chapters / C (per rank per fetch, "
+                    "per rank over the step, all ranks over the step = stats()' bank_chapters_fetched_frac); time "
+                    "per step = fetch+backward+reduce_gradients+step, slowest rank, median after a warm-up step, "
+                    "gloo processes sharing this machine's cores",
+            **env,
+        })
+    return lines
+
+
+def traffic_vs_routing(small: dict, large: dict) -> dict:
+    """The same bank and world at top-k 4 and 16: bytes follow the routed chapters, ZeRO-3's do not move."""
+    b_small, b_large = small["bank_bytes_sent_per_rank_step_mean"], large["bank_bytes_sent_per_rank_step_mean"]
+    return {
+        "kind": "chapter_bank", "part": "traffic_vs_routing", "world": large["world"], "tokens": large["tokens"],
+        "chapters": large["chapters"], "width": large["width"], "memory_layers": large["memory_layers"],
+        "top_k": [small["top_k"], large["top_k"]],
+        f"bytes_ratio_top{large['top_k']}_vs_top{small['top_k']}": round(b_large / b_small, 3),
+        "expected_bytes_ratio_uniform": round(large["expected_bytes_per_rank_step_uniform"]
+                                              / small["expected_bytes_per_rank_step_uniform"], 3),
+        "routed_chapters_ratio_per_fetch": round(large["routed_share_per_rank_fetch"]
+                                                 / small["routed_share_per_rank_fetch"], 3),
+        "routed_chapters_ratio_per_step": round(large["routed_share_per_rank_step"]
+                                                / small["routed_share_per_rank_step"], 3),
+        "zero3_ratio": round(large["zero3_reference_bytes"] / small["zero3_reference_bytes"], 3),
+        "ratio_vs_zero3": [small["ratio_vs_zero3"], large["ratio_vs_zero3"]],
+        "what": "the measured lines of the two runs: the bank's bytes grow with the distinct chapters a rank routes "
+                "to (4x the picks, fewer than 4x distinct chapters: overlaps), fetches with those per fetch and "
+                "gradients with those of the step (hence a bytes ratio between the two chapter ratios, as "
+                "expected_chapter_bytes predicts); the bank and ZeRO-3's bytes stay the same",
+    }
+
+
+def derive_chapter_64(width: int, top_k: int, draws: int, measured_ok: bool | None, B: int, layers: int = CB_LAYERS,
+                      accum: int = 1) -> dict:
+    """Part 5 at 64 ranks with the full-width bank: expected bytes (:func:`expected_chapter_bytes`) against
+    ZeRO-3, and the byte model's mean over ``draws`` seeded uniform draws as a check of the expectation."""
+    W, C = RANKS_64, CB_CHAPTERS
+    chapter_tokens = CB_TOKENS // C
+    P = CB_TOKENS * width
+    exp = expected_chapter_bytes(W, C, chapter_tokens, width, top_k, B, layers, accum)
+    one_layer = expected_chapter_bytes(W, C, chapter_tokens, width, top_k, B, 1, accum)
+    bf16 = expected_chapter_bytes(W, C, chapter_tokens, width, top_k, B, layers, accum, row_bytes=2)
+    run = {"B": B, "chapters": C, "top_k": top_k, "accum": accum, "layers": layers}
+    drawn = [statistics.fmean(p["sent"] for p in predict_chapter_bytes(
+        1, chapter_tokens * width, [chapter_fetches(0, r, run, seed=1 + d) for r in range(W)])) for d in range(draws)]
+    z32 = zero3_chapter_bytes(P, W, accum, 4)
+    z16 = zero3_chapter_bytes(P, W, accum, 2)
+    return {
+        "kind": "chapter_bank", "part": "derived_64_ranks", "world": W, "tokens": CB_TOKENS, "chapters": C,
+        "chapter_tokens": chapter_tokens, "width": width, "width_scaled": False, "bank_params": P,
+        "memory_layers": layers, "routing": "sequence", "top_k": top_k, "seqs_per_rank_micro_batch": B,
+        "micro_batches_per_step": accum,
+        "expected_unique_chapters_per_rank_fetch": round(exp["unique_per_fetch"], 2),
+        "expected_unique_chapters_per_rank_step": round(exp["unique_per_step"], 2),
+        "bank_bytes_per_rank_step": round(exp["bytes"]),
+        "bank_fetch_bytes_per_rank_step": round(exp["fetch_bytes"]),
+        "bank_gradient_bytes_per_rank_step": round(exp["gradient_bytes"]),
+        "byte_model_mean_over_draws": round(statistics.fmean(drawn)), "draws": draws,
+        "zero3_bytes_per_rank_step": z32,
+        "ratio_vs_zero3": round(z32 / exp["bytes"], 3),
+        "ratio_vs_zero3_one_memory_layer": round(z32 / one_layer["bytes"], 3),
+        "ratio_vs_zero3_bf16_rows": round(z16 / bf16["bytes"], 3),
+        "formula": "per rank per step, mean over ranks (sent = received): m L [(W-1) 8 + (W-1)/W U_f (8 + R e)] + "
+                   "(W-1) 8 + (W-1)/W U_s (8 + 4 R); R = chapter_tokens x width, e = 4 (fp32 rows; 2 for "
+                   "ratio_vs_zero3_bf16_rows), U_f = expected_unique(C, k, B), U_s = expected_unique(C, k, B L m); "
+                   "ZeRO-3: m (W-1)/W P (2 e + 4), P = tokens x width",
+        "byte_model_validated_by_measurement": measured_ok,
+        "note": "derived, not measured: uniform routing is assumed (every sequence's k distinct chapters uniform over "
+                "C, independently per layer and rank); a trained router that concentrates on few chapters moves "
+                "less, correlated picks across ranks leave per-rank bytes unchanged but load the owners of popular "
+                "chapters more (busiest rank not modelled here). ZeRO-3 is its lower bound (the shared bank "
+                "gathered once per micro-batch, not once per reading layer); with L layers reading, the sharded "
+                "bank fetches L times, hence ratio_vs_zero3 < ratio_vs_zero3_one_memory_layer",
+    }
+
+
+def chapter_bank_part(worlds: list[int], quick: bool, B: int, accum: int, steps: int, draws: int, env: dict,
+                      emit) -> bool | None:
+    """Part 5: the measured runs (exit on a byte-model mismatch), traffic vs routing, the 64-rank figures."""
+    base = {"tokens": CB_TOKENS, "chapters": CB_CHAPTERS, "width": 8 if quick else 16, "layers": CB_LAYERS,
+            "top_k": CB_TOP_K, "B": B, "accum": accum, "steps": steps, "dtype": "float32"}
+    ok = True if worlds else None
+    for world in worlds:
+        runs = [base] + ([{**base, "top_k": CB_TOP_K_SMALL}] if world == worlds[0] else [])
+        lines = measure_chapter_bank(world, runs, env)
+        for rec in lines:
+            emit(rec)
+            ok = ok and rec["model_matches_measured"] and rec["routed_share_matches_stats"]
+            if not rec["model_matches_measured"]:
+                raise SystemExit(f"chapter-bank byte model differs from the measured bytes: {rec['model_mismatches']}")
+            if not rec["routed_share_matches_stats"]:
+                raise SystemExit("routed chapters differ from the bank's stats()")
+        if len(lines) == 2:
+            emit({**traffic_vs_routing(lines[1], lines[0]), **env})
+    for width in CB_DERIVED_WIDTHS:
+        for top_k in CB_DERIVED_TOP_K:
+            emit({**derive_chapter_64(width, top_k, draws, ok, B), **env})
+    return ok
+
+
+# --------------------------------------------------------------------------------------------------
 
 
 def main() -> None:
@@ -482,6 +773,9 @@ def main() -> None:
     ap.add_argument("--corpus", type=int, default=None,
                     help="documents of the synthetic corpus whose cluster assignments the ids are drawn from "
                          "(default 65536 with --quick, else 262144; 0 skips)")
+    ap.add_argument("--only", choices=("hierarchical", "chapter_bank"), default=None,
+                    help="run only parts 1-4 (the hierarchical ShardedMemoryBank) or only part 5 (the sharded "
+                         "cross-attention bank); default both")
     args = ap.parse_args()
     steps = args.steps or (3 if args.quick else 6)
     draws = args.draws or (8 if args.quick else 32)
@@ -498,21 +792,25 @@ def main() -> None:
 
     env = {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
            "quick": args.quick}
-    ok_all = True if worlds else None
-    for name, levels in CONFIGS:
-        for world in worlds:
-            for dtype in ("float32", "bfloat16") if world == worlds[0] else ("float32",):
-                rec = measure(name, levels, world, args.quick, args.micro_batch, args.accum, steps, dtype)
-                ok_all = ok_all and rec["model_matches_measured"]
-                emit({**rec, **env})
-                if not rec["model_matches_measured"]:
-                    raise SystemExit(f"byte model differs from the measured bytes: {rec['model_mismatches']}")
-    n_corpus = args.corpus if args.corpus is not None else (65536 if args.quick else 262144)
-    assignments = None
-    if n_corpus:
-        assignments = cluster_assignments(n_corpus, steps=5 if args.quick else 20, samples=512 if args.quick else 6400)
-    for name, levels in CONFIGS:
-        emit({**derive_64(name, levels, draws, ok_all, assignments), **env})
+    if args.only in (None, "hierarchical"):
+        ok_all = True if worlds else None
+        for name, levels in CONFIGS:
+            for world in worlds:
+                for dtype in ("float32", "bfloat16") if world == worlds[0] else ("float32",):
+                    rec = measure(name, levels, world, args.quick, args.micro_batch, args.accum, steps, dtype)
+                    ok_all = ok_all and rec["model_matches_measured"]
+                    emit({**rec, **env})
+                    if not rec["model_matches_measured"]:
+                        raise SystemExit(f"byte model differs from the measured bytes: {rec['model_mismatches']}")
+        n_corpus = args.corpus if args.corpus is not None else (65536 if args.quick else 262144)
+        assignments = None
+        if n_corpus:
+            assignments = cluster_assignments(n_corpus, steps=5 if args.quick else 20,
+                                              samples=512 if args.quick else 6400)
+        for name, levels in CONFIGS:
+            emit({**derive_64(name, levels, draws, ok_all, assignments), **env})
+    if args.only in (None, "chapter_bank"):
+        chapter_bank_part(worlds, args.quick, args.micro_batch, args.accum, steps, draws, env, emit)
     emit({"kind": "summary", "total_s": round(time.perf_counter() - t_start, 1), **env})
     if out:
         out.close()

@@ -238,6 +238,72 @@ class MemoryLlamaConfig:
 
 
 @dataclass
+class CrossAttnConfig:
+    """Learnable cross-attention memory banks (crossattn-memory-banks paper, Sections 3-5;
+    :mod:`memtrain.model.crossattn`). A bank of ``tokens`` latent tokens is read by cross-attention in the
+    memory layers: queries from the token stream, keys and values from the bank (eq. 1-4). On
+    ``model.type: decoder`` the layers are part of the model (trained from scratch or with it); on
+    ``model.type: hf`` they are memory adapters inserted into the frozen pretrained model (Section 5)."""
+
+    tokens: int = 4096  # N_m: latent tokens per bank
+    # Chapter routing (Section 4): the bank is split into `chapters` of tokens / chapters each; a router
+    # picks `top_k` of them (0: no router, every layer reads the whole bank). sequence: eq. 8 on the
+    # mean-pooled sequence (it sees the whole sequence: not causal); token: per token (Section 4.4; causal).
+    chapters: int = 1
+    top_k: int = 0
+    routing: Literal["sequence", "token"] = "sequence"
+    balance_loss: float = 0.01  # weight of the load-balancing loss that keeps chapters in use (Switch-style)
+    # A: self-attention -> memory cross-attention -> MLP; B: self-attention -> MLP -> memory
+    # cross-attention -> another MLP (Section 3.2).
+    variant: Literal["A", "B"] = "A"
+    # Section 3.3: all layers, the first / last `placement_k`, or every `placement_k`-th (from layer 0);
+    # `layers` (0-based) overrides both.
+    placement: Literal["all", "first", "last", "every"] = "all"
+    placement_k: int = 1
+    layers: Optional[list[int]] = None
+    shared: bool = False  # one bank for every memory layer (Section 3.4); else one per layer
+    heads: Optional[int] = None  # default model.n_heads
+    # Reduced dimension r (eq. 15-21): bank tokens of width r, attention in r, W_O back to d_model.
+    # Default: bank tokens of width d_model and attention as wide as the model's.
+    dim: Optional[int] = None
+    bank_rank: Optional[int] = None  # M = A B^T with rank r (eq. 13)
+    proj_rank: Optional[int] = None  # W_Q, W_K, W_V = W_down W_up with rank r (eq. 14)
+    # Storage of the bank: fp32 | bf16 | int8 (per-token scales, dequantised to the compute dtype; a
+    # frozen bank: set freeze_bank, e.g. when model.init_from is a checkpoint trained in fp32).
+    bank_dtype: Literal["fp32", "bf16", "int8"] = "fp32"
+    init_std: float = 1.0  # the bank tokens' initial standard deviation (keys/values are projected)
+    ffn_dim: Optional[int] = None  # variant B's extra MLP; default model.ffn_dim
+    # Section 5.5: the bank and its W_K, W_V train at bank_lr (default memory.optimizer.lr; lower it for
+    # differential learning rates) and are frozen from step freeze_bank_at on (0: never); freeze_bank
+    # freezes them from the start.
+    bank_lr: Optional[float] = None
+    freeze_bank_at: Duration = Duration(0)
+    freeze_bank: bool = False
+    # Memory adapters (model.type hf only; Section 5.2, :mod:`memtrain.model.crossattn.adapter`): the pretrained
+    # model's weights are frozen and the banks, projections and routers train. train_base: true trains the base
+    # model too (at train.optimizer.lr: memory adapters + full fine-tuning; full fine-tuning alone is memory.type
+    # none). memory_layers: false inserts no memory layers: with lora, Section 5.4's LoRA-only baseline.
+    train_base: bool = False
+    memory_layers: bool = True
+    # LoRA (peft) on the frozen base (Section 5.4's "Memory Adapters + LoRA"); null: none. Same keys and
+    # defaults as memory.memory_llama.lora (r 16, alpha 32, dropout 0.05 on every attention and MLP
+    # projection); the adapters train at lora_lr on train.schedule's warmup and cosine, decaying to the
+    # fraction memory.optimizer.min_lr / memory.optimizer.lr of it (the parameter-group role ``lora``).
+    lora: Optional[MemoryLlamaLoraConfig] = None
+    lora_lr: float = 1.0e-4
+    # Where the bank lives. replicated: a parameter of the model on every rank (clipped and stepped with the
+    # rest by DeepSpeed). sharded: its chapters are rows spread over the data-parallel ranks; each forward
+    # fetches the chapters its routers pick from their owners, the gradients go back to the owners, which
+    # step them with AdamW (traffic follows the routed chapters, not the bank size;
+    # memtrain.parallel.chapter_bank). Dense banks only (not bank_rank, not int8).
+    bank: Literal["replicated", "sharded"] = "replicated"
+
+    @property
+    def chapter_tokens(self) -> int:
+        return self.tokens // max(self.chapters, 1)
+
+
+@dataclass
 class MemoryConfig:
     """Hierarchical parametric memories (hierarchical-memories paper, Sections 2-4, Appendix I), or
     MemoryLlama's neural memories (``memory_llama``).
@@ -249,7 +315,7 @@ class MemoryConfig:
     ``memory_llama`` injects Titans memories into a pretrained Llama (``model.type: hf``), configured in
     ``memory_llama``; the hierarchical keys below are then unused and must keep their defaults."""
 
-    type: Literal["none", "ffn", "lora", "kv", "memory_llama"] = "none"
+    type: Literal["none", "ffn", "lora", "kv", "memory_llama", "crossattn"] = "none"
     levels: list[int] = field(default_factory=list)
     lora_target: Literal["qk", "vo", "ffn"] = "ffn"
     lora_alpha: float = 2.0  # LoRA scale alpha / rank (Appendix I: alpha = 2)
@@ -280,6 +346,8 @@ class MemoryConfig:
     bank_offload: bool = False
     # memory.type memory_llama only; None (the default, and what other recipes keep) means the defaults.
     memory_llama: Optional[MemoryLlamaConfig] = None
+    # memory.type crossattn only; None means the defaults.
+    crossattn: Optional[CrossAttnConfig] = None
 
     @property
     def enabled(self) -> bool:
@@ -290,6 +358,10 @@ class MemoryConfig:
     @property
     def is_memory_llama(self) -> bool:
         return self.type == "memory_llama"
+
+    @property
+    def is_crossattn(self) -> bool:
+        return self.type == "crossattn"
 
 
 @dataclass
@@ -822,6 +894,12 @@ def _validate_memory(recipe: Recipe) -> None:
     if mem.is_memory_llama:
         _validate_memory_llama(recipe)
         return
+    if mem.is_crossattn:
+        _validate_crossattn(recipe)
+        return
+    if mem.crossattn is not None:
+        raise RecipeError("memory.crossattn", f"is only used with memory.type 'crossattn' (memory.type is "
+                          f"{mem.type!r})")
     if mem.memory_llama is not None:
         raise RecipeError("memory.memory_llama", f"is only used with memory.type 'memory_llama' (memory.type is "
                           f"{mem.type!r})")
@@ -880,6 +958,119 @@ def _validate_memory(recipe: Recipe) -> None:
 _HIERARCHICAL_KEYS = ("levels", "lora_target", "lora_alpha", "placement", "placement_layers", "generic_prob",
                       "freeze_anchor", "optimizer", "grad_clip", "bank", "bank_optimizer", "bank_dtype",
                       "bank_offload")
+
+
+# Hierarchical keys cross-attention memories do use: the optimizer of the memory parameters and freezing
+# the anchor (memory adapters on a frozen model, Section 5).
+_CROSSATTN_SHARED_KEYS = ("optimizer", "freeze_anchor", "grad_clip")
+
+
+def _validate_crossattn(recipe: Recipe) -> None:
+    m, mem = recipe.model, recipe.memory
+    if m.type == "titans":
+        raise RecipeError("memory.type", "cross-attention memories attach to model.type 'decoder' (from scratch) or "
+                          "'hf' (memory adapters), not 'titans'")
+    default = MemoryConfig()
+    for key in _HIERARCHICAL_KEYS:
+        if key not in _CROSSATTN_SHARED_KEYS and getattr(mem, key) != getattr(default, key):
+            raise RecipeError(f"memory.{key}", "is a hierarchical-memory setting (memory.type ffn, lora, kv); "
+                              "memory.type 'crossattn' is configured in memory.crossattn.*")
+    if mem.memory_llama is not None:
+        raise RecipeError("memory.memory_llama", "is only used with memory.type 'memory_llama'")
+    if mem.crossattn is None:
+        mem.crossattn = CrossAttnConfig()
+    c, key = mem.crossattn, "memory.crossattn."
+    for name in ("tokens", "chapters", "placement_k"):
+        if getattr(c, name) < 1:
+            raise RecipeError(key + name, f"must be >= 1, got {getattr(c, name)}")
+    if c.tokens % c.chapters:
+        raise RecipeError(key + "chapters", f"{c.tokens} memory tokens do not split into {c.chapters} chapters of "
+                          f"equal size; choose a divisor of memory.crossattn.tokens")
+    if c.top_k < 0 or c.top_k > c.chapters:
+        raise RecipeError(key + "top_k", f"must lie in [0, memory.crossattn.chapters {c.chapters}] (0: no router, "
+                          f"the whole bank), got {c.top_k}")
+    if c.top_k and c.chapters == 1:
+        raise RecipeError(key + "top_k", "routing needs memory.crossattn.chapters > 1")
+    if c.balance_loss < 0:
+        raise RecipeError(key + "balance_loss", f"must be >= 0, got {c.balance_loss}")
+    if m.type != "hf":  # model.type hf: the pretrained model's own config gives the shape, checked when it is built
+        layers = m.n_layers
+        if c.layers is not None:
+            if not c.layers or len(set(c.layers)) != len(c.layers) or not all(0 <= i < layers for i in c.layers):
+                raise RecipeError(key + "layers", f"must be distinct layer indices in [0, {layers}), got {c.layers}")
+        elif c.placement in ("first", "last") and c.placement_k > layers:
+            raise RecipeError(key + "placement_k", f"{c.placement_k} is more than the model's {layers} layers")
+        heads = c.heads or m.n_heads
+        width = c.dim or m.n_heads * (m.head_dim or m.d_model // m.n_heads)
+        if heads < 1 or width % heads:
+            raise RecipeError(key + "heads", f"the memory attention width {width} does not split into {heads} heads")
+    else:
+        if c.layers is not None and (not c.layers or len(set(c.layers)) != len(c.layers) or min(c.layers) < 0):
+            raise RecipeError(key + "layers", f"must be distinct 0-based decoder layer indices, got {c.layers}")
+        if c.heads is not None and c.heads < 1:
+            raise RecipeError(key + "heads", f"must be >= 1, got {c.heads}")
+    for name in ("dim", "bank_rank", "proj_rank", "ffn_dim"):
+        value = getattr(c, name)
+        if value is not None and value < 1:
+            raise RecipeError(key + name, f"must be >= 1, got {value}")
+    if c.bank_rank is not None and c.bank_dtype == "int8":
+        raise RecipeError(key + "bank_dtype", "int8 storage quantises a full bank; it does not combine with "
+                          "memory.crossattn.bank_rank (a factorised bank is already small)")
+    if c.bank_dtype == "int8" and not c.freeze_bank:
+        raise RecipeError(key + "bank_dtype", "an int8 bank cannot be trained (no gradient reaches int8 storage); "
+                          "set memory.crossattn.freeze_bank: true (e.g. with model.init_from a trained run), or "
+                          "use fp32 or bf16")
+    if c.bank_lr is not None and not c.bank_lr > 0:
+        raise RecipeError(key + "bank_lr", f"must be positive, got {c.bank_lr}")
+    if c.init_std <= 0:
+        raise RecipeError(key + "init_std", f"must be positive, got {c.init_std}")
+    o = mem.optimizer
+    if not o.lr > 0:
+        raise RecipeError("memory.optimizer.lr", f"must be positive, got {o.lr}")
+    if not 0 <= o.min_lr <= o.lr:
+        raise RecipeError("memory.optimizer.min_lr", f"{o.min_lr} must lie in [0, memory.optimizer.lr {o.lr}]")
+    if c.bank == "sharded" and c.bank_rank is not None:
+        raise RecipeError(key + "bank", "a sharded bank stores whole chapters as rows, not the factors of "
+                          "memory.crossattn.bank_rank (a low-rank bank is small: keep memory.crossattn.bank: replicated)")
+    if c.bank == "sharded" and c.bank_dtype == "int8":
+        raise RecipeError(key + "bank", "an int8 bank is frozen and quantised per token; keep memory.crossattn.bank: "
+                          "replicated")
+    # Memory adapters on a pretrained model (Section 5).
+    if m.type != "hf":
+        for name, default in (("train_base", False), ("memory_layers", True), ("lora", None)):
+            if getattr(c, name) != default:
+                raise RecipeError(key + name, "is a setting of memory adapters on a pretrained model (model.type "
+                                  "hf); on model.type 'decoder' the memory layers train with the model "
+                                  "(memory.freeze_anchor: true trains them alone)")
+    lora = c.lora is not None and c.lora.enabled
+    if c.lora is not None:
+        if lora:
+            for name in ("r", "alpha"):
+                if not getattr(c.lora, name) > 0:
+                    raise RecipeError(f"{key}lora.{name}", f"must be positive, got {getattr(c.lora, name)}")
+            if not 0 <= c.lora.dropout < 1:
+                raise RecipeError(f"{key}lora.dropout", f"must lie in [0, 1), got {c.lora.dropout}")
+            if not c.lora.target_modules:
+                raise RecipeError(f"{key}lora.target_modules", "is empty; name the projections to adapt (e.g. "
+                                  "q_proj, v_proj) or set memory.crossattn.lora: null")
+        elif c.lora.freeze:
+            raise RecipeError(f"{key}lora.freeze", "freezes LoRA adapters, but memory.crossattn.lora.enabled is false")
+    if not c.lora_lr > 0:
+        raise RecipeError(key + "lora_lr", f"must be positive, got {c.lora_lr}")
+    if c.train_base and lora:
+        raise RecipeError(key + "train_base", "trains every weight of the base model, which makes LoRA on it "
+                          "redundant; set memory.crossattn.lora: null or train_base: false")
+    if c.train_base and mem.freeze_anchor:
+        raise RecipeError(key + "train_base", "contradicts memory.freeze_anchor: true; keep one of them")
+    if not c.memory_layers and not (lora and not c.lora.freeze):
+        raise RecipeError(key + "memory_layers", "false inserts no memory layers, so only LoRA could train: set "
+                          "memory.crossattn.lora (the LoRA-only baseline), or use memory.type none for full "
+                          "fine-tuning")
+    if m.type == "hf" and recipe.parallel.zero_stage > 2:
+        raise RecipeError("parallel.zero_stage", f"memory adapters (model.type hf, memory.type crossattn) need ZeRO "
+                          f"stage 0, 1 or 2, got {recipe.parallel.zero_stage}: the latent banks are read outside "
+                          "their own module's forward, which ZeRO-3 does not gather (and the frozen base has no "
+                          "optimizer state to shard)")
 
 
 def _validate_memory_llama(recipe: Recipe) -> None:

@@ -73,6 +73,12 @@ def load_model(recipe: Recipe, info: Any, device: torch.device) -> tuple[torch.n
     torch.manual_seed(recipe.run.seed)
     model = build(recipe.model, recipe.memory, recipe.data.clustering.branching)
     state = ckpt.load_module_state(info)
+    c = recipe.memory.crossattn
+    if recipe.memory.is_crossattn and c is not None and c.bank == "sharded":
+        # The sharded chapter bank is in the checkpoint's DCP bank folder, not in DeepSpeed's module state.
+        from memtrain.parallel.chapter_bank import latent_bank_state
+
+        state = {**state, **latent_bank_state(info.path, width=c.dim or recipe.model.d_model)}
     try:
         result = model.load_state_dict(state, strict=False)
     except RuntimeError as e:  # shape mismatches

@@ -11,6 +11,10 @@
                      [--tasks T,...] [--lengths N,...] [--samples N] [--max-new-tokens N]
                                                        val perplexity, long-tail fact probes and long-context
                                                        tasks (S-NIAH, BABILong-style) of a checkpoint
+    memtrain generate RECIPE [key=value ...] [checkpoint=PATH] --prompt TEXT [--prompt TEXT ...]
+                     [--max-new-tokens N] [--context-bank {on,off}] [--bank-capacity N] [--answer TEXT]
+                                                       greedy generation over prompts in order, carrying
+                                                       them in the inference-time context bank
 
 Overrides (``key=value``) may stand anywhere after the sub-command, before or after its flags. Errors the
 user can fix are printed as one line and exit with code 2; `memtrain train` exits 3 when training
@@ -100,6 +104,35 @@ def _parser() -> argparse.ArgumentParser:
                     help="examples per task and length (default 5; S-NIAH needles at N evenly spaced depths)")
     sp.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
                     help="greedy tokens generated per example, stopping at end-of-text (default 16)")
+    sp = sub.add_parser("generate", help="greedy generation over prompts in order, with the inference-time "
+                        "context bank (crossattn-memory-banks Section 7) carrying earlier prompts",
+                        description="Load a checkpoint as `memtrain eval` does and run the prompts in order: "
+                        "each is answered greedily with the memory cross-attention layers reading the context bank "
+                        "(the earlier prompts, compressed), then compressed and added to it; prints the generated "
+                        "text and the bank's state. The context encoder is fitted at start on the run's val text "
+                        "(or loaded from --encoder FILE). Needs model.type decoder with memory.type crossattn "
+                        "unless --context-bank off.")
+    recipe_args(sp)
+    sp.add_argument("--prompt", action="append", required=True, metavar="TEXT",
+                    help="a prompt; repeat for several, run in the order given")
+    sp.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
+                    help="greedy tokens generated per prompt, stopping at end-of-text (default 16)")
+    sp.add_argument("--context-bank", choices=("on", "off"), default="on",
+                    help="read and write the context bank (default on); off generates with the model alone")
+    sp.add_argument("--bank-capacity", type=int, default=None, metavar="N",
+                    help="context vectors kept before importance-weighted merging starts (default 64)")
+    sp.add_argument("--answer", default=None, metavar="TEXT",
+                    help="report the mean per-token log-probability of TEXT as each prompt's continuation, with "
+                         "the context bank and without it")
+    sp.add_argument("--encoder", default=None, metavar="FILE",
+                    help="load the context encoder from FILE when it exists; otherwise fit it and save it there")
+    sp.add_argument("--encoder-steps", type=_non_negative_int, default=None, metavar="N",
+                    help="steps fitting the context encoder on the val text's hidden states (default 300)")
+    sp.add_argument("--tokens-per-vector", type=int, default=None, metavar="N",
+                    help="prompt tokens compressed into one context vector when fitting (default 8)")
+    sp.add_argument("--top-k-clusters", type=int, default=None, metavar="N",
+                    help="context-bank clusters each query token reads (default 2)")
+    sp.add_argument("--out", default=None, metavar="FILE", help="also write the report as JSON to FILE")
     return p
 
 
@@ -138,14 +171,24 @@ def recipe_show(recipe, world_size: Optional[int]) -> str:
 
 def _generic_parameters(model) -> int:
     """The generic memory's parameters (hierarchical memories); MemoryLlama's memory is described apart."""
-    if getattr(model, "memory_llama", None) is not None:
-        return 0
+    if getattr(model, "memory_llama", None) is not None or getattr(model, "crossattn", None) is not None:
+        return 0  # described apart (memory_lines); counted in the model's parameters
     memory = getattr(model, "memory_parameters", None)
     return sum(p.numel() for p in memory()) if memory is not None else 0
 
 
 def memory_lines(model) -> list[str]:
-    """``fetched memory parameters`` (sum_l s_l) and ``memory bank parameters`` (sum_l s_l k^l)."""
+    """Hierarchical memories: ``fetched memory parameters`` (sum_l s_l) and ``memory bank parameters``
+    (sum_l s_l k^l). Cross-attention memories: the banks and one memory layer's parameters."""
+    crossattn = getattr(model, "crossattn", None)
+    if crossattn is not None:
+        n = crossattn.parameter_counts()
+        c = crossattn.cfg
+        return [f"cross-attention memory bank parameters: {n['bank']} ({n['banks']} bank(s) of {c.tokens} tokens"
+                + (f", {c.chapters} chapters of {c.chapter_tokens}" if c.chapters > 1 else "") + ")",
+                f"cross-attention memory parameters per layer: {n['per_layer']} (x {n['layers']} layers "
+                f"{crossattn.layer_indices}, variant {c.variant})",
+                f"cross-attention memory parameters in all: {n['total']}"]
     layout = getattr(model, "memory_layout", None)
     if layout is None:
         return []
@@ -238,7 +281,7 @@ def run(argv: Optional[list[str]] = None) -> int:
     from memtrain.config import load_recipe
 
     overrides, checkpoint = args.overrides, None
-    if args.command == "eval":  # checkpoint=PATH names what to evaluate; it is not a recipe key
+    if args.command in ("eval", "generate"):  # checkpoint=PATH names what to load; it is not a recipe key
         overrides, checkpoint = split_checkpoint_override(args.overrides)
     recipe = load_recipe(args.recipe, overrides)
     if args.command == "train":
@@ -269,6 +312,13 @@ def run(argv: Optional[list[str]] = None) -> int:
         report = evaluate(recipe, checkpoint, batches=args.batches, out=args.out, modes=modes, tasks=args.tasks,
                           lengths=args.lengths, samples=args.samples, max_new_tokens=args.max_new_tokens)
         print(format_table(report), flush=True)
+    elif args.command == "generate":
+        from memtrain.launcher.generate import generate
+
+        generate(recipe, args.prompt, checkpoint, max_new_tokens=args.max_new_tokens, context_bank=args.context_bank,
+                 bank_capacity=args.bank_capacity, answer=args.answer, encoder=args.encoder,
+                 encoder_steps=args.encoder_steps, tokens_per_vector=args.tokens_per_vector,
+                 top_k=args.top_k_clusters, out=args.out)
     return 0
 
 

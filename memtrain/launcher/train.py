@@ -406,9 +406,24 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
     if recipe.model.type == "hf" and meta["vocab_size"] > model.vocab_size:
         raise RecipeError("data.tokenizer.path", f"the tokenizer has {meta['vocab_size']} tokens but "
                           f"{recipe.model.pretrained} has {model.vocab_size}; use the model's own tokenizer")
+    chapter_bank = None  # memory.crossattn.bank sharded: the banks' chapters as rows sharded over the ranks
+    if mem.is_crossattn and getattr(mem.crossattn, "bank", "replicated") == "sharded":
+        from memtrain.parallel.chapter_bank import shard_crossattn_banks
+
+        # Before DeepSpeed (ZeRO never sees the bank) and before .to(device) (the whole bank stays off the GPU).
+        chapter_bank = shard_crossattn_banks(model, recipe, device)
     model.to(device)
     memory_llama = mem.is_memory_llama  # Titans memories inside the model; no bank
-    if memory_llama:
+    crossattn = getattr(model, "crossattn", None)  # cross-attention memory layers (memory.type crossattn)
+    if crossattn is not None:
+        crossattn_schedules = (lr_at(recipe, "memory"), lr_at(recipe, "bank"))
+        counts = crossattn.parameter_counts()
+        _log(f"cross-attention memory: {counts['layers']} layer(s) {crossattn.layer_indices}, variant "
+             f"{mem.crossattn.variant}, {counts['banks']} bank(s) of {mem.crossattn.tokens} tokens "
+             f"({counts['bank']:,} bank parameters, {counts['per_layer']:,} per layer)"
+             + (f", {mem.crossattn.chapters} chapters, top-{mem.crossattn.top_k} per {mem.crossattn.routing}"
+                if mem.crossattn.top_k else ""), rank)
+    if hasattr(model, "describe"):  # MemoryLlama, memory adapters: what trains at which learning rate
         for line in model.describe():
             _log(line, rank)
     bank = None
@@ -444,6 +459,13 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
              + f" | generic memory p={recipe.generic_prob:.4f}"
              + f" | clipping {'joint' if joint else 'separate'}" + (" | anchor frozen" if mem.freeze_anchor else ""),
              rank)
+    if chapter_bank is not None:  # fetched inside the forward; reduced, clipped, stepped here like `bank`
+        from memtrain.parallel.chapter_bank import chapter_bank_joint_clipping
+
+        joint = chapter_bank_joint_clipping(recipe, prec)
+        memory_schedule = lr_at(recipe, "bank")  # bank_lr's warmup and cosine, 0 from freeze_bank_at
+        _log(chapter_bank.describe() + f" | clipping {'joint' if joint else 'separate'}", rank)
+    step_bank = bank if bank is not None else chapter_bank  # the bank the loop reduces, steps and saves
 
     universal = False
     if latest is not None:
@@ -461,7 +483,7 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
 
     engine, optimizer, scheduler = initialize(model, recipe, world, prec, load_universal=universal)
     joint_norm = None
-    if bank is not None and joint and recipe.parallel.zero_stage > 0:
+    if step_bank is not None and joint and recipe.parallel.zero_stage > 0:
         from memtrain.parallel.engine import JointNorm
 
         joint_norm = JointNorm(engine, recipe.train.grad_clip)  # DeepSpeed clips the anchor by the joint norm
@@ -481,8 +503,8 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
         for p in incomplete:
             _log(f"ignoring incomplete checkpoint {p} (no {ckpt.MARKER})", rank)
         state, rank_state = ckpt.load(engine, latest, rank, universal=universal)
-        if bank is not None:
-            ckpt.load_bank(bank, latest.path)
+        if step_bank is not None:
+            ckpt.load_bank(step_bank, latest.path)
         step, tokens_seen = int(state["step"]), int(state["tokens_seen"])
         nonfinite_total, nonfinite_run = int(state.get("nonfinite_steps", 0)), int(state.get("nonfinite_run", 0))
         # Global placement: one position for all ranks. Affine: each rank's own, in its subtrees.
@@ -519,10 +541,13 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
     schedule = lr_at(recipe)
     n_memory = sum(p.numel() for p in model.memory_parameters()) if bank is not None else 0
     params = f"{n_params - n_memory:,} parameters" + (f" + {n_memory:,} generic memory" if n_memory else "")
-    if memory_llama:
+    lora_trains = False  # LoRA adapters at their own learning rate (memory_llama, crossattn memory adapters)
+    if memory_llama or (mem.is_crossattn and hasattr(model, "lora_parameters")):
         params += f" ({sum(p.numel() for p in model.parameters() if p.requires_grad):,} trainable)"
-        memory_schedule, lora_schedule = lr_at(recipe, "memory"), lr_at(recipe, "lora")
         lora_trains = any(p.requires_grad for p in model.lora_parameters())
+        lora_schedule = lr_at(recipe, "lora") if lora_trains else None
+    if memory_llama:
+        memory_schedule = lr_at(recipe, "memory")
     _log(f"{params} | {world} rank(s) via {dist_env.launcher} on {device.type} ({prec}) | "
          f"ZeRO {recipe.parallel.zero_stage} | {recipe.sequences_per_step} x {recipe.data.seq_len} tokens per step "
          f"= {recipe.train.micro_batch_size} per micro-batch x {world} ranks x {accum} accumulation", rank)
@@ -530,14 +555,14 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
         _log(f"TensorBoard logs in {writer.log_dir} (tensorboard --logdir {run_dir / 'tensorboard'})", rank)
 
     def save(at_step: int) -> None:
-        if not _finite_weights(engine, bank, device):
+        if not _finite_weights(engine, step_bank, device):
             good = ckpt.latest_checkpoint(run_dir)
             raise DivergenceError(f"the weights are not finite at step {at_step} (the loss and gradient norms were); "
                                   f"no checkpoint was written. {_last_good(good)}")
         loader_state = train_batches.state_dict()
         write_bank = None
-        if bank is not None:  # replicated: rank 0 writes it; sharded: every rank its rows
-            write_bank = lambda path: ckpt.save_bank(bank, path, rank)  # noqa: E731
+        if step_bank is not None:  # replicated: rank 0 writes it; sharded: every rank its rows
+            write_bank = lambda path: ckpt.save_bank(step_bank, path, rank)  # noqa: E731
         dist.set_timeout(recipe.parallel.checkpoint_timeout_minutes)  # one rank may write for a while
         path = ckpt.save(engine, recipe, step=at_step, rank=rank, world_size=world,
                          trainer_state={"step": at_step, "tokens_seen": tokens_seen, "loader": loader_state,
@@ -592,9 +617,9 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
                 split.mark("backward")
                 boundary = engine.is_gradient_accumulation_boundary()
                 if boundary:
-                    if bank is not None:
-                        bank.reduce_gradients()
-                        bank_norm = clip_memory(engine, bank, recipe, joint, joint_norm)
+                    if step_bank is not None:
+                        step_bank.reduce_gradients()
+                        bank_norm = clip_memory(engine, step_bank, recipe, joint, joint_norm)
                         pre_clip_norm = bank_norm["total"]
                     elif zero0:
                         # DeepSpeed reports no norm without ZeRO or bf16; take it before clipping here.
@@ -611,7 +636,7 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
                     engine.step()
                 if boundary and joint_norm is not None and not skip:
                     # ZeRO 1-3: DeepSpeed clipped the anchor by the joint norm
-                    bank_norm = clip_memory_after_step(bank, joint_norm, bank_norm)
+                    bank_norm = clip_memory_after_step(step_bank, joint_norm, bank_norm)
                     pre_clip_norm = bank_norm["total"]
                 split.mark("optimizer")
             # DeepSpeed's own overflow check (ZeRO 1-3, bf16) can skip a step whose losses were finite.
@@ -620,11 +645,11 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
             if not applied and engine.lr_scheduler is not None:
                 engine.lr_scheduler.step()  # the schedule follows the step count, skipped steps included
             split.start()
-            if bank is not None:
+            if step_bank is not None:
                 if nonfinite:
-                    bank.skip_step()
+                    step_bank.skip_step()
                 else:
-                    bank.step(memory_schedule(step))
+                    step_bank.step(memory_schedule(step))
             split.mark("optimizer")
             step += 1
             attempt["step"] = step
@@ -632,7 +657,7 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
             nonfinite_total += int(nonfinite)
             nonfinite_run = nonfinite_run + 1 if nonfinite else 0
             grad_norm = global_grad_norm(engine)
-            if math.isnan(grad_norm) or (bank is not None and joint):
+            if math.isnan(grad_norm) or (step_bank is not None and joint):
                 grad_norm = pre_clip_norm  # ZeRO 0: DeepSpeed reports none; joint: anchor and bank together
             if nonfinite and not zero0:
                 grad_norm = float("nan")  # DeepSpeed computed none for a skipped step (its value would be stale)
@@ -656,20 +681,25 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
                 "progress/tokens_seen": float(tokens_seen),
             }
             values.update(anchor_comm.stats())
-            if bank is not None:
+            if step_bank is not None:
                 logging_now = step % log_every == 0 or step == max_steps
-                values.update(bank.stats(norms=logging_now))
+                values.update(step_bank.stats(norms=logging_now))
                 values["memory_module/grad_norm"] = bank_norm["bank"]
                 values["optim/memory_lr"] = memory_schedule(step - 1)
             if memory_llama:
                 # The base model does not train: optim/lr is the memory blocks' learning rate.
                 values["optim/lr"] = values["optim/memory_lr"] = memory_schedule(step - 1)
-                if lora_trains:
-                    values["optim/lora_lr"] = lora_schedule(step - 1)
                 if step % log_every == 0 or step == max_steps:
                     # Section 4.2.2's gate / contribution / ||W_h|| statistics of the last training micro-batch
                     # (before evaluation runs forwards of its own); rank 0's batch, like the other stats.
                     values.update(model.gate_stats())
+            if crossattn is not None:
+                values["optim/memory_lr"] = crossattn_schedules[0](step - 1)
+                values["optim/bank_lr"] = crossattn_schedules[1](step - 1)
+                # Chapter usage of the step's forwards on this rank (entropy, dead chapters, router loss).
+                values.update(crossattn.pop_stats())
+            if lora_trains:
+                values["optim/lora_lr"] = lora_schedule(step - 1)
             if peak:
                 values["throughput/mfu"] = fpt * values["throughput/device/tokens_per_sec"] / peak
             if device.type == "cuda":

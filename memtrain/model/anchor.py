@@ -218,10 +218,18 @@ class Block(nn.Module):
         self.ffn = SwiGLU(cfg.d_model, cfg.ffn_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask,
-                mem: Optional[torch.Tensor] = None, layout: Any = None) -> torch.Tensor:
+                mem: Optional[torch.Tensor] = None, layout: Any = None, memory_read: Any = None,
+                memory_after: str = "attn") -> torch.Tensor:
+        """``memory_read(x) -> x``: a cross-attention memory layer (:mod:`memtrain.model.crossattn`) read
+        after the self-attention (variant A, ``memory_after="attn"``) or after the MLP (variant B)."""
         ffn_mem = layout is not None and mem is not None and _memory_kind(mem, layout) in ("ffn", "lora_ffn")
         x = x + self.attn(self.norm1(x), cos, sin, mask, *((None, None) if ffn_mem else (mem, layout)))
-        return x + self.ffn(self.norm2(x), *((mem, layout) if ffn_mem else (None, None)))
+        if memory_read is not None and memory_after == "attn":
+            x = memory_read(x)
+        x = x + self.ffn(self.norm2(x), *((mem, layout) if ffn_mem else (None, None)))
+        if memory_read is not None and memory_after == "ffn":
+            x = memory_read(x)
+        return x
 
 
 def _trunc_normal_(weight: torch.Tensor, std: float) -> None:
@@ -258,10 +266,16 @@ class DecoderLM(nn.Module):
         build_lm_shell(self, cfg, nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers)))
         self.memory_layout: Optional[MemoryLayout] = None
         self.generic_memory: Optional[GenericMemory] = None
+        self.crossattn = None
         self.reset_parameters()
         if memory is not None and memory.enabled:
             self.memory_layout = MemoryLayout.build(memory, anchor_dims(cfg), branching)
             self.generic_memory = GenericMemory(self.memory_layout)
+        if memory is not None and memory.is_crossattn:
+            from memtrain.model.crossattn import CrossAttnMemory
+
+            self.crossattn = CrossAttnMemory(memory.crossattn, cfg.d_model, cfg.n_heads, self.head_dim, cfg.n_layers,
+                                             cfg.ffn_dim, lambda: make_norm(cfg.norm, cfg.d_model, cfg.norm_eps))
 
     def reset_parameters(self) -> None:
         """OpenLM initialisation (module docstring); a no-op on the meta device."""
@@ -295,12 +309,25 @@ class DecoderLM(nn.Module):
         return torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids)
 
     def anchor_parameters(self) -> list[nn.Parameter]:
-        """Every parameter but the generic memory's."""
-        skip = {id(p) for p in self.generic_memory.parameters()} if self.generic_memory is not None else set()
+        """Every parameter but the memories' (the generic memory, or the cross-attention memory layers)."""
+        skip = {id(p) for p in self.memory_parameters() + self.bank_parameters()}
         return [p for p in self.parameters() if id(p) not in skip]
 
     def memory_parameters(self) -> list[nn.Parameter]:
-        return list(self.generic_memory.parameters()) if self.generic_memory is not None else []
+        """The memory parameter group (memory.optimizer): the generic memory, or the cross-attention
+        memory layers' query/output projections, routers and variant-B MLPs (the bank and its W_K, W_V
+        are :meth:`bank_parameters`)."""
+        if self.generic_memory is not None:
+            return list(self.generic_memory.parameters())
+        if self.crossattn is not None:
+            bank = {id(p) for p in self.crossattn.bank_parameters()}
+            return [p for p in self.crossattn.parameters() if id(p) not in bank]
+        return []
+
+    def bank_parameters(self) -> list[nn.Parameter]:
+        """Cross-attention memory banks and their W_K, W_V (their own group: memory.crossattn.bank_lr,
+        freeze_bank_at)."""
+        return self.crossattn.bank_parameters() if self.crossattn is not None else []
 
     def forward(self, input_ids: torch.Tensor, doc_ids: Optional[torch.Tensor] = None,
                 memory: Optional[FetchedMemory] = None) -> ModelOutput:
@@ -326,13 +353,35 @@ class DecoderLM(nn.Module):
         if memory is not None:
             mems = layout.per_layer(self.generic_memory(memory, input_ids.shape[0]))
         recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
-        for block, mem in zip(self.blocks, mems):
-            extra = (mem, layout) if mem is not None else ()
+        routing_losses: list[torch.Tensor] = []
+        for i, (block, mem) in enumerate(zip(self.blocks, mems)):
+            extra: tuple = (mem, layout) if mem is not None else (None, None)
+            kwargs = {}
+            if self.crossattn is not None and self.crossattn.has(i):
+                kwargs = {"memory_read": _MemoryRead(self.crossattn, i, routing_losses),
+                          "memory_after": "attn" if self.crossattn.cfg.variant == "A" else "ffn"}
             if recompute:
-                x = checkpoint(block, x, cos, sin, mask, *extra, use_reentrant=False)
+                x = checkpoint(block, x, cos, sin, mask, *extra, use_reentrant=False, **kwargs)
             else:
-                x = block(x, cos, sin, mask, *extra)
-        return ModelOutput(logits=self.lm_head(self.norm(x)))
+                x = block(x, cos, sin, mask, *extra, **kwargs)
+        aux = None
+        if routing_losses and self.crossattn.cfg.balance_loss:
+            # Load balancing (Switch-style), averaged over the memory layers; the trainer adds it to the loss.
+            aux = self.crossattn.cfg.balance_loss * torch.stack(routing_losses[:len(self.crossattn.parts)]).mean()
+        return ModelOutput(logits=self.lm_head(self.norm(x)), aux_loss=aux)
+
+
+class _MemoryRead:
+    """Block ``layer``'s cross-attention memory read (``x -> x``), collecting its routing loss."""
+
+    def __init__(self, memory: Any, layer: int, losses: list) -> None:
+        self.memory, self.layer, self.losses = memory, layer, losses
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x, loss = self.memory.apply(self.layer, x)
+        if loss is not None:
+            self.losses.append(loss)
+        return x
 
 
 def anchor_dims(cfg: ModelConfig) -> AnchorDims:

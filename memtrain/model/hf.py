@@ -31,6 +31,11 @@ whole packed sequence and attention is causal over it (``doc_ids`` is accepted a
 with frozen weights, ``peft`` LoRA adapters and the gated Titans memory blocks of the MemoryLlama
 thesis (:mod:`memtrain.model.titans.memory_llama`) inside its decoder layers; it has no memory bank.
 
+:class:`CrossAttnAdapterLM` (``memory.type: crossattn``) is the same wrapper around a pretrained Llama,
+Qwen2 or Gemma 3 with frozen weights, optional ``peft`` LoRA adapters, and the cross-attention memory
+layers of the crossattn-memory-banks paper inserted as memory adapters (Section 5;
+:mod:`memtrain.model.crossattn.adapter`).
+
 Imports torch only at module level; transformers is imported when a model is built.
 """
 
@@ -43,8 +48,8 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
-from memtrain.config import MemoryConfig, MemoryLlamaConfig, ModelConfig, RecipeError
-from memtrain.model.anchor import ModelOutput
+from memtrain.config import CrossAttnConfig, MemoryConfig, MemoryLlamaConfig, ModelConfig, RecipeError
+from memtrain.model.anchor import ModelOutput, make_norm
 from memtrain.model.hierarchical import AnchorDims, FetchedMemory, GenericMemory, MemoryLayout, ffn_memory
 
 MLP_ATTRS = ("gate_proj", "up_proj", "down_proj", "act_fn")
@@ -235,9 +240,11 @@ class HFMemoryLM(nn.Module):
     def from_config(cls, model_cfg: ModelConfig, memory_cfg: Optional[MemoryConfig] = None,
                     branching: int = 16) -> "HFMemoryLM":
         """Load ``model_cfg.pretrained`` (float32; config only on the meta device) and attach memories
-        (``memory.type: memory_llama``: a :class:`MemoryLlamaLM`)."""
+        (``memory.type: memory_llama``: a :class:`MemoryLlamaLM`; ``crossattn``: a :class:`CrossAttnAdapterLM`)."""
         if memory_cfg is not None and memory_cfg.is_memory_llama:
             return MemoryLlamaLM(load_causal_lm(model_cfg.pretrained), memory_cfg, model_cfg)
+        if memory_cfg is not None and memory_cfg.is_crossattn:
+            return CrossAttnAdapterLM(load_causal_lm(model_cfg.pretrained), memory_cfg, model_cfg)
         return cls(load_causal_lm(model_cfg.pretrained), memory_cfg, branching, model_cfg)
 
     # -- parameters --------------------------------------------------------------------------------
@@ -440,5 +447,169 @@ class MemoryLlamaLM(HFMemoryLM):
         return super().forward(input_ids, doc_ids)
 
 
-__all__ = ["HFMemoryLM", "MemoryLlamaLM", "check_gated_mlps", "decoder_layers", "hf_anchor_dims", "load_causal_lm",
-           "lora_kwargs", "memory_llama_kwargs", "text_config"]
+# --------------------------------------------------------------------------------------------------
+# Memory adapters: cross-attention memory layers in a frozen pretrained model (memory.type crossattn)
+
+
+def _is_lora(name: str) -> bool:
+    return "lora_" in name
+
+
+class CrossAttnAdapterLM(HFMemoryLM):
+    """Memory adapters (crossattn-memory-banks paper, Section 5.2) behind memtrain's model interface:
+    ``hf_model`` is the pretrained causal LM (Llama, Qwen2, Gemma 3; a local folder or hub id) with every
+    weight frozen, LoRA adapters on it when ``memory.crossattn.lora`` is set (``peft``; ``hf_model`` is
+    then the ``PeftModel``), and ``crossattn`` the :class:`~memtrain.model.crossattn.CrossAttnMemory`
+    whose memory layers are inserted into its decoder layers by hooks
+    (:class:`~memtrain.model.crossattn.adapter.MemoryAdapterHooks`: variant A or B at Section 3.3's
+    placement; shared or per-layer banks, chapter routing and the compressions of Section 5.3 as on
+    ``model.type: decoder``). Zero effect at initialisation: ``W_O`` (and variant B's extra MLP output)
+    start at zero, so the logits are the pretrained model's.
+
+    Parameter groups (:func:`memtrain.parallel.engine.build_optimizer`): :meth:`memory_parameters` (``W_Q``,
+    ``W_O``, routers, norms, variant B's MLP; role ``memory``, memory.optimizer.lr), :meth:`bank_parameters`
+    (the banks and every layer's ``W_K``, ``W_V``; role ``bank``, memory.crossattn.bank_lr, frozen from
+    memory.crossattn.freeze_bank_at on: Section 5.5's differential learning rates and staged freezing),
+    :meth:`lora_parameters` (role ``lora``, memory.crossattn.lora_lr), :meth:`anchor_parameters` (the
+    pretrained weights: frozen, or trained at train.optimizer.lr with ``memory.crossattn.train_base``).
+
+    ``memory.crossattn.memory_layers: false`` inserts no memory layers (``crossattn`` is None): with LoRA,
+    Section 5.4's LoRA-only baseline. ``forward`` takes no fetched memory (``memory=None``); ``doc_ids`` is
+    ignored as in :class:`HFMemoryLM`; ``aux_loss`` is the chapter routers' load-balancing loss
+    (memory.crossattn.balance_loss times its mean over the routed memory layers), as in
+    :class:`~memtrain.model.anchor.DecoderLM`.
+    """
+
+    def __init__(self, hf_model: nn.Module, memory_cfg: MemoryConfig, model_cfg: Optional[ModelConfig] = None):
+        from memtrain.model.crossattn.adapter import (MemoryAdapterHooks, attention_branch, check_placement,
+                                                      layer_norm_factory)
+        from memtrain.model.crossattn.layer import CrossAttnMemory, memory_layer_indices
+
+        c = memory_cfg.crossattn or CrossAttnConfig()
+        name = model_cfg.pretrained if model_cfg is not None and model_cfg.pretrained else type(hf_model).__name__
+        tc = text_config(hf_model.config)
+        n_layers = tc.num_hidden_layers
+        layers = decoder_layers(hf_model, n_layers)
+        if layers is None:
+            raise RecipeError(_KEY, f"{type(hf_model).__name__}: cannot find its decoder layers; memory adapters "
+                                    "attach to Llama, Qwen2 and Gemma 3 style models (model.layers[i])")
+        try:
+            dims = hf_anchor_dims(hf_model.config)
+        except AttributeError as err:  # a config without hidden_size, intermediate_size, ...
+            raise RecipeError(_KEY, f"{name} is not supported by memory adapters ({err}); they attach to Llama, "
+                                    "Qwen2 and Gemma 3 style models") from err
+        if c.memory_layers:
+            check_placement(c, n_layers, c.dim or dims.q_width, c.heads or tc.num_attention_heads, name)
+            if c.variant == "A":
+                for i in memory_layer_indices(c, n_layers):
+                    try:
+                        attention_branch(layers[i])
+                    except TypeError as err:
+                        raise RecipeError(_KEY, f"{name} is not supported by memory adapters (variant A): {err}; "
+                                                "memory.crossattn.variant B attaches to any decoder layer") from err
+        hf_model.requires_grad_(c.train_base)
+        lora = c.lora is not None and c.lora.enabled
+        if lora:
+            from peft import LoraConfig, get_peft_model
+
+            try:
+                hf_model = get_peft_model(hf_model, LoraConfig(
+                    r=c.lora.r, lora_alpha=c.lora.alpha, lora_dropout=c.lora.dropout,
+                    target_modules=list(c.lora.target_modules), task_type="CAUSAL_LM"))
+            except ValueError as err:  # e.g. target modules that are not in the model
+                first = (str(err).strip().splitlines() or [""])[0][:300]
+                raise RecipeError("memory.crossattn.lora.target_modules", f"{c.lora.target_modules} do not fit "
+                                  f"{name}: {first}") from err
+            for n, p in hf_model.named_parameters():
+                if _is_lora(n):
+                    p.requires_grad_(not c.lora.freeze)
+        super().__init__(hf_model, None, model_cfg=model_cfg)
+        self.crossattn_cfg = c
+        self.optimizer_lr = memory_cfg.optimizer.lr
+        self.crossattn: Optional[CrossAttnMemory] = None
+        self.adapter_hooks: Optional[MemoryAdapterHooks] = None
+        if c.memory_layers:
+            eps = getattr(tc, "rms_norm_eps", None) or 1e-6
+            d = dims.d_model
+            norm = layer_norm_factory(layers[0], d, eps) or (lambda: make_norm("rmsnorm", d, eps))
+            self.crossattn = CrossAttnMemory(c, d, tc.num_attention_heads, dims.head_dim, n_layers, dims.ffn_dim, norm)
+            self.adapter_hooks = MemoryAdapterHooks(self.crossattn, layers)
+
+    # -- parameters --------------------------------------------------------------------------------
+
+    def lora_parameters(self) -> list[nn.Parameter]:
+        """The LoRA adapters (trainable or frozen); empty without LoRA."""
+        return [p for n, p in self.hf_model.named_parameters() if _is_lora(n)]
+
+    def anchor_parameters(self) -> list[nn.Parameter]:
+        """The pretrained model's own weights (frozen unless memory.crossattn.train_base)."""
+        lora = {id(p) for p in self.lora_parameters()}
+        return [p for p in self.hf_model.parameters() if id(p) not in lora]
+
+    def bank_parameters(self) -> list[nn.Parameter]:
+        """The banks and every memory layer's W_K, W_V (Section 5.5: bank_lr, freeze_bank, freeze_bank_at)."""
+        return self.crossattn.bank_parameters() if self.crossattn is not None else []
+
+    def memory_parameters(self) -> list[nn.Parameter]:
+        """The rest of the memory layers: W_Q, W_O, routers, norms, variant B's MLP (memory.optimizer)."""
+        if self.crossattn is None:
+            return []
+        bank = {id(p) for p in self.bank_parameters()}
+        return [p for p in self.crossattn.parameters() if id(p) not in bank]
+
+    def describe(self) -> list[str]:
+        """Lines for `memtrain recipe show` and the training log: the adapters, LoRA and the base model."""
+        c = self.crossattn_cfg
+
+        def count(params: list[nn.Parameter]) -> int:
+            return sum(p.numel() for p in params)
+
+        def state(params: list[nn.Parameter], lr: float) -> str:
+            return f"trainable, lr {lr:g}" if any(p.requires_grad for p in params) else "frozen"
+
+        lines = []
+        if self.crossattn is not None:
+            n = self.crossattn.parameter_counts()
+            bank_lr = c.bank_lr if c.bank_lr is not None else self.optimizer_lr
+            freeze = f", frozen after {c.freeze_bank_at}" if c.freeze_bank_at.value else ""
+            lines.append(f"memory adapters: variant {c.variant} memory layers in decoder layers "
+                         f"{self.crossattn.layer_indices}: {count(self.memory_parameters()):,} W_Q/W_O/router/norm"
+                         + ("/MLP" if c.variant == "B" else "")
+                         + f" parameters ({state(self.memory_parameters(), self.optimizer_lr)}), "
+                         f"{count(self.bank_parameters()):,} bank + W_K/W_V parameters "
+                         f"({state(self.bank_parameters(), bank_lr)}{freeze}); {n['banks']} bank(s) of {c.tokens} "
+                         "tokens")
+        else:
+            lines.append("memory adapters: none (memory.crossattn.memory_layers false)")
+        if c.lora is not None and c.lora.enabled:
+            lines.append(f"memory adapters: LoRA r={c.lora.r} alpha={c.lora.alpha:g} on "
+                         f"{', '.join(c.lora.target_modules)}: {count(self.lora_parameters()):,} parameters "
+                         f"({state(self.lora_parameters(), c.lora_lr)})")
+        else:
+            lines.append("memory adapters: no LoRA")
+        base = self.anchor_parameters()
+        lines.append(f"memory adapters: base model {count(base):,} parameters ("
+                     + ("trainable, train.optimizer.lr" if any(p.requires_grad for p in base) else "frozen") + ")")
+        return lines
+
+    # -- forward -----------------------------------------------------------------------------------
+
+    def forward(self, input_ids: torch.Tensor, doc_ids: Optional[torch.Tensor] = None,
+                memory: Optional[FetchedMemory] = None) -> ModelOutput:
+        """``input_ids [B, T]``; ``doc_ids`` is ignored (attention crosses documents, as in :class:`HFMemoryLM`)."""
+        if memory is not None:
+            raise ValueError("memory.type 'crossattn' keeps its memory inside the model (no fetched memory); "
+                             "pass memory=None")
+        if self.adapter_hooks is None:
+            return super().forward(input_ids, doc_ids)
+        with self.adapter_hooks.collecting() as losses:
+            logits = super().forward(input_ids, doc_ids).logits
+        aux = None
+        if losses and self.crossattn_cfg.balance_loss:
+            # Load balancing (Switch-style), averaged over the routed memory layers; the trainer adds it to the loss.
+            aux = self.crossattn_cfg.balance_loss * torch.stack(losses).mean()
+        return ModelOutput(logits=logits, aux_loss=aux)
+
+
+__all__ = ["CrossAttnAdapterLM", "HFMemoryLM", "MemoryLlamaLM", "check_gated_mlps", "decoder_layers", "hf_anchor_dims",
+           "load_causal_lm", "lora_kwargs", "memory_llama_kwargs", "text_config"]

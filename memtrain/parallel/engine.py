@@ -8,7 +8,7 @@ as a client optimizer so that ZeRO shards its state; the learning-rate schedule 
 
 Schedule (hierarchical-memories paper, Appendix A.1): linear warmup to ``lr`` over the warmup steps,
 then a cosine from ``lr`` down to the cool-down floor ``min_lr`` reached at ``train.max_steps``.
-Every parameter group has a ``role`` (``anchor``, ``memory``, ``lora``) with its own peak and floor
+Every parameter group has a ``role`` (``anchor``, ``memory``, ``lora``, ``bank``) with its own peak and floor
 (:func:`peak_lr`) on that shared warmup and cosine. With ``memory.type: memory_llama`` the base model
 is frozen and the groups are the memory blocks (role ``memory``, memory.memory_llama.memory_lr) and
 the LoRA adapters (role ``lora``, memory.memory_llama.lora_lr), each split into decayed matrices and
@@ -148,11 +148,14 @@ class JointNorm:
 
 
 def param_groups(model: nn.Module, weight_decay: float, memory: Optional[list] = None,
-                 memory_weight_decay: float = 0.0) -> list[dict]:
+                 memory_weight_decay: float = 0.0, bank: Optional[list] = None,
+                 lora: Optional[list] = None) -> list[dict]:
     """Weight decay on every matrix (and the embedding), none on vectors such as norm gains. Memory
-    parameters (``memory``, e.g. the generic memory) form their own group with their own decay; the
-    ``role`` key tells the schedule which learning rate a group follows."""
-    skip = {id(p) for p in memory or []}
+    parameters (``memory``, e.g. the generic memory) form their own group with their own decay (none on
+    their vectors either), cross-attention banks (``bank``: the latent tokens and their W_K, W_V) one
+    more, and LoRA adapters on a frozen base (``lora``, memory adapters) one more, decayed like the anchor;
+    the ``role`` key tells the schedule which learning rate a group follows."""
+    skip = {id(p) for p in (memory or []) + (bank or []) + (lora or [])}
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad and id(p) not in skip:
@@ -162,9 +165,14 @@ def param_groups(model: nn.Module, weight_decay: float, memory: Optional[list] =
         groups.append({"params": decay, "weight_decay": weight_decay, "role": "anchor"})
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0, "role": "anchor"})
-    mem = [p for p in memory or [] if p.requires_grad]
-    if mem:
-        groups.append({"params": mem, "weight_decay": memory_weight_decay, "role": "memory"})
+    for params, role in ((memory, "memory"), (bank, "bank"), (lora, "lora")):
+        mats = [p for p in params or [] if p.requires_grad and p.ndim >= 2]
+        vecs = [p for p in params or [] if p.requires_grad and p.ndim < 2]
+        if mats:
+            decay_of = weight_decay if role == "lora" else memory_weight_decay
+            groups.append({"params": mats, "weight_decay": decay_of, "role": role})
+        if vecs:
+            groups.append({"params": vecs, "weight_decay": 0.0, "role": role})
     return groups
 
 
@@ -176,7 +184,9 @@ def build_optimizer(model: nn.Module, recipe: Recipe) -> torch.optim.Optimizer:
         groups = model.param_groups(ml.memory_lr, ml.lora_lr, ml.weight_decay)
     else:
         memory = model.memory_parameters() if hasattr(model, "memory_parameters") else []
-        groups = param_groups(model, o.weight_decay, memory, recipe.memory.optimizer.weight_decay)
+        bank = model.bank_parameters() if hasattr(model, "bank_parameters") else []
+        lora = model.lora_parameters() if recipe.memory.is_crossattn and hasattr(model, "lora_parameters") else []
+        groups = param_groups(model, o.weight_decay, memory, recipe.memory.optimizer.weight_decay, bank, lora)
     for g in groups:
         g["lr"] = peak_lr(recipe, g["role"])[0]
     if not groups:
@@ -190,7 +200,7 @@ def _memory_llama(recipe: Recipe):
     return recipe.memory.memory_llama or MemoryLlamaConfig()
 
 
-ROLES = ("anchor", "memory", "lora")
+ROLES = ("anchor", "memory", "lora", "bank")
 
 
 def peak_lr(recipe: Recipe, role: str = "anchor") -> tuple[float, float]:
@@ -199,7 +209,10 @@ def peak_lr(recipe: Recipe, role: str = "anchor") -> tuple[float, float]:
     - ``anchor``: train.optimizer.lr -> train.schedule.min_lr;
     - ``memory``: memory.optimizer.lr -> memory.optimizer.min_lr (hierarchical memories, Appendix A.2),
       or, with memory.type memory_llama, memory.memory_llama.memory_lr -> min_lr_ratio x memory_lr;
-    - ``lora`` (memory_llama): memory.memory_llama.lora_lr -> min_lr_ratio x lora_lr.
+    - ``lora`` (memory_llama): memory.memory_llama.lora_lr -> min_lr_ratio x lora_lr; (crossattn memory
+      adapters): memory.crossattn.lora_lr -> the fraction memory.optimizer.min_lr / lr of it;
+    - ``bank`` (memory.type crossattn: the banks and their W_K, W_V): memory.crossattn.bank_lr (default
+      memory.optimizer.lr) -> the same fraction of it as memory.optimizer.min_lr is of its lr.
     """
     if role not in ROLES:
         raise ValueError(f"unknown parameter-group role {role!r}; expected one of {', '.join(ROLES)}")
@@ -209,9 +222,18 @@ def peak_lr(recipe: Recipe, role: str = "anchor") -> tuple[float, float]:
         ml = _memory_llama(recipe)
         lr = ml.memory_lr if role == "memory" else ml.lora_lr
         return lr, lr * ml.min_lr_ratio
+    o = recipe.memory.optimizer
     if role == "lora":
-        raise ValueError("role 'lora' (LoRA adapters at their own learning rate) needs memory.type memory_llama")
-    return recipe.memory.optimizer.lr, recipe.memory.optimizer.min_lr
+        c = recipe.memory.crossattn
+        if not recipe.memory.is_crossattn or c is None or c.lora is None:
+            raise ValueError("role 'lora' (LoRA adapters at their own learning rate) needs memory.type memory_llama "
+                             "or crossattn with memory.crossattn.lora")
+        return c.lora_lr, c.lora_lr * o.min_lr / o.lr
+    if role == "bank":
+        c = recipe.memory.crossattn
+        lr = c.bank_lr if c is not None and c.bank_lr is not None else o.lr
+        return lr, lr * o.min_lr / o.lr
+    return o.lr, o.min_lr
 
 
 def lr_at(recipe: Recipe, role: str = "anchor") -> Callable[[int], float]:
@@ -222,8 +244,14 @@ def lr_at(recipe: Recipe, role: str = "anchor") -> Callable[[int], float]:
     lr, floor = peak_lr(recipe, role)
     warmup, total = recipe.steps(recipe.train.schedule.warmup), recipe.max_steps
     kind = recipe.train.schedule.kind
+    c = recipe.memory.crossattn
+    # Section 5.5's staged freezing: from this step on the bank (and its W_K, W_V) stops moving; AdamW with a
+    # learning rate of 0 applies neither the update nor the (decoupled) weight decay.
+    frozen_from = recipe.steps(c.freeze_bank_at) if role == "bank" and c is not None else 0
 
     def schedule(step: int) -> float:
+        if frozen_from and step >= frozen_from:
+            return 0.0
         if step < warmup:
             return lr * (step + 1) / warmup
         if kind == "constant":

@@ -241,6 +241,24 @@ class ShardedMemoryBank:
         return ranks[ancestor, row % ranks.shape[1]] if isinstance(row, torch.Tensor) else \
             int(ranks[ancestor, row % ranks.shape[1]])
 
+    def _serve(self, level: int, uniq: torch.Tensor, order: torch.Tensor, splits: list[int],
+               recv_splits: list[int], count: bool) -> torch.Tensor:
+        """Rows ``uniq`` of ``level`` from their owners (collective; ``order`` and ``splits`` from
+        :meth:`_route`, ``recv_splits`` exchanged): the requests go out, this rank serves what it owns
+        (deferred rows caught up first), the rows come back in the storage dtype, in ``uniq``'s order."""
+        requests = self._exchange(uniq[order], splits, recv_splits, count)
+        local = self._local_index(level, requests)
+        if count and local.numel():
+            self._touched[level][local] = True
+        if self.mode == "deferred" and local.numel():
+            with torch.no_grad():
+                self._catch_up_rows(level, torch.unique(local), self._step)
+        served = self.shards[level].index_select(0, local).to(self.device)  # storage dtype on the wire
+        got = self._exchange(served, recv_splits, splits, count)  # rows in `order` order
+        rows = torch.empty_like(got)
+        rows[order] = got
+        return rows
+
     def _local_index(self, level: int, rows: torch.Tensor) -> torch.Tensor:
         """Global ids owned by this rank -> positions in this rank's shard (store device)."""
         return torch.searchsorted(self.owned[level], rows.to(self.store_device))
@@ -332,17 +350,7 @@ class ShardedMemoryBank:
                     raise ValueError("another data-parallel rank passed cluster ids out of range to the memory bank")
             else:
                 recv_splits = self._exchange_splits(splits, count)
-            requests = self._exchange(uniq[order], splits, recv_splits, count)
-            local = self._local_index(level, requests)
-            if count and local.numel():
-                self._touched[level][local] = True
-            if self.mode == "deferred" and local.numel():
-                with torch.no_grad():
-                    self._catch_up_rows(level, torch.unique(local), self._step)
-            served = shard.index_select(0, local).to(self.device)  # storage dtype on the wire
-            got = self._exchange(served, recv_splits, splits, count)  # rows in `order` order
-            rows = torch.empty_like(got)
-            rows[order] = got
+            rows = self._serve(level, uniq, order, splits, recv_splits, count)
             if not bool(used.any()):
                 levels.append(None)
                 continue

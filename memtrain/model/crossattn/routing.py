@@ -1,0 +1,165 @@
+"""Chapter routing and routed memory attention (crossattn-memory-banks paper, Section 4).
+
+The router (eq. 8) scores the ``C`` chapters, ``s = softmax(W_r h + b_r)``, from the mean-pooled
+sequence (``sequence`` routing: one choice per sequence; it sees the whole sequence, so it is not
+causal) or from each token (``token`` routing, Section 4.4: causal) and keeps the ``top_k``. The
+routing weights enter the attention as a bias ``log s_c`` on the logits of chapter ``c``'s tokens, so
+
+    out_t = sum_c s_c Z_c o_c / sum_c s_c Z_c,   Z_c = sum_{j in c} exp(q_t . k_j / sqrt(D)),
+
+with ``o_c`` the attention over chapter ``c`` alone: full-bank attention restricted to the routed
+chapters, each chapter's share scaled by its router score; the router gets gradients through it.
+A Switch-style load-balancing loss ``C * sum_c f_c P_c`` (``f_c`` the share of routing decisions that
+picked ``c``, ``P_c`` its mean router probability) keeps chapters in use.
+
+:func:`routed_attention` is the reference computation the Triton kernels must match. It never
+materialises per-token gathered keys: the keys and values of the *unique* routed chapters are
+projected once, the (token, chapter) pairs are grouped by chapter, each group's attention is computed
+against its chapter with its log-sum-exp, and every token's chapters are merged by their
+log-sum-exps plus log weights (as split-K attention merges partial softmaxes). Memory is
+``O(unique chapters x chapter size)`` plus one small row per pair. :func:`dense_routed_attention` is
+the same function written as masked attention over the whole bank, for tests.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Routing(NamedTuple):
+    """A routing decision: ``chapters`` ``[B, T, k]`` (long), ``log_weights`` ``[B, T, k]`` (log router
+    scores of those chapters), ``probs`` ``[N, C]`` the router probabilities of every decision (N = B
+    for sequence routing, B*T for token routing), ``loss`` the load-balancing loss (unweighted)."""
+
+    chapters: torch.Tensor
+    log_weights: torch.Tensor
+    probs: torch.Tensor
+    loss: torch.Tensor
+
+
+class ChapterRouter(nn.Module):
+    """Eq. 8: ``softmax(W_r h + b_r)`` over ``chapters``; top-``top_k`` per sequence or per token."""
+
+    def __init__(self, d_model: int, chapters: int, top_k: int, mode: str = "sequence"):
+        super().__init__()
+        if mode not in ("sequence", "token"):
+            raise ValueError(f"routing must be 'sequence' or 'token', got {mode!r}")
+        if not 1 <= top_k <= chapters:
+            raise ValueError(f"top_k must lie in [1, {chapters}], got {top_k}")
+        self.chapters, self.top_k, self.mode = chapters, top_k, mode
+        self.proj = nn.Linear(d_model, chapters)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.proj.weight.is_meta:
+            return
+        nn.init.normal_(self.proj.weight, std=1.0 / math.sqrt(self.proj.in_features))
+        nn.init.zeros_(self.proj.bias)
+
+    def forward(self, h: torch.Tensor) -> Routing:
+        """``h`` ``[B, T, d]`` (the layer's normalised input)."""
+        B, T, _ = h.shape
+        acc = torch.promote_types(h.dtype, torch.float32)  # the router in fp32 (float64 stays float64)
+        x = h.to(acc).mean(dim=1) if self.mode == "sequence" else h.to(acc).reshape(B * T, -1)
+        logits = F.linear(x, self.proj.weight.to(acc), self.proj.bias.to(acc))
+        probs = torch.softmax(logits, dim=-1)  # [N, C]
+        top, ids = probs.topk(self.top_k, dim=-1)
+        counts = torch.zeros(self.chapters, device=h.device, dtype=acc)
+        counts.scatter_add_(0, ids.reshape(-1), torch.ones(ids.numel(), device=h.device, dtype=acc))
+        share = counts / ids.numel()  # f_c
+        loss = self.chapters * (share * probs.mean(dim=0)).sum()
+        log_w = torch.log(top.clamp_min(1e-30))
+        if self.mode == "sequence":
+            ids, log_w = ids[:, None].expand(B, T, self.top_k), log_w[:, None].expand(B, T, self.top_k)
+        else:
+            ids, log_w = ids.view(B, T, self.top_k), log_w.view(B, T, self.top_k)
+        return Routing(ids, log_w, probs, loss)
+
+
+# --------------------------------------------------------------------------------------------------
+# Routed attention
+
+
+def routed_attention(q: torch.Tensor, kv: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+                     chapters: torch.Tensor, log_weights: torch.Tensor) -> torch.Tensor:
+    """Attention of every query to its routed chapters (module docstring), grouped by chapter.
+
+    ``q`` ``[B, T, H, D]``; ``kv(ids)`` returns the keys and values of chapters ``ids`` (``[U]``) as
+    ``[U, N_c, H, D]`` each; ``chapters`` / ``log_weights`` ``[B, T, k]``. Returns ``[B, T, H, D]``."""
+    B, T, H, D = q.shape
+    k = chapters.shape[-1]
+    n = B * T
+    flat_q = q.reshape(n, H, D)
+    pairs = chapters.reshape(n * k)
+    unique, which = torch.unique(pairs, return_inverse=True)  # the chapters read at all, and each pair's
+    keys, values = kv(unique)  # [U, Nc, H, D]: projected once per unique chapter
+    order = torch.argsort(which, stable=True)
+    sizes = torch.bincount(which, minlength=len(unique)).tolist()
+    token = torch.div(order, k, rounding_mode="floor")
+    scale = 1.0 / math.sqrt(D)
+    acc = torch.promote_types(q.dtype, torch.float32)  # fp32 accumulation (float64 stays float64)
+    lse_parts, out_parts = [], []
+    for u, group in enumerate(torch.split(token, sizes)):
+        if group.numel() == 0:
+            continue
+        logits = torch.einsum("nhd,chd->nhc", flat_q[group].to(acc), keys[u].to(acc)) * scale  # [n_u, H, Nc]
+        lse = torch.logsumexp(logits, dim=-1)  # [n_u, H]
+        probs = torch.exp(logits - lse[..., None])
+        out_parts.append(torch.einsum("nhc,chd->nhd", probs, values[u].to(acc)))
+        lse_parts.append(lse)
+    restore = torch.empty_like(order)
+    restore[order] = torch.arange(order.numel(), device=order.device)
+    lse = torch.cat(lse_parts)[restore].view(n, k, H)  # back to (token, slot) order
+    out = torch.cat(out_parts)[restore].view(n, k, H, D)
+    w = torch.softmax(lse + log_weights.reshape(n, k, 1).to(acc), dim=1)  # each chapter's share
+    return (w[..., None] * out).sum(dim=1).view(B, T, H, D).to(q.dtype)
+
+
+def sequence_routed_attention(q: torch.Tensor, kv: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+                              chapters: torch.Tensor, log_weights: torch.Tensor) -> torch.Tensor:
+    """:func:`routed_attention` for sequence routing (every token of a sequence reads the same ``k``
+    chapters: ``chapters`` / ``log_weights`` ``[B, k]``): each sequence's chapters gathered once
+    (``[B, k * N_c]`` keys, the paper's eq. 10) and one fused attention with the log weights as a
+    per-key bias."""
+    B, T, H, D = q.shape
+    unique, which = torch.unique(chapters, return_inverse=True)
+    keys, values = kv(unique)  # [U, Nc, H, D]
+    Nc = keys.shape[1]
+    k_seq = keys[which].reshape(B, -1, H, D).transpose(1, 2)  # [B, H, k*Nc, D]
+    v_seq = values[which].reshape(B, -1, H, D).transpose(1, 2)
+    bias = log_weights[:, :, None].expand(B, chapters.shape[1], Nc).reshape(B, 1, 1, -1)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k_seq.to(q.dtype), v_seq.to(q.dtype),
+                                         attn_mask=bias.to(q.dtype))
+    return out.transpose(1, 2)
+
+
+def full_bank_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Unrouted memory attention (eq. 4): ``q`` ``[B, T, H, D]`` to the whole bank's ``keys`` /
+    ``values`` ``[N_m, H, D]``."""
+    B = q.shape[0]
+    k = keys.transpose(0, 1)[None].expand(B, -1, -1, -1).to(q.dtype)  # [B, H, N_m, D], no copy
+    v = values.transpose(0, 1)[None].expand(B, -1, -1, -1).to(q.dtype)
+    return F.scaled_dot_product_attention(q.transpose(1, 2), k, v).transpose(1, 2)
+
+
+def dense_routed_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, chapter_tokens: int,
+                           chapters: torch.Tensor, log_weights: torch.Tensor) -> torch.Tensor:
+    """The definition, for tests: masked attention over the whole bank (``keys`` / ``values``
+    ``[N_m, H, D]``) where token ``t`` sees the tokens of its routed chapters, each logit biased by its
+    chapter's log weight, all others masked out. Materialises ``[B, T, H, N_m]``."""
+    B, T, H, D = q.shape
+    C = keys.shape[0] // chapter_tokens
+    bias = torch.full((B, T, C), float("-inf"), dtype=torch.float64, device=q.device)
+    bias.scatter_(-1, chapters, log_weights.double())
+    bias = bias.repeat_interleave(chapter_tokens, dim=-1)  # [B, T, N_m]
+    logits = torch.einsum("bthd,nhd->bthn", q.double(), keys.double()) / math.sqrt(D) + bias[:, :, None]
+    return torch.einsum("bthn,nhd->bthd", torch.softmax(logits, dim=-1), values.double())
+
+
+__all__ = ["ChapterRouter", "Routing", "dense_routed_attention", "full_bank_attention", "routed_attention",
+           "sequence_routed_attention"]

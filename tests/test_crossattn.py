@@ -1,0 +1,351 @@
+"""Cross-attention memory banks (memtrain.model.crossattn; crossattn-memory-banks paper Sections 3-5):
+routed attention against its definition, the router's gradients and balancing loss, compressed banks'
+sizes, placement, no effect at initialisation, causality of the two routing modes, and recipe errors.
+CPU, float64 references, a few seconds."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from memtrain.config import CrossAttnConfig, RecipeError, recipe_from_dict
+from memtrain.model import build
+from memtrain.model.crossattn import (ChapterRouter, CrossAttnMemory, LatentBank, MemoryCrossAttention,
+                                      dense_routed_attention, full_bank_attention, memory_layer_indices,
+                                      routed_attention, sequence_routed_attention)
+from memtrain.parallel.engine import lr_at, param_groups, peak_lr
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+BASE = {"model": {"vocab_size": 97, "d_model": 32, "n_layers": 3, "n_heads": 4, "ffn_dim": 64, "max_seq_len": 32,
+                  "attention": "sdpa", "tie_embeddings": False},
+        "data": {"seq_len": 32, "tokenizer": {"vocab_size": 97}}}
+
+
+def recipe(**crossattn):
+    return recipe_from_dict({**BASE, "memory": {"type": "crossattn", "crossattn": crossattn}})
+
+
+def model_of(seed: int = 0, **crossattn):
+    r = recipe(**crossattn)
+    torch.manual_seed(seed)
+    return build(r.model, r.memory)
+
+
+def anchor(seed: int = 0):
+    r = recipe_from_dict(BASE)
+    torch.manual_seed(seed)
+    return build(r.model)
+
+
+def open_outputs(model, seed: int = 5) -> None:
+    """Give every memory layer a non-zero W_O (zero at initialisation) so the memory reads matter."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for part in model.crossattn.parts.values():
+            part.attn.wo.weight.copy_(0.2 * torch.randn(part.attn.wo.weight.shape, generator=g))
+            if hasattr(part, "ffn"):
+                part.ffn.w3.weight.copy_(0.2 * torch.randn(part.ffn.w3.weight.shape, generator=g))
+
+
+def tokens(B=2, T=23, seed=1):
+    return torch.randint(1, 97, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+# --------------------------------------------------------------------------------------------------
+# Routed attention against its definition
+
+
+def _kv_fn(keys, values, chapter_tokens):
+    def kv(ids):
+        idx = ids[:, None] * chapter_tokens + torch.arange(chapter_tokens)
+        return keys[idx], values[idx]
+    return kv
+
+
+@pytest.mark.parametrize("B,T,H,D,C,Nc,k", [(2, 7, 3, 5, 6, 4, 2), (1, 13, 2, 8, 9, 3, 4), (3, 5, 1, 4, 4, 5, 1)])
+def test_crossattn_token_routed_attention_equals_masked_full_bank_attention(B, T, H, D, C, Nc, k):
+    """The grouped computation (unique chapters projected once, pairs grouped by chapter, per-chapter
+    log-sum-exps merged with the log weights) equals the definition: attention over the whole bank with
+    every non-routed chapter masked out and each routed logit biased by its chapter's log score."""
+    g = torch.Generator().manual_seed(B * 100 + T)
+    q = torch.randn(B, T, H, D, generator=g, dtype=torch.float64)
+    keys = torch.randn(C * Nc, H, D, generator=g, dtype=torch.float64)
+    values = torch.randn(C * Nc, H, D, generator=g, dtype=torch.float64)
+    scores = torch.rand(B, T, C, generator=g, dtype=torch.float64).softmax(-1)
+    top, chapters = scores.topk(k, dim=-1)
+    got = routed_attention(q, _kv_fn(keys, values, Nc), chapters, top.log())
+    want = dense_routed_attention(q, keys, values, Nc, chapters, top.log())
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    # Sequence routing (every token of a sequence reads the same chapters): the fused path, the grouped
+    # path and the definition agree.
+    seq_ch, seq_lw = chapters[:, 0], top[:, 0].log()
+    fused = sequence_routed_attention(q, _kv_fn(keys, values, Nc), seq_ch, seq_lw)
+    grouped = routed_attention(q, _kv_fn(keys, values, Nc), seq_ch[:, None].expand(B, T, k),
+                               seq_lw[:, None].expand(B, T, k))
+    dense = dense_routed_attention(q, keys, values, Nc, seq_ch[:, None].expand(B, T, k), seq_lw[:, None].expand(B, T, k))
+    torch.testing.assert_close(fused, dense, rtol=0, atol=1e-12)
+    torch.testing.assert_close(grouped, dense, rtol=0, atol=1e-12)
+
+
+def test_crossattn_all_chapters_with_equal_weights_is_full_bank_attention():
+    """Routing to every chapter with equal scores is plain memory attention over the whole bank (eq. 4)."""
+    g = torch.Generator().manual_seed(3)
+    B, T, H, D, C, Nc = 2, 6, 2, 4, 5, 3
+    q = torch.randn(B, T, H, D, generator=g, dtype=torch.float64)
+    keys, values = (torch.randn(C * Nc, H, D, generator=g, dtype=torch.float64) for _ in range(2))
+    chapters = torch.arange(C).expand(B, T, C)
+    log_w = torch.full((B, T, C), math.log(1 / C), dtype=torch.float64)
+    torch.testing.assert_close(routed_attention(q, _kv_fn(keys, values, Nc), chapters, log_w),
+                               full_bank_attention(q, keys, values), rtol=0, atol=1e-12)
+
+
+def test_crossattn_routed_attention_gradients_match_the_definition():
+    """Gradients with respect to queries, keys, values and the routing weights (float64)."""
+    g = torch.Generator().manual_seed(4)
+    B, T, H, D, C, Nc, k = 2, 5, 2, 3, 4, 3, 2
+    leaves = [torch.randn(*s, generator=g, dtype=torch.float64, requires_grad=True)
+              for s in ((B, T, H, D), (C * Nc, H, D), (C * Nc, H, D))]
+    logits = torch.randn(B, T, C, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(B, T, H, D, generator=g, dtype=torch.float64)
+    grads = []
+    for fn in ("grouped", "dense"):
+        top, chapters = logits.softmax(-1).topk(k, dim=-1)
+        q, keys, values = leaves
+        out = (routed_attention(q, _kv_fn(keys, values, Nc), chapters, top.log()) if fn == "grouped"
+               else dense_routed_attention(q, keys, values, Nc, chapters, top.log()))
+        grads.append(torch.autograd.grad((out * w).sum(), [*leaves, logits]))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+    assert grads[0][-1].abs().sum() > 0  # the router's logits get a gradient through the attention
+
+
+# --------------------------------------------------------------------------------------------------
+# The router
+
+
+def test_crossattn_router_picks_top_k_and_its_balance_loss_is_switch_style():
+    torch.manual_seed(0)
+    router = ChapterRouter(8, chapters=5, top_k=2, mode="token").double()
+    h = torch.randn(3, 4, 8, dtype=torch.float64)
+    r = router(h)
+    probs = torch.softmax(h.reshape(12, 8) @ router.proj.weight.T + router.proj.bias, dim=-1)
+    top, ids = probs.topk(2, dim=-1)
+    assert torch.equal(r.chapters.reshape(12, 2), ids)
+    torch.testing.assert_close(r.log_weights.reshape(12, 2), top.log())
+    share = torch.bincount(ids.reshape(-1), minlength=5).double() / ids.numel()
+    torch.testing.assert_close(r.loss, 5 * (share * probs.mean(0)).sum())
+    seq = ChapterRouter(8, chapters=5, top_k=2, mode="sequence").double()
+    seq.load_state_dict(router.state_dict())
+    rs = seq(h)  # one decision per sequence, from the mean-pooled states (eq. 8)
+    sp = torch.softmax(h.mean(1) @ seq.proj.weight.T + seq.proj.bias, dim=-1)
+    assert torch.equal(rs.chapters, sp.topk(2, dim=-1)[1][:, None].expand(3, 4, 2))
+
+
+@pytest.mark.parametrize("routing", ["sequence", "token"])
+def test_crossattn_router_receives_gradients_from_the_loss(routing):
+    """Routing weights enter the attention, so the language-model loss reaches the router (once the
+    memory's W_O is non-zero); the balancing loss reaches it too."""
+    model = model_of(tokens=24, chapters=6, top_k=2, routing=routing)
+    open_outputs(model)
+    out = model(tokens())
+    out.logits.float().square().mean().backward()
+    for part in model.crossattn.parts.values():
+        assert float(part.attn.router.proj.weight.grad.abs().sum()) > 0
+    model.zero_grad()
+    model(tokens()).aux_loss.backward()
+    assert all(float(p.attn.router.proj.weight.grad.abs().sum()) > 0 for p in model.crossattn.parts.values())
+
+
+# --------------------------------------------------------------------------------------------------
+# The model
+
+
+@pytest.mark.parametrize("crossattn", [
+    {"tokens": 16},
+    {"tokens": 24, "chapters": 6, "top_k": 2},
+    {"tokens": 24, "chapters": 6, "top_k": 3, "routing": "token", "variant": "B", "shared": True},
+    {"tokens": 16, "dim": 8, "heads": 2, "bank_rank": 4, "proj_rank": 4, "placement": "last", "placement_k": 2},
+])
+def test_crossattn_memory_has_no_effect_at_initialisation(crossattn):
+    """W_O (and variant B's MLP output) start at zero: the model computes exactly the anchor's logits."""
+    x = tokens()
+    torch.testing.assert_close(model_of(**crossattn)(x).logits, anchor()(x).logits, rtol=0, atol=0)
+    m = model_of(**crossattn)
+    open_outputs(m)
+    assert (m(x).logits - anchor()(x).logits).abs().max() > 1e-3  # the reads do something once opened
+
+
+def test_crossattn_token_routing_is_causal_and_sequence_routing_is_not():
+    """Token routing (Section 4.4) decides per token from that token's state: changing a later token
+    leaves every earlier logit unchanged. Sequence routing (eq. 8) pools the whole sequence, so a later
+    token moves the earlier logits: not a causal language model (documented)."""
+    x = tokens(B=1, T=20)
+    y = x.clone()
+    y[0, 15] = (x[0, 15] % 96) + 1
+    for routing, causal in (("token", True), ("sequence", False)):
+        m = model_of(tokens=24, chapters=6, top_k=2, routing=routing).double()
+        open_outputs(m)
+        with torch.no_grad():
+            diff = (m(x).logits[0, :15] - m(y).logits[0, :15]).abs().max()
+        assert (diff < 1e-12) == causal, (routing, float(diff))
+
+
+@pytest.mark.parametrize("placement,k,want", [("all", 1, [0, 1, 2, 3, 4]), ("first", 2, [0, 1]),
+                                              ("last", 2, [3, 4]), ("every", 2, [0, 2, 4])])
+def test_crossattn_placement(placement, k, want):
+    assert memory_layer_indices(CrossAttnConfig(placement=placement, placement_k=k), 5) == want
+    assert memory_layer_indices(CrossAttnConfig(layers=[4, 1]), 5) == [1, 4]
+
+
+def test_crossattn_variant_b_adds_an_mlp_after_the_memory_read():
+    a, b = model_of(tokens=8, variant="A"), model_of(tokens=8, variant="B")
+    part_a, part_b = a.crossattn.parts["0"], b.crossattn.parts["0"]
+    assert not hasattr(part_a, "ffn") and part_b.ffn.w1.weight.shape == (64, 32)
+    assert float(part_b.ffn.w3.weight.detach().abs().sum()) == 0
+
+
+def test_crossattn_compressed_banks_have_the_expected_parameter_counts():
+    """Dense N_m x d; low-rank (N_m + d) r (eq. 13); reduced dimension: N_m x r tokens, W_Q d x r,
+    W_K/W_V r x r, W_O r x d (eq. 15-17); low-rank projections d r + r d_k (eq. 14); int8: N_m x d values
+    plus N_m scales."""
+    assert LatentBank(100, 32).parameter_count == 3200
+    lowrank = LatentBank(100, 32, rank=4)
+    assert lowrank.parameter_count == (100 + 32) * 4 == sum(p.numel() for p in lowrank.parameters())
+    assert LatentBank(100, 32, dtype="int8", chapters=4).parameter_count == 3200 + 100
+    m = model_of(tokens=40, dim=8, heads=2)
+    attn = m.crossattn.parts["0"].attn
+    assert m.crossattn.banks[0].weight.shape == (40, 8)
+    assert (attn.wq.weight.shape, attn.wk.weight.shape, attn.wv.weight.shape, attn.wo.weight.shape) == (
+        (8, 32), (8, 8), (8, 8), (32, 8))
+    low = model_of(tokens=40, proj_rank=3).crossattn.parts["0"].attn.wq
+    assert [tuple(l.weight.shape) for l in low] == [(3, 32), (32, 3)]  # d -> r -> d_k (width 32)
+    counts = model_of(tokens=40, dim=8, heads=2, shared=True).crossattn.parameter_counts()
+    assert counts["bank"] == 40 * 8 and counts["banks"] == 1 and counts["layers"] == 3
+    assert counts["per_layer"] == 32 * 8 + 8 * 8 * 2 + 8 * 32 + 32  # W_Q, W_K, W_V, W_O and the norm gain
+
+
+def test_crossattn_int8_bank_quantises_a_trained_fp32_bank_on_load():
+    torch.manual_seed(0)
+    dense = LatentBank(12, 16, chapters=3)
+    q8 = LatentBank(12, 16, chapters=3, dtype="int8")
+    q8.load_state_dict(dense.state_dict())
+    err = (q8.all() - dense.all().detach()).abs()
+    assert float((err / dense.all().detach().abs().amax(-1, keepdim=True)).max()) <= 0.5 / 127 + 1e-6
+    torch.testing.assert_close(q8.chapters(torch.tensor([2])), q8.all()[8:12][None])
+    assert not list(q8.parameters())  # stored as buffers: nothing to train
+
+
+def test_crossattn_int8_bank_starts_from_the_dense_draw_quantised():
+    """A fresh int8 bank (memory.crossattn.bank_dtype int8 with no checkpoint to load) holds the dense bank's
+    random draw quantised, not zeros: its reads are the draw to int8 precision."""
+    torch.manual_seed(0)
+    dense = LatentBank(12, 16, chapters=3, init_std=0.5)
+    torch.manual_seed(0)
+    q8 = LatentBank(12, 16, chapters=3, dtype="int8", init_std=0.5)
+    assert int((q8.q != 0).sum()) > 0.9 * q8.q.numel()
+    err = (q8.all() - dense.all().detach()).abs()
+    assert float((err / dense.all().detach().abs().amax(-1, keepdim=True)).max()) <= 0.5 / 127 + 1e-6
+
+
+def test_crossattn_parameter_groups_and_staged_freezing():
+    """Projections/router/MLPs at memory.optimizer.lr (role memory), the bank with its W_K, W_V at
+    memory.crossattn.bank_lr (role bank; differential learning rates), frozen from freeze_bank_at on
+    (Section 5.5): the bank's learning rate is 0 from that step."""
+    r = recipe_from_dict({**BASE, "train": {"max_steps": 20, "schedule": {"warmup": 2}},
+                          "memory": {"type": "crossattn", "optimizer": {"lr": 1e-3, "min_lr": 1e-4},
+                                     "crossattn": {"tokens": 8, "bank_lr": 2e-4, "freeze_bank_at": 10}}})
+    torch.manual_seed(0)
+    m = build(r.model, r.memory)
+    groups = param_groups(m, 0.1, m.memory_parameters(), 0.0, m.bank_parameters())
+    roles: dict[str, int] = {}
+    for g in groups:
+        roles[g["role"]] = roles.get(g["role"], 0) + sum(p.numel() for p in g["params"])
+    assert all(g["weight_decay"] == 0 for g in groups if g["role"] != "anchor" and g["params"][0].ndim < 2)
+    bank = sum(b.parameter_count for b in m.crossattn.banks) + sum(
+        p.attn.wk.weight.numel() + p.attn.wv.weight.numel() for p in m.crossattn.parts.values())
+    assert roles["bank"] == bank and roles["memory"] == sum(p.numel() for p in m.crossattn.parameters()) - bank
+    assert peak_lr(r, "bank") == (2e-4, pytest.approx(2e-5)) and peak_lr(r, "memory") == (1e-3, 1e-4)
+    bank_lr, mem_lr = lr_at(r, "bank"), lr_at(r, "memory")
+    assert bank_lr(9) > 0 and bank_lr(10) == 0 and bank_lr(19) == 0 and mem_lr(15) > 0
+
+
+@pytest.mark.parametrize("crossattn,key,message", [
+    ({"tokens": 10, "chapters": 3}, "memory.crossattn.chapters", "do not split into 3 chapters"),
+    ({"tokens": 12, "chapters": 4, "top_k": 5}, "memory.crossattn.top_k", r"must lie in \[0, memory.crossattn"),
+    ({"tokens": 12, "top_k": 1}, "memory.crossattn.top_k", "routing needs memory.crossattn.chapters > 1"),
+    ({"placement": "first", "placement_k": 7}, "memory.crossattn.placement_k", "more than the model's 3 layers"),
+    ({"layers": [0, 3]}, "memory.crossattn.layers", r"distinct layer indices in \[0, 3\)"),
+    ({"placement": "middle"}, "memory.crossattn.placement", "must be one of"),
+    ({"dim": 10, "heads": 4}, "memory.crossattn.heads", "does not split into 4 heads"),
+    ({"bank_dtype": "int8"}, "memory.crossattn.bank_dtype", "cannot be trained"),
+])
+def test_crossattn_bad_settings_are_one_recipe_error(crossattn, key, message):
+    with pytest.raises(RecipeError, match=rf"^recipe error: {key}: .*{message}"):
+        recipe(**crossattn)
+
+
+def test_crossattn_keys_belong_to_their_memory_type():
+    with pytest.raises(RecipeError, match="memory.crossattn: is only used with memory.type 'crossattn'"):
+        recipe_from_dict({**BASE, "memory": {"type": "none", "crossattn": {"tokens": 8}}})
+    with pytest.raises(RecipeError, match="memory.levels: is a hierarchical-memory setting"):
+        recipe_from_dict({**BASE, "memory": {"type": "crossattn", "levels": [1]}})
+    with pytest.raises(RecipeError, match="memory.type: cross-attention memories attach to model.type 'decoder'"):
+        recipe_from_dict({"model": {"type": "titans"}, "memory": {"type": "crossattn"}})
+
+
+def test_crossattn_routing_statistics_count_training_forwards():
+    m = model_of(tokens=24, chapters=6, top_k=2, routing="token")
+    m.train()
+    m(tokens())
+    stats = m.crossattn.pop_stats()
+    assert stats["memory_module/chapter_entropy_max"] == pytest.approx(math.log(6))
+    assert 0 < stats["memory_module/chapter_entropy"] <= math.log(6) + 1e-9
+    assert 0 <= stats["memory_module/dead_chapters"] <= 4 and stats["memory_module/router_loss"] > 0
+    assert m.crossattn.pop_stats() == {}  # reset
+    m.eval()
+    with torch.no_grad():
+        m(tokens())
+    assert m.crossattn.pop_stats() == {}  # validation forwards are not counted
+
+
+def test_crossattn_layer_key_values_cover_only_the_requested_chapters():
+    torch.manual_seed(0)
+    bank = LatentBank(12, 16, chapters=4)
+    layer = MemoryCrossAttention(16, 16, 16, 2, chapters=4, top_k=2)
+    k_some, v_some = layer.key_values(bank, torch.tensor([3, 1]), torch.float32)
+    k_all, v_all = layer.key_values(bank, None, torch.float32)
+    assert k_some.shape == (2, 3, 2, 8) and k_all.shape == (12, 2, 8)
+    torch.testing.assert_close(k_some[0], k_all[9:12])
+    torch.testing.assert_close(v_some[1], v_all[3:6])
+    assert isinstance(CrossAttnMemory(CrossAttnConfig(tokens=8), 16, 2, 8, 2, 32, lambda: torch.nn.Identity()),
+                      torch.nn.Module)
+
+
+@pytest.mark.parametrize("name,bank,layers,per_layer", [
+    ("crossattn-100m-shared-10k", 10_000 * 768, [0, 3, 6, 9], 4 * 768 * 768 + 768),
+    ("crossattn-100m-perlayer-10k", 4 * 10_000 * 768, [0, 3, 6, 9], 4 * 768 * 768 + 768),
+    ("crossattn-100m-shared-1m-routed", 1_048_576 * 256, [0, 3, 6, 9],
+     768 * 256 + 2 * 256 * 256 + 256 * 768 + 768 + 768 * 1024 + 1024),
+    ("quickstart-crossattn", 4096 * 128, [0, 1, 2, 3], 4 * 128 * 128 + 128 + 128 * 32 + 32),
+])
+def test_crossattn_shipped_recipes_resolve_to_their_sizes(name, bank, layers, per_layer):
+    """The recipes' banks and memory layers (W_Q, W_K, W_V, W_O, the pre-norm gain, and the router's
+    W_r, b_r where routed), built on the meta device; the baseline is the same model without them."""
+    from pathlib import Path
+
+    from memtrain.config import load_recipe
+    from memtrain.model import count_parameters
+
+    path = Path(__file__).resolve().parents[1] / "recipes" / f"{name}.yaml"
+    r = load_recipe(path)
+    with torch.device("meta"):
+        m = build(r.model, r.memory)
+    counts = m.crossattn.parameter_counts()
+    assert (counts["bank"], m.crossattn.layer_indices, counts["per_layer"]) == (bank, layers, per_layer)
+    if name.startswith("crossattn-100m"):
+        base = load_recipe(path.with_name("crossattn-100m-baseline.yaml"))
+        with torch.device("meta"):
+            assert count_parameters(m) - counts["total"] == count_parameters(build(base.model)) == 123_704_064
