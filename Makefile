@@ -52,6 +52,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/prepare.py --quick
 	$(PY) benchmarks/titans.py --quick
 	$(PY) benchmarks/bank_comm.py --quick
+	$(PY) benchmarks/routed_attention.py --quick
 
 clean:
 	rm -rf runs data/quickstart data/quickstart-memory data/quickstart-crossattn .pytest_cache

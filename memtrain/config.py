@@ -297,6 +297,10 @@ class CrossAttnConfig:
     # step them with AdamW (traffic follows the routed chapters, not the bank size;
     # memtrain.parallel.chapter_bank). Dense banks only (not bank_rank, not int8).
     bank: Literal["replicated", "sharded"] = "replicated"
+    # Routed attention (top_k > 0): auto = the Triton kernels on CUDA (memtrain.kernels.routed_attention),
+    # the PyTorch reference elsewhere; triton forces the kernels (CPU only under TRITON_INTERPRET=1);
+    # torch forces the reference.
+    kernel: Literal["auto", "triton", "torch"] = "auto"
 
     @property
     def chapter_tokens(self) -> int:

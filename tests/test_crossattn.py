@@ -281,6 +281,8 @@ def test_crossattn_parameter_groups_and_staged_freezing():
     ({"placement": "middle"}, "memory.crossattn.placement", "must be one of"),
     ({"dim": 10, "heads": 4}, "memory.crossattn.heads", "does not split into 4 heads"),
     ({"bank_dtype": "int8"}, "memory.crossattn.bank_dtype", "cannot be trained"),
+    ({"bank": "sharded", "bank_rank": 4}, "memory.crossattn.bank", "not the factors of memory.crossattn.bank_rank"),
+    ({"bank": "sharded", "bank_dtype": "int8", "freeze_bank": True}, "memory.crossattn.bank", "int8 bank is frozen"),
 ])
 def test_crossattn_bad_settings_are_one_recipe_error(crossattn, key, message):
     with pytest.raises(RecipeError, match=rf"^recipe error: {key}: .*{message}"):

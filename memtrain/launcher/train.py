@@ -245,6 +245,7 @@ def train(recipe: Recipe) -> dict:
     device = dist.resolve_device(recipe.run.device, dist_env)
     prec = precision(recipe, device)
     accum = recipe.grad_accum_steps(dist_env.world_size)  # RecipeError before anything is written
+    _check_kernels(recipe, device)
     meta = recipe_meta(recipe)  # DataError when `memtrain prepare` has not run
     if recipe.model.type != "hf" and meta["vocab_size"] > recipe.model.vocab_size:
         raise RecipeError("model.vocab_size", f"{recipe.model.vocab_size} is smaller than the tokenizer's "
@@ -372,6 +373,18 @@ def _finite_weights(engine, bank, device: torch.device) -> bool:
 
     ok = weights_finite(engine) and (bank is None or all(bool(torch.isfinite(t).all()) for t in bank.parameters()))
     return not _any(not ok, device)
+
+
+def _check_kernels(recipe: Recipe, device: torch.device) -> None:
+    """RecipeError when the recipe forces Triton kernels where they cannot run (before anything is written)."""
+    c = recipe.memory.crossattn
+    if recipe.memory.is_crossattn and c is not None and c.top_k and c.kernel == "triton":
+        from memtrain.kernels.routed_attention import use_triton
+
+        try:
+            use_triton("triton", torch.empty(0, device=device))
+        except RuntimeError as err:
+            raise RecipeError("memory.crossattn.kernel", f"{err}; or set memory.crossattn.kernel: auto") from None
 
 
 def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int, meta: dict, stop: "_StopFlag",

@@ -61,8 +61,9 @@ class MemoryCrossAttention(nn.Module):
     """One memory cross-attention layer over a :class:`LatentBank` (module docstring)."""
 
     def __init__(self, d_model: int, bank_width: int, width: int, heads: int, chapters: int = 1, top_k: int = 0,
-                 routing: str = "sequence", proj_rank: Optional[int] = None):
+                 routing: str = "sequence", proj_rank: Optional[int] = None, kernel: str = "auto"):
         super().__init__()
+        self.kernel = kernel  # routed attention: Triton kernels (auto on CUDA, triton) or the PyTorch reference
         if width % heads:
             raise ValueError(f"memory attention width {width} does not split into {heads} heads")
         self.heads, self.head_dim, self.width = heads, width // heads, width
@@ -111,9 +112,9 @@ class MemoryCrossAttention(nn.Module):
             routing = self.router(h)
             kv = lambda ids: self.key_values(bank, ids, q.dtype)  # noqa: E731
             if self.router.mode == "sequence":
-                out = sequence_routed_attention(q, kv, routing.chapters[:, 0], routing.log_weights[:, 0])
+                out = sequence_routed_attention(q, kv, routing.chapters[:, 0], routing.log_weights[:, 0], self.kernel)
             else:
-                out = routed_attention(q, kv, routing.chapters, routing.log_weights)
+                out = routed_attention(q, kv, routing.chapters, routing.log_weights, self.kernel)
             loss = routing.loss
             if stats is not None and self.training:  # training forwards only (not validation)
                 stats.add(routing)
@@ -210,7 +211,7 @@ class CrossAttnMemory(nn.Module):
                                    for _ in range(n_banks))
         self.parts = nn.ModuleDict({
             str(i): MemoryBlockPart(d_model, norm_factory(), MemoryCrossAttention(
-                d_model, bank_width, width, heads, c.chapters, c.top_k, c.routing, c.proj_rank), c.variant,
+                d_model, bank_width, width, heads, c.chapters, c.top_k, c.routing, c.proj_rank, c.kernel), c.variant,
                 c.ffn_dim or ffn_dim, norm_factory)
             for i in self.layer_indices})
         self.stats = RoutingStats(c.chapters) if c.top_k else None

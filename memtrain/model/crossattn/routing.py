@@ -12,13 +12,14 @@ chapters, each chapter's share scaled by its router score; the router gets gradi
 A Switch-style load-balancing loss ``C * sum_c f_c P_c`` (``f_c`` the share of routing decisions that
 picked ``c``, ``P_c`` its mean router probability) keeps chapters in use.
 
-:func:`routed_attention` is the reference computation the Triton kernels must match. It never
-materialises per-token gathered keys: the keys and values of the *unique* routed chapters are
-projected once, the (token, chapter) pairs are grouped by chapter, each group's attention is computed
-against its chapter with its log-sum-exp, and every token's chapters are merged by their
-log-sum-exps plus log weights (as split-K attention merges partial softmaxes). Memory is
-``O(unique chapters x chapter size)`` plus one small row per pair. :func:`dense_routed_attention` is
-the same function written as masked attention over the whole bank, for tests.
+:func:`routed_attention` projects the keys and values of the *unique* routed chapters once and hands
+them to :mod:`memtrain.kernels.routed_attention`: Triton kernels on CUDA, and their PyTorch reference
+elsewhere, which never materialises per-token gathered keys either (the (token, chapter) pairs are
+grouped by chapter, each group's attention is computed against its chapter with its log-sum-exp, and
+every token's chapters are merged by their log-sum-exps plus log weights, as split-K attention merges
+partial softmaxes). Memory is ``O(unique chapters x chapter size)`` plus one small row per pair.
+:func:`dense_routed_attention` is the same function written as masked attention over the whole bank,
+for tests.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from typing import Callable, NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from memtrain.kernels import routed_attention as routed_kernels
 
 
 class Routing(NamedTuple):
@@ -86,56 +89,33 @@ class ChapterRouter(nn.Module):
 
 
 def routed_attention(q: torch.Tensor, kv: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
-                     chapters: torch.Tensor, log_weights: torch.Tensor) -> torch.Tensor:
+                     chapters: torch.Tensor, log_weights: torch.Tensor, impl: str = "auto") -> torch.Tensor:
     """Attention of every query to its routed chapters (module docstring), grouped by chapter.
 
     ``q`` ``[B, T, H, D]``; ``kv(ids)`` returns the keys and values of chapters ``ids`` (``[U]``) as
-    ``[U, N_c, H, D]`` each; ``chapters`` / ``log_weights`` ``[B, T, k]``. Returns ``[B, T, H, D]``."""
+    ``[U, N_c, H, D]`` each; ``chapters`` / ``log_weights`` ``[B, T, k]``. Returns ``[B, T, H, D]``. The
+    keys and values of the unique routed chapters are projected once; the attention itself is
+    :func:`memtrain.kernels.routed_attention.token_routed_attention` (``impl``: the Triton kernel on CUDA
+    with ``auto``, else the grouped PyTorch reference)."""
     B, T, H, D = q.shape
     k = chapters.shape[-1]
-    n = B * T
-    flat_q = q.reshape(n, H, D)
-    pairs = chapters.reshape(n * k)
-    unique, which = torch.unique(pairs, return_inverse=True)  # the chapters read at all, and each pair's
+    unique, which = torch.unique(chapters.reshape(-1), return_inverse=True)  # the chapters read at all
     keys, values = kv(unique)  # [U, Nc, H, D]: projected once per unique chapter
-    order = torch.argsort(which, stable=True)
-    sizes = torch.bincount(which, minlength=len(unique)).tolist()
-    token = torch.div(order, k, rounding_mode="floor")
-    scale = 1.0 / math.sqrt(D)
-    acc = torch.promote_types(q.dtype, torch.float32)  # fp32 accumulation (float64 stays float64)
-    lse_parts, out_parts = [], []
-    for u, group in enumerate(torch.split(token, sizes)):
-        if group.numel() == 0:
-            continue
-        logits = torch.einsum("nhd,chd->nhc", flat_q[group].to(acc), keys[u].to(acc)) * scale  # [n_u, H, Nc]
-        lse = torch.logsumexp(logits, dim=-1)  # [n_u, H]
-        probs = torch.exp(logits - lse[..., None])
-        out_parts.append(torch.einsum("nhc,chd->nhd", probs, values[u].to(acc)))
-        lse_parts.append(lse)
-    restore = torch.empty_like(order)
-    restore[order] = torch.arange(order.numel(), device=order.device)
-    lse = torch.cat(lse_parts)[restore].view(n, k, H)  # back to (token, slot) order
-    out = torch.cat(out_parts)[restore].view(n, k, H, D)
-    w = torch.softmax(lse + log_weights.reshape(n, k, 1).to(acc), dim=1)  # each chapter's share
-    return (w[..., None] * out).sum(dim=1).view(B, T, H, D).to(q.dtype)
+    out = routed_kernels.token_routed_attention(q.reshape(B * T, H, D), keys, values, which.view(B * T, k),
+                                                log_weights.reshape(B * T, k), impl)
+    return out.view(B, T, H, D)
 
 
 def sequence_routed_attention(q: torch.Tensor, kv: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
-                              chapters: torch.Tensor, log_weights: torch.Tensor) -> torch.Tensor:
+                              chapters: torch.Tensor, log_weights: torch.Tensor, impl: str = "auto") -> torch.Tensor:
     """:func:`routed_attention` for sequence routing (every token of a sequence reads the same ``k``
-    chapters: ``chapters`` / ``log_weights`` ``[B, k]``): each sequence's chapters gathered once
-    (``[B, k * N_c]`` keys, the paper's eq. 10) and one fused attention with the log weights as a
-    per-key bias."""
-    B, T, H, D = q.shape
+    chapters: ``chapters`` / ``log_weights`` ``[B, k]``):
+    :func:`memtrain.kernels.routed_attention.sequence_routed_attention` (the kernel reads the chapters from
+    the shared storage; the reference gathers each sequence's ``k * N_c`` keys, eq. 10, for one fused
+    attention with the log weights as a per-key bias)."""
     unique, which = torch.unique(chapters, return_inverse=True)
     keys, values = kv(unique)  # [U, Nc, H, D]
-    Nc = keys.shape[1]
-    k_seq = keys[which].reshape(B, -1, H, D).transpose(1, 2)  # [B, H, k*Nc, D]
-    v_seq = values[which].reshape(B, -1, H, D).transpose(1, 2)
-    bias = log_weights[:, :, None].expand(B, chapters.shape[1], Nc).reshape(B, 1, 1, -1)
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k_seq.to(q.dtype), v_seq.to(q.dtype),
-                                         attn_mask=bias.to(q.dtype))
-    return out.transpose(1, 2)
+    return routed_kernels.sequence_routed_attention(q, keys, values, which, log_weights, impl)
 
 
 def full_bank_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
