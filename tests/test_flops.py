@@ -202,3 +202,55 @@ def test_titans_flops_match_flop_counter(variant):
     assert estimate - titans_flops_per_token(model, no_context) == pytest.approx(attention, rel=EXACT)
     # ...and the whole estimate against the whole count.
     assert estimate == pytest.approx(attention + rest, rel=EXACT)
+
+
+# --------------------------------------------------------------------------------------------------
+# Cross-attention memory layers (memtrain.model.flops.crossattn_flops_per_token)
+
+
+def _crossattn_model(crossattn: dict, **model):
+    from memtrain.config import CrossAttnConfig, MemoryConfig
+
+    cfg = ModelConfig(**{**dict(vocab_size=37, d_model=24, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=10,
+                                ffn_dim=40, max_seq_len=32, attention="sdpa"), **model})
+    torch.manual_seed(0)
+    return cfg, build(cfg, MemoryConfig(type="crossattn", crossattn=CrossAttnConfig(**crossattn)))
+
+
+def test_crossattn_flops_match_hand_count():
+    """Independent source: one memory layer (decoder layer 1) of width 8 (2 heads of 4) on d = 8, a bank of
+    6 tokens, T = 3 tokens per forward. Per token, forward x 3 for training:
+    W_Q 8x8 + W_O 8x8 = 128 weights -> 6 x 128 = 768; attention over the 6 keys 12 x 6 x 8 = 576; the
+    bank's keys and values once per forward, W_K + W_V = 128 weights x 6 tokens / 3 tokens -> 6 x 256 =
+    1536. Unrouted variant A: 2880. Variant B adds its SwiGLU 3 x 8x16 = 384 weights: + 2304 = 5184.
+    Token routing to all 3 chapters of 2 tokens (k = C, so every chapter is projected): the same 6 keys,
+    plus the router 8x3 = 24 weights: + 144 = 3024; sequence routing runs the router once per sequence
+    of 3: + 48 = 2928."""
+    from memtrain.model.flops import crossattn_flops_per_token
+
+    small = dict(vocab_size=10, d_model=8, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=4, ffn_dim=16)
+    base = dict(tokens=6, layers=[1])
+    for extra, want in (({}, 2880), ({"variant": "B"}, 5184),
+                        ({"chapters": 3, "top_k": 3, "routing": "token"}, 3024),
+                        ({"chapters": 3, "top_k": 3, "routing": "sequence"}, 2928)):
+        _, model = _crossattn_model({**base, **extra}, **small)
+        assert crossattn_flops_per_token(model.crossattn, batch=1, seq_len=3) == pytest.approx(want, rel=EXACT)
+
+
+@pytest.mark.parametrize("crossattn", [
+    {"tokens": 18, "placement": "every", "placement_k": 1, "heads": 3, "dim": 12},
+    {"tokens": 18, "chapters": 6, "top_k": 6, "routing": "token", "variant": "B", "shared": True},
+    {"tokens": 18, "chapters": 3, "top_k": 3, "routing": "sequence", "bank_rank": 4, "proj_rank": 5},
+], ids=["unrouted-reduced-dim", "token-routed-variant-B", "sequence-routed-lowrank"])
+def test_crossattn_flops_match_flop_counter(crossattn):
+    """Independent source: FlopCounterMode over a forward and backward of the model with memory layers
+    minus the same anchor without them (attention as visible MATH-sdpa or einsum matmuls). Routing picks
+    every chapter (k = C), so the chapters projected per forward are known exactly. Tolerance: exact."""
+    from memtrain.model.flops import crossattn_flops_per_token
+
+    T = 20
+    cfg, model = _crossattn_model(crossattn)
+    torch.manual_seed(0)
+    anchor = build(cfg)
+    counted = (_count(model, T) - _count(anchor, T)) / T
+    assert counted == pytest.approx(crossattn_flops_per_token(model.crossattn, batch=1, seq_len=T), rel=EXACT)

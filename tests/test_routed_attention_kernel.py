@@ -176,13 +176,13 @@ def test_kernel_in_the_crossattn_model_equals_the_reference_path(routing):
 
 
 def test_kernel_recipe_key_forcing_triton_where_it_cannot_run_is_one_recipe_error(monkeypatch):
-    from memtrain.launcher.train import _check_kernels
+    from memtrain.launcher.train import check_kernels
 
     r = recipe_from_dict({"memory": {"type": "crossattn", "crossattn": {"tokens": 8, "chapters": 2, "top_k": 1,
                                                                          "kernel": "triton"}}})
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(MemtrainError, match="memory.crossattn.kernel: .*TRITON_INTERPRET=1.*kernel: auto"):
-        _check_kernels(r, torch.device("cpu"))
+        check_kernels(r, torch.device("cpu"))
     with pytest.raises(MemtrainError, match="memory.crossattn.kernel: must be one of"):
         recipe_from_dict({"memory": {"type": "crossattn", "crossattn": {"kernel": "cuda"}}})
 

@@ -41,7 +41,7 @@ import os
 import signal
 import socket
 import time
-from typing import Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -93,7 +93,7 @@ class _StopFlag:
             signal.signal(sig, handler)
 
 
-class _StepClock:
+class StepClock:
     """Wall time per part of a step (forward, backward, optimizer), summed over its micro-batches. With
     ``sync`` on a GPU each mark waits for the device first, so the parts are the device's time, not the
     launch time; without it (unlogged steps) nothing waits."""
@@ -136,7 +136,7 @@ def _any(flag: bool, device: torch.device) -> bool:
     return bool(t.item())
 
 
-def _to_device(batch: dict, device: torch.device) -> dict:
+def to_device(batch: dict, device: torch.device) -> dict:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
@@ -172,7 +172,7 @@ def evaluate(engine, val_set, device: torch.device, bank=None, memory: str = "fe
     engine.eval()
     total, count = 0.0, 0
     for batch in val_set:
-        batch = _to_device(batch, device)
+        batch = to_device(batch, device)
         out = engine(batch["input_ids"], doc_ids=batch["doc_ids"], memory=eval_memory(bank, batch, memory))
         total += float(token_loss_sum(out.logits, batch["labels"]))
         count += scored_tokens(batch["labels"])
@@ -245,7 +245,7 @@ def train(recipe: Recipe) -> dict:
     device = dist.resolve_device(recipe.run.device, dist_env)
     prec = precision(recipe, device)
     accum = recipe.grad_accum_steps(dist_env.world_size)  # RecipeError before anything is written
-    _check_kernels(recipe, device)
+    check_kernels(recipe, device)
     meta = recipe_meta(recipe)  # DataError when `memtrain prepare` has not run
     if recipe.model.type != "hf" and meta["vocab_size"] > recipe.model.vocab_size:
         raise RecipeError("model.vocab_size", f"{recipe.model.vocab_size} is smaller than the tokenizer's "
@@ -375,7 +375,7 @@ def _finite_weights(engine, bank, device: torch.device) -> bool:
     return not _any(not ok, device)
 
 
-def _check_kernels(recipe: Recipe, device: torch.device) -> None:
+def check_kernels(recipe: Recipe, device: torch.device) -> None:
     """RecipeError when the recipe forces Triton kernels where they cannot run (before anything is written)."""
     c = recipe.memory.crossattn
     if recipe.memory.is_crossattn and c is not None and c.top_k and c.kernel == "triton":
@@ -387,14 +387,95 @@ def _check_kernels(recipe: Recipe, device: torch.device) -> None:
             raise RecipeError("memory.crossattn.kernel", f"{err}; or set memory.crossattn.kernel: auto") from None
 
 
+class Banks(NamedTuple):
+    """The memory banks that live outside DeepSpeed (:func:`build_banks`): ``bank`` (hierarchical memories,
+    replicated or row-sharded), ``chapter_bank`` (a sharded cross-attention bank), whether they are clipped
+    jointly with the anchor, and their learning-rate schedule."""
+
+    bank: Any
+    chapter_bank: Any
+    joint: bool
+    memory_schedule: Optional[Callable[[int], float]]
+
+    @property
+    def stepped(self) -> Any:
+        """The bank the loop reduces, clips, steps and saves (at most one of the two exists)."""
+        return self.bank if self.bank is not None else self.chapter_bank
+
+
+def build_banks(model, recipe: Recipe, device: torch.device, prec: str, world: int) -> Banks:
+    """The recipe's banks for ``model``, as the trainer builds them; call on every rank before
+    ``model.to(device)`` and before DeepSpeed (a sharded cross-attention bank replaces the model's banks by
+    parameter-less views, so ZeRO never sees it and the whole bank never reaches the GPU)."""
+    from memtrain.parallel.engine import joint_clipping, lr_at
+
+    mem = recipe.memory
+    if mem.is_crossattn and mem.crossattn is not None and mem.crossattn.bank == "sharded":
+        from memtrain.parallel.chapter_bank import chapter_bank_joint_clipping, shard_crossattn_banks
+
+        chapter_bank = shard_crossattn_banks(model, recipe, device)
+        # bank_lr's warmup and cosine, 0 from freeze_bank_at
+        return Banks(None, chapter_bank, chapter_bank_joint_clipping(recipe, prec), lr_at(recipe, "bank"))
+    if not mem.enabled:
+        return Banks(None, None, False, None)
+    from memtrain.parallel.bank import MemoryBank
+
+    joint = joint_clipping(recipe, prec)
+    if joint and prec != "fp32" and recipe.parallel.zero_stage == 0:
+        raise LaunchError(f"memory.grad_clip joint under ZeRO 0 needs fp32 DeepSpeed gradients, but this run is "
+                          f"{prec}; set parallel.zero_stage to 1-3, or memory.grad_clip: separate")
+    if mem.bank == "sharded":
+        from memtrain.parallel.sharded_bank import ShardedMemoryBank
+
+        subtree_ranks = None
+        if recipe.data.placement == "affine":  # a subtree's rows live on the ranks that read it
+            from memtrain.data.loader import affine_subtree_ranks
+
+            subtree_ranks = affine_subtree_ranks(recipe, world)
+        bank = ShardedMemoryBank(model.memory_layout, device, seed=recipe.run.seed, mode=mem.bank_optimizer,
+                                 subtree_ranks=subtree_ranks,
+                                 dtype=torch.bfloat16 if mem.bank_dtype == "bf16" else torch.float32,
+                                 compute_dtype=torch.bfloat16 if prec == "bf16" else torch.float32,
+                                 offload=mem.bank_offload)
+    else:
+        bank = MemoryBank(model.memory_layout, device, seed=recipe.run.seed)
+    o = recipe.train.optimizer
+    bank.build_optimizer(mem.optimizer.lr, tuple(o.betas), o.eps, mem.optimizer.weight_decay)
+    return Banks(bank, None, joint, lr_at(recipe, "memory"))
+
+
+def training_flops_per_token(model, recipe: Recipe) -> float:
+    """Model FLOPs per trained token behind ``throughput/mfu``: 6N for a pretrained model (``model.type hf``,
+    whose shape the recipe does not describe), Titans' own count, else the anchor's formula; plus the
+    fetched hierarchical memory's matmuls (6 per fetched parameter, forward and backward) and the
+    cross-attention memory layers (:func:`memtrain.model.flops.crossattn_flops_per_token`)."""
+    from memtrain.model import count_parameters, flops_per_token
+
+    if recipe.model.type == "hf":
+        fpt = 6.0 * count_parameters(model.hf_model)
+    elif recipe.model.type == "titans":
+        from memtrain.model.flops import titans_flops_per_token
+
+        fpt = titans_flops_per_token(model, recipe.model)
+    else:
+        fpt = flops_per_token(recipe.model, recipe.data.seq_len)
+    if recipe.memory.enabled:
+        fpt += 6 * model.memory_layout.fetched_parameters
+    if getattr(model, "crossattn", None) is not None:  # cross-attention memory layers (from scratch or adapters)
+        from memtrain.model.flops import crossattn_flops_per_token
+
+        fpt += crossattn_flops_per_token(model.crossattn, recipe.train.micro_batch_size, recipe.data.seq_len)
+    return fpt
+
+
 def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int, meta: dict, stop: "_StopFlag",
            attempt: dict) -> dict:
     """The run itself (see :func:`train`). ``attempt`` receives ``started`` once the run directory is
     written to, and the ``step`` reached."""
     from memtrain.data.loader import LoaderIterator, ValidationSet, build_loader
-    from memtrain.model import build, flops_per_token, peak_flops, count_parameters
+    from memtrain.model import build, count_parameters, peak_flops
     from memtrain.parallel import checkpoint as ckpt
-    from memtrain.parallel.engine import global_grad_norm, initialize, joint_clipping, lr_at, skipped_step
+    from memtrain.parallel.engine import global_grad_norm, initialize, lr_at, skipped_step
 
     rank, world = dist_env.rank, dist_env.world_size
     run_dir = recipe.run_dir
@@ -419,12 +500,8 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
     if recipe.model.type == "hf" and meta["vocab_size"] > model.vocab_size:
         raise RecipeError("data.tokenizer.path", f"the tokenizer has {meta['vocab_size']} tokens but "
                           f"{recipe.model.pretrained} has {model.vocab_size}; use the model's own tokenizer")
-    chapter_bank = None  # memory.crossattn.bank sharded: the banks' chapters as rows sharded over the ranks
-    if mem.is_crossattn and getattr(mem.crossattn, "bank", "replicated") == "sharded":
-        from memtrain.parallel.chapter_bank import shard_crossattn_banks
-
-        # Before DeepSpeed (ZeRO never sees the bank) and before .to(device) (the whole bank stays off the GPU).
-        chapter_bank = shard_crossattn_banks(model, recipe, device)
+    banks = build_banks(model, recipe, device, prec, world)  # before .to(device): a sharded bank stays off the GPU
+    bank, chapter_bank, joint, memory_schedule = banks.bank, banks.chapter_bank, banks.joint, banks.memory_schedule
     model.to(device)
     memory_llama = mem.is_memory_llama  # Titans memories inside the model; no bank
     crossattn = getattr(model, "crossattn", None)  # cross-attention memory layers (memory.type crossattn)
@@ -439,33 +516,10 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
     if hasattr(model, "describe"):  # MemoryLlama, memory adapters: what trains at which learning rate
         for line in model.describe():
             _log(line, rank)
-    bank = None
-    if mem.enabled:
+    if bank is not None:
         from memtrain.model.hierarchical import generic_mask
-        from memtrain.parallel.bank import MemoryBank, level_sizes_line
+        from memtrain.parallel.bank import level_sizes_line
 
-        joint = joint_clipping(recipe, prec)
-        if joint and prec != "fp32" and recipe.parallel.zero_stage == 0:
-            raise LaunchError(f"memory.grad_clip joint under ZeRO 0 needs fp32 DeepSpeed gradients, but this run is "
-                              f"{prec}; set parallel.zero_stage to 1-3, or memory.grad_clip: separate")
-        if mem.bank == "sharded":
-            from memtrain.parallel.sharded_bank import ShardedMemoryBank
-
-            subtree_ranks = None
-            if recipe.data.placement == "affine":  # a subtree's rows live on the ranks that read it
-                from memtrain.data.loader import affine_subtree_ranks
-
-                subtree_ranks = affine_subtree_ranks(recipe, world)
-            bank = ShardedMemoryBank(model.memory_layout, device, seed=recipe.run.seed, mode=mem.bank_optimizer,
-                                     subtree_ranks=subtree_ranks,
-                                     dtype=torch.bfloat16 if mem.bank_dtype == "bf16" else torch.float32,
-                                     compute_dtype=torch.bfloat16 if prec == "bf16" else torch.float32,
-                                     offload=mem.bank_offload)
-        else:
-            bank = MemoryBank(model.memory_layout, device, seed=recipe.run.seed)
-        o = recipe.train.optimizer
-        bank.build_optimizer(mem.optimizer.lr, tuple(o.betas), o.eps, mem.optimizer.weight_decay)
-        memory_schedule = lr_at(recipe, "memory")
         kind = mem.bank + (f", {mem.bank_dtype} rows" + (", offloaded to CPU" if mem.bank_offload else "")
                            if mem.bank == "sharded" else "")
         _log(level_sizes_line(model.memory_layout) + f" | {kind} bank ({mem.bank_optimizer} AdamW)"
@@ -473,12 +527,8 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
              + f" | clipping {'joint' if joint else 'separate'}" + (" | anchor frozen" if mem.freeze_anchor else ""),
              rank)
     if chapter_bank is not None:  # fetched inside the forward; reduced, clipped, stepped here like `bank`
-        from memtrain.parallel.chapter_bank import chapter_bank_joint_clipping
-
-        joint = chapter_bank_joint_clipping(recipe, prec)
-        memory_schedule = lr_at(recipe, "bank")  # bank_lr's warmup and cosine, 0 from freeze_bank_at
         _log(chapter_bank.describe() + f" | clipping {'joint' if joint else 'separate'}", rank)
-    step_bank = bank if bank is not None else chapter_bank  # the bank the loop reduces, steps and saves
+    step_bank = banks.stepped  # the bank the loop reduces, steps and saves
 
     universal = False
     if latest is not None:
@@ -540,16 +590,7 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
     max_nonfinite = recipe.train.max_nonfinite_steps
     # Rows an earlier attempt logged past the checkpoint resumed from (all of them without one) go.
     writer = MetricsWriter(run_dir, enabled=rank == 0, tensorboard=recipe.logging.tensorboard, resume_step=step)
-    if recipe.model.type == "hf":  # 6N for a pretrained model whose shape the recipe does not describe
-        fpt = 6.0 * count_parameters(model.hf_model)
-    elif recipe.model.type == "titans":
-        from memtrain.model.flops import titans_flops_per_token
-
-        fpt = titans_flops_per_token(model, recipe.model)
-    else:
-        fpt = flops_per_token(recipe.model, recipe.data.seq_len)
-    if bank is not None:  # the fetched memory's matmuls, forward and backward
-        fpt += 6 * model.memory_layout.fetched_parameters
+    fpt = training_flops_per_token(model, recipe)
     peak = recipe.logging.peak_flops or peak_flops(device)
     schedule = lr_at(recipe)
     n_memory = sum(p.numel() for p in model.memory_parameters()) if bank is not None else 0
@@ -603,10 +644,10 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
             anchor_comm.reset()  # evaluation and checkpoints between steps are not charged to this one
             pre_clip_norm, bank_norm, skip = float("nan"), None, False
             # time/* split of logged steps: on a GPU the clock waits for the device at those steps only
-            split = _StepClock(device, (step + 1) % log_every == 0 or step + 1 == max_steps)
+            split = StepClock(device, (step + 1) % log_every == 0 or step + 1 == max_steps)
             # The whole step's micro-batches first: the loss is normalised by the scored tokens of the
             # global batch, which one all-reduce of the counts gives before the first backward.
-            micro = [_to_device(_next_batch(train_batches), device) for _ in range(accum)]
+            micro = [to_device(_next_batch(train_batches), device) for _ in range(accum)]
             data_wait = time.perf_counter() - t_start
             step_tokens = _all_sum([float(sum(scored_tokens(b["labels"]) for b in micro))], device)[0]
             scale = accum * world / max(step_tokens, 1.0)

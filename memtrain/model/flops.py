@@ -53,6 +53,47 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     return float(6 * matmul_parameters(cfg) + 12 * cfg.n_layers * cfg.n_heads * head_dim * seq_len)
 
 
+def crossattn_flops_per_token(memory: nn.Module, batch: int, seq_len: int) -> float:
+    """Training FLOPs per token of the cross-attention memory layers (``model.crossattn``, a
+    :class:`memtrain.model.crossattn.CrossAttnMemory`; crossattn-memory-banks paper, Sections 3-5), the
+    anchor's convention (2 per multiply-add, 3 x forward for training; attention dense over the keys a
+    query reads). Per memory layer and token:
+
+    - ``6 x`` the weights of ``W_Q`` and ``W_O`` (factors included with ``proj_rank``), of variant B's
+      extra MLP, and of a token router (a sequence router runs once per sequence: ``/ seq_len``);
+    - attention ``12 x keys x width``: the whole bank's ``N_m`` keys unrouted, ``top_k x N_c`` routed;
+    - the keys and values of the bank tokens projected per forward (``W_K``, ``W_V``, and ``A B^T`` of a
+      low-rank bank): ``6 x`` those weights ``x`` projected tokens ``/ (batch x seq_len)``. Unrouted every
+      forward projects the whole bank; routed, the distinct chapters of a micro-batch, estimated for
+      uniform routing as ``C (1 - (1 - k / C)^n)`` chapters over ``n`` routing decisions (``batch``
+      sequences, or ``batch x seq_len`` tokens) -- exact when ``k = C``; a router that concentrates
+      its picks projects fewer."""
+    c = memory.cfg
+    tokens = batch * seq_len
+
+    def weights(module: nn.Module) -> int:
+        return sum(m.weight.numel() for m in module.modules() if isinstance(m, nn.Linear))
+
+    total = 0.0
+    for i in memory.layer_indices:
+        part, bank = memory.parts[str(i)], memory.bank_for(i)
+        attn = part.attn
+        per_token = weights(attn.wq) + weights(attn.wo) + (weights(part.ffn) if part.variant == "B" else 0)
+        keys = c.top_k * bank.chapter_tokens if c.top_k else bank.tokens
+        flops = 6.0 * per_token + 12.0 * keys * attn.width
+        if c.top_k:
+            router = attn.router.proj.weight.numel()
+            flops += 6.0 * router if c.routing == "token" else 6.0 * router / seq_len
+            decisions = tokens if c.routing == "token" else batch
+            chapters = bank.n_chapters
+            projected = chapters * (1.0 - (1.0 - c.top_k / chapters) ** decisions) * bank.chapter_tokens
+        else:
+            projected = bank.tokens
+        kv = weights(attn.wk) + weights(attn.wv) + (bank.rank * bank.width if bank.kind == "lowrank" else 0)
+        total += flops + 6.0 * kv * projected / tokens
+    return total
+
+
 def titans_flops_per_token(model: nn.Module, cfg: ModelConfig) -> float:
     """Training FLOPs per token of a Titans model (``model.type: titans``), an estimate:
 
