@@ -39,6 +39,38 @@ import triton.language as tl
 
 
 @triton.jit
+def _mm(a, b, IEEE: tl.constexpr):
+    """``a @ b`` accumulated in float32: IEEE float32 products for float32 inputs (no TF32), else ``a`` cast
+    to ``b``'s dtype (bf16 / fp16 tensor cores)."""
+    if IEEE:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a.to(b.dtype), b)
+
+
+@triton.jit
+def _kv_tile(K, V, c, keys, h, D, Nc, stride_kc, stride_kn, offs_d, mask_d):
+    """Keys and values ``keys`` (``[BLOCK_N]`` indices) of chapter ``c``, head ``h``; and which are real."""
+    mask_n = keys < Nc
+    off = c * stride_kc + keys[:, None] * stride_kn + h * D + offs_d[None, :]
+    mask = mask_n[:, None] & mask_d[None, :]
+    return tl.load(K + off, mask=mask, other=0.0), tl.load(V + off, mask=mask, other=0.0), mask_n, off, mask
+
+
+@triton.jit
+def _row_tile(Q, DO, LSE, DELTA, row0, nrows, h, H, D, stride_qr, offs_m, offs_d, mask_d):
+    """A query block's rows for head ``h``: queries, output gradients, log-sum-exps and deltas."""
+    mask_m = offs_m < nrows
+    rows = row0 + offs_m
+    off = rows[:, None] * stride_qr + h * D + offs_d[None, :]
+    mask = mask_m[:, None] & mask_d[None, :]
+    q = tl.load(Q + off, mask=mask, other=0.0)
+    do = tl.load(DO + off, mask=mask, other=0.0)
+    lse = tl.load(LSE + rows * H + h, mask=mask_m, other=0.0)
+    delta = tl.load(DELTA + rows * H + h, mask=mask_m, other=0.0)
+    return q, do, lse, delta, mask_m, off, mask
+
+
+@triton.jit
 def _fwd_kernel(Q, K, V, O, LSE, blk_row, blk_rows, blk_slot, blk_nslots, slot_chapter, slot_logw,
                 H, D, Nc, scale,
                 stride_qr, stride_kc, stride_kn,
@@ -55,8 +87,9 @@ def _fwd_kernel(Q, K, V, O, LSE, blk_row, blk_rows, blk_slot, blk_nslots, slot_c
     mask_m = offs_m < nrows
     mask_d = offs_d < D
     rows = row0 + offs_m
-    q = tl.load(Q + rows[:, None] * stride_qr + h * D + offs_d[None, :], mask=mask_m[:, None] & mask_d[None, :],
-                other=0.0)
+    row_off = rows[:, None] * stride_qr + h * D + offs_d[None, :]
+    row_mask = mask_m[:, None] & mask_d[None, :]
+    q = tl.load(Q + row_off, mask=row_mask, other=0.0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -64,29 +97,15 @@ def _fwd_kernel(Q, K, V, O, LSE, blk_row, blk_rows, blk_slot, blk_nslots, slot_c
         c = tl.load(slot_chapter + s0 + j).to(tl.int64)
         lw = tl.load(slot_logw + s0 + j).to(tl.float32)
         for n0 in range(0, Nc, BLOCK_N):
-            keys = n0 + offs_n
-            mask_n = keys < Nc
-            kv_off = c * stride_kc + keys[:, None] * stride_kn + h * D + offs_d[None, :]
-            kv_mask = mask_n[:, None] & mask_d[None, :]
-            k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
-            v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = tl.where(mask_n[None, :], s * scale + lw, float("-inf"))
+            k, v, mask_n, _, _ = _kv_tile(K, V, c, n0 + offs_n, h, D, Nc, stride_kc, stride_kn, offs_d, mask_d)
+            s = tl.where(mask_n[None, :], _mm(q, tl.trans(k), IEEE) * scale + lw, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            if IEEE:
-                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
+            acc = acc * alpha[:, None] + _mm(p, v, IEEE)
             m_i = m_new
-    out = acc / l_i[:, None]
-    tl.store(O + rows[:, None] * stride_qr + h * D + offs_d[None, :], out, mask=mask_m[:, None] & mask_d[None, :])
+    tl.store(O + row_off, acc / l_i[:, None], mask=row_mask)
     tl.store(LSE + rows * H + h, m_i + tl.log(l_i), mask=mask_m)
 
 
@@ -98,47 +117,26 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DLW, blk_row, blk_rows, blk_slot
     """dQ of one query block and head; DLW[blk, h, j]: the sum of dS over the block's rows and slot j's keys."""
     blk = tl.program_id(0)
     h = tl.program_id(1)
-    row0 = tl.load(blk_row + blk).to(tl.int64)
-    nrows = tl.load(blk_rows + blk)
     s0 = tl.load(blk_slot + blk)
     ns = tl.load(blk_nslots + blk)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    mask_m = offs_m < nrows
     mask_d = offs_d < D
-    rows = row0 + offs_m
-    row_off = rows[:, None] * stride_qr + h * D + offs_d[None, :]
-    row_mask = mask_m[:, None] & mask_d[None, :]
-    q = tl.load(Q + row_off, mask=row_mask, other=0.0)
-    do = tl.load(DO + row_off, mask=row_mask, other=0.0)
-    lse = tl.load(LSE + rows * H + h, mask=mask_m, other=0.0)
-    delta = tl.load(DELTA + rows * H + h, mask=mask_m, other=0.0)
+    q, do, lse, delta, mask_m, row_off, row_mask = _row_tile(
+        Q, DO, LSE, DELTA, tl.load(blk_row + blk).to(tl.int64), tl.load(blk_rows + blk), h, H, D, stride_qr,
+        offs_m, offs_d, mask_d)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for j in range(0, ns):
         c = tl.load(slot_chapter + s0 + j).to(tl.int64)
         lw = tl.load(slot_logw + s0 + j).to(tl.float32)
         dlw = tl.zeros([BLOCK_M], tl.float32)
         for n0 in range(0, Nc, BLOCK_N):
-            keys = n0 + offs_n
-            mask_n = keys < Nc
-            kv_off = c * stride_kc + keys[:, None] * stride_kn + h * D + offs_d[None, :]
-            kv_mask = mask_n[:, None] & mask_d[None, :]
-            k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
-            v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-                dp = tl.dot(do, tl.trans(v.to(tl.float32)), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-                dp = tl.dot(do.to(v.dtype), tl.trans(v))
-            p = tl.exp(s * scale + lw - lse[:, None])
+            k, v, mask_n, _, _ = _kv_tile(K, V, c, n0 + offs_n, h, D, Nc, stride_kc, stride_kn, offs_d, mask_d)
+            p = tl.exp(_mm(q, tl.trans(k), IEEE) * scale + lw - lse[:, None])
             p = tl.where(mask_m[:, None] & mask_n[None, :], p, 0.0)
-            ds = p * (dp - delta[:, None])
-            if IEEE:
-                dq += tl.dot(ds, k.to(tl.float32), input_precision="ieee")
-            else:
-                dq += tl.dot(ds.to(k.dtype), k)
+            ds = p * (_mm(do, tl.trans(v), IEEE) - delta[:, None])
+            dq += _mm(ds, k, IEEE)
             dlw += tl.sum(ds, 1)
         tl.store(DLW + (blk * H + h) * max_slots + j, tl.sum(dlw, 0))
     tl.store(DQ + row_off, dq * scale, mask=row_mask)
@@ -155,13 +153,9 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, blk_row, blk_rows, slot_lo
     h = tl.program_id(2)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = keys < Nc
     mask_d = offs_d < D
-    kv_off = u * stride_kc + keys[:, None] * stride_kn + h * D + offs_d[None, :]
-    kv_mask = mask_n[:, None] & mask_d[None, :]
-    k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
-    v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
+    k, v, mask_n, kv_off, kv_mask = _kv_tile(K, V, u, tile * BLOCK_N + tl.arange(0, BLOCK_N), h, D, Nc,
+                                             stride_kc, stride_kn, offs_d, mask_d)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     start = tl.load(rev_ptr + u)
@@ -169,31 +163,14 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, blk_row, blk_rows, slot_lo
     for e in range(start, end):
         blk = tl.load(rev_blk + e)
         lw = tl.load(slot_logw + tl.load(rev_slot + e)).to(tl.float32)
-        row0 = tl.load(blk_row + blk).to(tl.int64)
-        nrows = tl.load(blk_rows + blk)
-        mask_m = offs_m < nrows
-        rows = row0 + offs_m
-        row_off = rows[:, None] * stride_qr + h * D + offs_d[None, :]
-        row_mask = mask_m[:, None] & mask_d[None, :]
-        q = tl.load(Q + row_off, mask=row_mask, other=0.0)
-        do = tl.load(DO + row_off, mask=row_mask, other=0.0)
-        lse = tl.load(LSE + rows * H + h, mask=mask_m, other=0.0)
-        delta = tl.load(DELTA + rows * H + h, mask=mask_m, other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            dp = tl.dot(do, tl.trans(v.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-            dp = tl.dot(do.to(v.dtype), tl.trans(v))
-        p = tl.exp(s * scale + lw - lse[:, None])
+        q, do, lse, delta, mask_m, _, _ = _row_tile(
+            Q, DO, LSE, DELTA, tl.load(blk_row + blk).to(tl.int64), tl.load(blk_rows + blk), h, H, D, stride_qr,
+            offs_m, offs_d, mask_d)
+        p = tl.exp(_mm(q, tl.trans(k), IEEE) * scale + lw - lse[:, None])
         p = tl.where(mask_m[:, None] & mask_n[None, :], p, 0.0)
-        ds = p * (dp - delta[:, None])
-        if IEEE:
-            dv += tl.dot(tl.trans(p), do, input_precision="ieee")
-            dk += tl.dot(tl.trans(ds), q.to(tl.float32), input_precision="ieee")
-        else:
-            dv += tl.dot(tl.trans(p).to(do.dtype), do.to(do.dtype))
-            dk += tl.dot(tl.trans(ds).to(q.dtype), q)
+        ds = p * (_mm(do, tl.trans(v), IEEE) - delta[:, None])
+        dv += _mm(tl.trans(p), do, IEEE)
+        dk += _mm(tl.trans(ds), q, IEEE)
     tl.store(DK + kv_off, dk * scale, mask=kv_mask)
     tl.store(DV + kv_off, dv, mask=kv_mask)
 
