@@ -1178,22 +1178,33 @@ def load_recipe(path: str | Path, overrides: Optional[list[str]] = None) -> Reci
     return recipe_from_dict(data or {}, overrides)
 
 
-def recipe_hash_fields(recipe: Recipe) -> dict:
-    """The parts of a recipe a checkpoint must agree with to be resumed (model shape, data layout).
-    Training-only settings (where the anchor came from, memory optimizer, clipping, the generic-memory
-    probability, freezing) may change between a checkpoint and the run that continues it."""
-    model = {k: v for k, v in _to_plain(recipe.model).items() if k not in _RESUMABLE_MODEL_KEYS}
-    memory = {k: v for k, v in _to_plain(recipe.memory).items() if k not in _RESUMABLE_MEMORY_KEYS}
-    return {"model": model, "memory": memory, "data.seq_len": recipe.data.seq_len}
+def recipe_hash_fields(recipe: Recipe | dict) -> dict:
+    """The parts of a recipe (a :class:`Recipe`, or the plain dict a checkpoint saved) a checkpoint must
+    agree with to be resumed (model shape, data layout). Training-only settings (where the anchor came
+    from, memory optimizer, clipping, the generic-memory probability, freezing, where a bank lives, which
+    kernel computes the same function) may change between a checkpoint and the run that continues it."""
+    plain = recipe.to_dict() if isinstance(recipe, Recipe) else recipe
+    model = {k: v for k, v in (plain.get("model") or {}).items() if k not in _RESUMABLE_MODEL_KEYS}
+    memory = {k: v for k, v in (plain.get("memory") or {}).items() if k not in _RESUMABLE_MEMORY_KEYS}
+    if isinstance(memory.get("crossattn"), dict):
+        memory["crossattn"] = {k: v for k, v in memory["crossattn"].items() if k not in _RESUMABLE_CROSSATTN_KEYS}
+    return {"model": model, "memory": memory, "data.seq_len": (plain.get("data") or {}).get("seq_len")}
+
+
+def recipe_hash_defaults() -> dict:
+    """:func:`recipe_hash_fields` of the default recipe, with the optional sections (``memory.crossattn``)
+    at their own defaults: a key newer than a checkpoint and left at its default is no difference."""
+    return recipe_hash_fields(Recipe(memory=MemoryConfig(crossattn=CrossAttnConfig())))
 
 
 _RESUMABLE_MODEL_KEYS = ("init_from",)
 _RESUMABLE_MEMORY_KEYS = ("optimizer", "grad_clip", "generic_prob", "freeze_anchor", "bank", "bank_optimizer",
                           "bank_dtype", "bank_offload")
+_RESUMABLE_CROSSATTN_KEYS = ("balance_loss", "bank_lr", "freeze_bank_at", "freeze_bank", "lora_lr", "bank", "kernel")
 
 
 __all__ = [
     "Duration", "Recipe", "RecipeError", "SECTIONS", "load_recipe", "parse_size", "recipe_from_dict",
-    "apply_override", "parse_override", "validate", "recipe_hash_fields",
+    "apply_override", "parse_override", "validate", "recipe_hash_defaults", "recipe_hash_fields",
 ] + [name for name in dir() if name.endswith("Config")]
 

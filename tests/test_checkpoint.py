@@ -121,6 +121,25 @@ def test_compatibility_ignores_training_only_keys_and_keys_newer_than_the_checkp
         ckpt.check_compatible(info, state, recipe_from_dict({**mem, "memory": {"type": "ffn", "levels": [2, 2]}}), 1)
 
 
+def test_crossattn_compatibility_key_by_key_in_the_nested_section(tmp_path):
+    """memory.crossattn is compared key by key: a checkpoint written before memory.crossattn.kernel existed
+    resumes (the key at its default), the section's training-only keys (kernel, bank placement, bank and
+    LoRA learning rates, staged freezing, balancing weight) may change, and a shape key names itself."""
+    info = ckpt.CheckpointInfo(tmp_path / "global_step5", 5, False, world_size=1)
+    xattn = {"memory": {"type": "crossattn", "crossattn": {"tokens": 8, "chapters": 2, "top_k": 1}}}
+    saved = recipe_from_dict(xattn).to_dict()
+    del saved["memory"]["crossattn"]["kernel"]  # as written before the key existed
+    state = {"recipe": saved}
+    ckpt.check_compatible(info, state, recipe_from_dict(xattn), world_size=1)
+    training_only = {"kernel": "torch", "bank": "sharded", "bank_lr": 1e-4, "lora_lr": 1e-3, "freeze_bank_at": 3,
+                     "balance_loss": 0.1}
+    changed = {"memory": {"type": "crossattn", "crossattn": {**xattn["memory"]["crossattn"], **training_only}}}
+    ckpt.check_compatible(info, state, recipe_from_dict(changed), world_size=1)
+    with pytest.raises(CheckpointError, match=r"memory.crossattn.tokens=8 but the recipe has 16"):
+        ckpt.check_compatible(info, state, recipe_from_dict(
+            {"memory": {"type": "crossattn", "crossattn": {"tokens": 16, "chapters": 2, "top_k": 1}}}), 1)
+
+
 def test_universal_load_repairs_group_settings_and_step_counters():
     """DeepSpeed's ZeRO-3 universal load copies the first group's hyperparameters into every group and
     assigns one step tensor to every group's AdamW state (torch increments it in place, so each step

@@ -118,8 +118,8 @@ def context_encoder(model: torch.nn.Module, recipe: Recipe, info: Any, device: t
         try:
             saved = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001 - any unreadable file is the same user error
-            raise CheckpointError(f"--encoder {path} is not a context encoder file ({str(e)[:120]}); delete it to "
-                                  "fit a new one there") from None
+            raise CheckpointError(f"--encoder {path} is not a context encoder file (unreadable: {type(e).__name__}); "
+                                  "delete it to fit a new one there") from None
         if not isinstance(saved, dict) or saved.get("format") != ENCODER_FORMAT:
             raise CheckpointError(f"--encoder {path} is not a context encoder file; delete it to fit a new one there")
         cfg = saved["config"]

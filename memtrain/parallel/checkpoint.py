@@ -34,12 +34,12 @@ import pickle
 import random
 import shutil
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
 
-from memtrain.config import Recipe, recipe_hash_fields
+from memtrain.config import Recipe, recipe_hash_defaults, recipe_hash_fields
 from memtrain.errors import CheckpointError
 from memtrain.parallel.bank_checkpoint import load_bank, read_bank_state, save_bank
 from memtrain.parallel.checkpoint_folder import (
@@ -133,26 +133,32 @@ def save(engine, recipe: Recipe, *, step: int, trainer_state: dict, rank: int, w
     return final
 
 
+def _first_difference(now: Any, then: Any, default: Any, name: str) -> Optional[tuple[str, Any, Any]]:
+    """``(key, checkpoint value, recipe value)`` of the first difference between ``now`` and ``then``,
+    nested sections key by key; a key the checkpoint lacks (newer than it) counts only when its value
+    is not the default."""
+    if isinstance(now, dict) and isinstance(then, dict):
+        for key, value in now.items():
+            key_default = default.get(key) if isinstance(default, dict) else None
+            if key not in then and value == key_default:
+                continue
+            found = _first_difference(value, then.get(key), key_default, f"{name}.{key}")
+            if found is not None:
+                return found
+        return None
+    return None if now == then else (name, then, now)
+
+
 def check_compatible(info: CheckpointInfo, state: dict, recipe: Recipe, world_size: int) -> None:
     """Refuse to resume a checkpoint whose model or data layout differs from the recipe's."""
     saved = state.get("recipe") or {}
-    saved_fields = {"model": saved.get("model"), "memory": saved.get("memory"),
-                    "data.seq_len": (saved.get("data") or {}).get("seq_len")}
-    current = recipe_hash_fields(recipe)
-    defaults = recipe_hash_fields(Recipe())
-    for section, now in current.items():
-        then = saved_fields.get(section)
-        if isinstance(now, dict) and isinstance(then, dict):
-            for key in now:
-                if key not in then and now[key] == defaults[section].get(key):
-                    continue  # a key newer than the checkpoint, left at its default
-                if now[key] != then.get(key):
-                    raise CheckpointError(
-                        f"checkpoint {info.path} was written with {section}.{key}={then.get(key)!r} but the recipe "
-                        f"has {now[key]!r}; restore the recipe value or choose a new run.dir")
-        elif now != then:
-            raise CheckpointError(f"checkpoint {info.path} was written with {section}={then!r} but the recipe "
-                                  f"has {now!r}; restore the recipe value or choose a new run.dir")
+    then, now, defaults = recipe_hash_fields(saved), recipe_hash_fields(recipe), recipe_hash_defaults()
+    for section in now:
+        found = _first_difference(now[section], then.get(section), defaults.get(section), section)
+        if found is not None:
+            key, was, has = found
+            raise CheckpointError(f"checkpoint {info.path} was written with {key}={was!r} but the recipe has "
+                                  f"{has!r}; restore the recipe value or choose a new run.dir")
     if info.world_size != world_size and recipe.data.placement == "affine":
         raise CheckpointError(
             f"checkpoint {info.path} was written by {info.world_size} ranks with data.placement affine; each rank's "
