@@ -1,9 +1,13 @@
-"""Titans neural memory: forward+backward throughput of the chunked inner loop vs the per-token
-sequential reference (and titans-pytorch's ``NeuralMemory`` when importable).
+"""Titans neural memory: forward+backward throughput of the fused Triton kernels, the PyTorch chunked inner
+loop and the per-token sequential reference (and titans-pytorch's ``NeuralMemory`` when importable).
 
 Prints one JSON line per configuration: the settings, forward+backward tokens/s of
-``NeuralMemory(..., algorithm="chunked")`` and ``algorithm="sequential"`` (same module, same width,
-heads, depth and chunk size, so the same math), ``speedup_chunked_vs_sequential``, and
+``NeuralMemory(..., algorithm="chunked")`` with ``kernel="torch"`` and ``algorithm="sequential"`` (same
+module, same width, heads, depth and chunk size, so the same math), ``speedup_chunked_vs_sequential``;
+on CUDA the kernel columns (``kernel="triton"`` under bf16 autocast, as bf16 training runs it:
+``kernel_bf16_tokens_per_s``, its speedups over the PyTorch chunked form and over titans-pytorch,
+``kernel_first_call_s`` (compilation) and ``kernel_max_rel_err_vs_torch``, the largest relative error of
+output and input gradient against the PyTorch form on the first 1024 tokens); and
 ``titans_pytorch`` (tokens/s of titans-pytorch's layer at the closest settings, or
 ``"not installed"``). Each timing is the median over repeats after a short warm-up; the loss is the
 mean square of the layer output. Not part of the test suite.
@@ -57,6 +61,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from memtrain.kernels.titans import triton_available  # noqa: E402
 from memtrain.model.titans import NeuralMemory  # noqa: E402
 
 FULL = [  # (batch, seq_len, dim, heads, depth, chunk_size)
@@ -111,11 +116,16 @@ def run(cfg, device: torch.device, repeats: int, seq_repeats: int, tp_cls, tp_er
            "heads": H, "head_dim": dim // H, "depth": depth, "expansion": 2.0, "chunk_size": C,
            "gate_mode": mem.gate_mode, "conv_kernel": mem.conv_kernel}
     secs = {}
+    mem.kernel = "torch"
     for algorithm, reps in (("chunked", repeats), ("sequential", seq_repeats)):
         secs[algorithm] = time_fwd_bwd(lambda inp: mem(inp, algorithm=algorithm)[0].square().mean(), x, reps, warm)
         out[f"{algorithm}_tokens_per_s"] = round(B * T / secs[algorithm], 1)
         out[f"{algorithm}_s"] = round(secs[algorithm], 4)
     out["speedup_chunked_vs_sequential"] = round(secs["sequential"] / secs["chunked"], 2)
+    if device.type == "cuda" and triton_available():
+        out.update(kernel_columns(mem, x, warm, repeats, secs))
+    else:
+        out["kernel"] = "skipped: the Triton kernels are timed on CUDA only"
     if tp_cls is None:
         out["titans_pytorch"] = "not installed"
         out["titans_pytorch_error"] = tp_error
@@ -130,8 +140,46 @@ def run(cfg, device: torch.device, repeats: int, seq_repeats: int, tp_cls, tp_er
                 s = time_fwd_bwd(lambda inp: tp(inp)[0].square().mean(), x, repeats, x[:, : 2 * C])
             out[f"{key}_tokens_per_s"] = round(B * T / s, 1)
             out[f"chunked_vs_{key}"] = round(s / secs["chunked"], 2)
+            if "kernel_bf16" in secs:
+                out[f"kernel_bf16_vs_{key}"] = round(s / secs["kernel_bf16"], 2)
         except Exception as e:  # an incompatible version: report, do not fail the benchmark
             out[key] = f"failed: {type(e).__name__}: {e}"
+    return out
+
+
+def kernel_columns(mem: NeuralMemory, x: torch.Tensor, warm: torch.Tensor, repeats: int, secs: dict) -> dict:
+    """The fused Triton kernels (``kernel="triton"``) as bf16 training runs them (bf16 autocast: bf16 q/k/v and
+    dot products, fp32 gates, state and accumulation): forward+backward tokens/s, the first call's wall time
+    (Triton compiles the two kernels), and the largest relative error of the output and the input gradient
+    against the PyTorch chunked form under the same autocast (which runs the inner loop in fp32), i.e. the
+    bf16 rounding of the kernels' dot products. float32 inputs are not timed: ``auto`` keeps them in PyTorch
+    (module docstring of memtrain.kernels.titans)."""
+    B, T = x.shape[:2]
+    out = {}
+
+    def fwd_bwd(kernel: str, inp: torch.Tensor):
+        mem.kernel = kernel
+        inp = inp.detach().requires_grad_(True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = mem(inp)[0].float()
+        (g,) = torch.autograd.grad(y.square().mean(), inp)
+        return y.detach(), g
+
+    check = x[:, : min(T, 1024)]
+    y_ref, g_ref = fwd_bwd("torch", check)
+    _sync(x.device)
+    t0 = time.perf_counter()
+    y_k, g_k = fwd_bwd("triton", check)
+    _sync(x.device)
+    out["kernel_first_call_s"] = round(time.perf_counter() - t0, 2)
+    out["kernel_max_rel_err_vs_torch"] = max(
+        ((a - b).abs().max() / b.abs().max()).item() for a, b in ((y_k, y_ref), (g_k, g_ref)))
+    mem.kernel = "triton"
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        secs["kernel_bf16"] = time_fwd_bwd(lambda inp: mem(inp)[0].float().square().mean(), x, repeats, warm)
+    mem.kernel = "torch"
+    out["kernel_bf16_tokens_per_s"] = round(B * T / secs["kernel_bf16"], 1)
+    out["speedup_kernel_bf16_vs_chunked"] = round(secs["chunked"] / secs["kernel_bf16"], 2)
     return out
 
 

@@ -6,7 +6,12 @@ for hierarchical memories with its fetch / reduce / clip / step, the sharded cha
 memories), runs ``--warmup`` untimed and ``--steps`` timed optimizer steps of ``accumulation`` micro-batches
 each, and prints one JSON line: tokens/s, MFU, peak memory, the median forward / backward / optimizer
 split of a step (the trainer's ``time/*_s``), the wall time of the first warm-up step (``torch.compile``
-of flex attention, Triton autotuning, DeepSpeed's lazy set-up) and the environment. All model types work:
+of flex attention and of the blocks, Triton autotuning, DeepSpeed's lazy set-up) and the environment. The
+model gets the trainer's training options (``memtrain.launcher.train.configure_model``): the output says
+which ran -- ``compiled_blocks`` (``model.compile``: auto compiles the decoder blocks on CUDA) with
+``compile_s`` (seconds spent in torch.compile over the warm-up and timed steps), ``checkpoint_every``
+(``parallel.activation_checkpointing``: 0 none, 1 every block, n every n-th) and ``loss_chunk_tokens``
+(``train.loss_chunk_tokens``: the fused loss's chunk, 0 for full logits). All model types work:
 ``decoder`` (anchor alone, hierarchical memories, cross-attention memory), ``titans`` and ``hf``
 (pretrained folder in ``model.pretrained``; memory_llama, cross-attention adapters, post-hoc memories).
 
@@ -24,7 +29,8 @@ being ``logging.peak_flops`` or ``memtrain.model.flops.peak_flops(device)`` (nul
 CPU). Peak memory is ``torch.cuda.max_memory_allocated`` over the timed steps on a GPU, the process's
 peak RSS (``resource.getrusage``, since start, imports included) on CPU; ``peak_memory_kind`` says which.
 All timings are medians over the timed steps; on a GPU the device is synchronised around every phase
-(as the trainer does on logged steps), which costs a little overlap. ``--micro-batches N`` caps the
+(as the trainer does on logged steps), which costs a little overlap. ``peak_memory_estimate_gib`` is
+``memtrain recipe show``'s estimate for the same run (one rank), to compare with the measured peak on a GPU. ``--micro-batches N`` caps the
 accumulation for speed: the DeepSpeed config is then generated for a global batch of N micro-batches
 (``accumulation`` vs ``recipe_accumulation`` in the output); tokens/s is per step's actual tokens. The
 GPU recipes accumulate 16-64 micro-batches per step: on a time-limited GPU ``--micro-batches 2``-``4``
@@ -51,6 +57,9 @@ bank runs with world 1 (no exchange). Nothing is written: no run directory, no c
     python benchmarks/train_throughput.py recipes/quickstart.yaml --steps 3
     python benchmarks/train_throughput.py recipes/quickstart-memory.yaml --steps 2 --warmup 1 --micro-batches 1
     python benchmarks/train_throughput.py recipes/openlm-160m.yaml --compare-hf          # on a GPU
+    python benchmarks/train_throughput.py recipes/openlm-410m.yaml parallel.activation_checkpointing=2 \
+        train.micro_batch_size=2 --micro-batches 2                                      # on a GPU
+    python benchmarks/train_throughput.py recipes/openlm-160m.yaml model.compile=false train.loss_chunk_tokens=0
     python benchmarks/train_throughput.py recipes/titans-170m-mac.yaml --micro-batches 4  # on a GPU
     python benchmarks/train_throughput.py recipes/openlm-160m.yaml train.micro_batch_size=8 --out tp.jsonl
 """
@@ -63,7 +72,6 @@ import dataclasses
 import gc
 import importlib.metadata
 import json
-import logging
 import math
 import platform
 import resource
@@ -78,9 +86,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from memtrain.config import Recipe, load_recipe  # noqa: E402
+from memtrain.launcher.console import library_output, set_library_log_levels  # noqa: E402
 from memtrain.launcher.train import (  # noqa: E402
-    StepClock, build_banks, check_kernels, clip_memory, clip_memory_after_step, scored_tokens, to_device,
-    token_loss_sum, training_flops_per_token,
+    StepClock, build_banks, check_kernels, clip_memory, clip_memory_after_step, compile_seconds, configure_model,
+    label_kwargs, output_loss_sum, scored_tokens, to_device, token_loss_sum, training_flops_per_token,
 )
 from memtrain.parallel import dist  # noqa: E402
 
@@ -149,13 +158,13 @@ class MemtrainStep:
     guard's skip)."""
 
     def __init__(self, recipe: Recipe, device: torch.device, prec: str, accum: int):
-        import deepspeed
-
         from memtrain.model import build, count_parameters, peak_flops
         from memtrain.parallel.engine import initialize
 
-        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-        deepspeed.utils.logger.setLevel(logging.WARNING)
+        verbose = recipe.logging.verbose
+        with library_output(verbose):
+            import deepspeed  # noqa: F401
+        set_library_log_levels(verbose)
         self.recipe, self.device, self.accum = recipe, device, accum
         mem = recipe.memory
         torch.manual_seed(recipe.run.seed)
@@ -163,8 +172,9 @@ class MemtrainStep:
         if mem.freeze_anchor:
             for p in model.anchor_parameters():
                 p.requires_grad_(False)
-        if recipe.parallel.activation_checkpointing:
-            model.set_activation_checkpointing(True)
+        # The trainer's options: checkpointing, fused loss, compiled blocks (model.compile)
+        self.options = configure_model(model, recipe, device)
+        self.compile_base = compile_seconds() if self.options["compiled_blocks"] else None
         self.params = count_parameters(model)
         banks = build_banks(model, recipe, device, prec, 1)  # the trainer's banks, before .to(device)
         model.to(device)
@@ -177,7 +187,8 @@ class MemtrainStep:
         self.bank_params = None
         if self.step_bank is not None:  # outside the model (not in `params`)
             self.bank_params = self.step_bank.numel() if hasattr(self.step_bank, "numel") else None
-        self.engine, _, _ = initialize(model, recipe, 1, prec)
+        with library_output(verbose):
+            self.engine, _, _ = initialize(model, recipe, 1, prec)
         self.joint_norm = None
         if self.step_bank is not None and self.joint and recipe.parallel.zero_stage > 0:
             from memtrain.parallel.engine import JointNorm
@@ -202,8 +213,8 @@ class MemtrainStep:
             if bank is not None:
                 generic = self.generic_mask(batch["sample_index"], step, recipe.run.seed, recipe.generic_prob)
                 memory = bank.fetch(batch["cluster_ids"], generic.to(self.device))
-            out = engine(batch["input_ids"], doc_ids=batch["doc_ids"], memory=memory)
-            ce = token_loss_sum(out.logits, batch["labels"])
+            out = engine(batch["input_ids"], doc_ids=batch["doc_ids"], memory=memory, **label_kwargs(self.model, batch))
+            ce = output_loss_sum(out, batch["labels"])
             loss = ce * scale
             ce_parts.append(ce.detach())
             if out.aux_loss is not None:
@@ -422,14 +433,22 @@ def _run(args, emit) -> int:
         recipe, runner.vocab, args.docs, runner.layout, args.seed)
     res = time_steps(runner, batches, device, accum, args.warmup, args.steps, tokens_per_step)
     mfu = runner.fpt * res["tokens_per_s"] / runner.peak if runner.peak and res["tokens_per_s"] else None
+    from memtrain.parallel.memory_estimate import estimate_peak_memory
+
+    estimate = estimate_peak_memory(recipe, 1, prec, runner.model).total / 2**30  # `memtrain recipe show`'s
     c = recipe.memory.crossattn
     rec = {"kind": "memtrain", **env, "model_type": recipe.model.type, "memory_type": recipe.memory.type,
            "bank": (recipe.memory.bank if recipe.memory.enabled else
                     getattr(c, "bank", None) if recipe.memory.is_crossattn and c is not None else None),
            "precision": prec, "zero_stage": recipe.parallel.zero_stage,
-           "activation_checkpointing": recipe.parallel.activation_checkpointing, "params": runner.params,
+           "activation_checkpointing": recipe.parallel.activation_checkpointing,
+           "checkpoint_every": runner.options["checkpoint_every"], "loss_chunk_tokens": runner.options["loss_chunk_tokens"],
+           "compiled_blocks": runner.options["compiled_blocks"],
+           "compile_s": (compile_seconds() - runner.compile_base) if runner.compile_base is not None else None,
+           "attention": recipe.model.attention, "params": runner.params,
            "bank_params": runner.bank_params,
-           "flops_per_token": runner.fpt, "peak_flops": runner.peak, "mfu": mfu, "build_s": build_s, **res}
+           "flops_per_token": runner.fpt, "peak_flops": runner.peak, "mfu": mfu, "build_s": build_s, **res,
+           "peak_memory_estimate_gib": estimate}
     emit(rec)
 
     if args.compare_hf:

@@ -135,6 +135,16 @@ class TitansConfig:
     # defaults (0.1 / 0.01), with which the inner loop diverged after ~100 outer steps at lr 3e-3.
     memory_max_lr: float = 0.003
     memory_init_lr: float = 0.001
+    # Inner-loop stability (memtrain/model/titans/memory.py, "Stability"): values L2-normalised per head like
+    # the keys, and the momentum decay eta bounded by memory_max_momentum (eta starts at 0.9), so the
+    # effective inner step theta * chunk / (1 - eta) stays <= memory_max_lr * memory_chunk_size /
+    # (1 - memory_max_momentum). Without them (the paper's form, false / 1.0) titans-400m-mag diverged.
+    memory_value_norm: bool = True
+    memory_max_momentum: float = 0.95
+    # Where the chunked inner loop runs (memtrain.kernels.titans): auto = the fused Triton kernels on CUDA for
+    # memory_depth 1 or 2, the PyTorch chunked form elsewhere; triton forces the kernels (CPU only under
+    # TRITON_INTERPRET=1); torch forces the PyTorch form. The same function: may change on resume.
+    kernel: Literal["auto", "triton", "torch"] = "auto"
     persistent_tokens: int = 4  # N_p learnable tokens prepended in every block (Section 3.3); 0: none
     segment_len: int = 128  # MAC: segment length C (attention is segment-local)
     window: int = 128  # MAG / MAL: sliding-window length (keys per query, itself included)
@@ -168,6 +178,9 @@ class ModelConfig:
     attention: Literal["auto", "sdpa", "flex"] = "auto"
     reset_positions: bool = True  # RoPE positions restart at every document in a packed sequence
     init_std: Optional[float] = None  # default 1/sqrt(d_model)
+    # Regional torch.compile of the decoder blocks (model.type decoder): auto = on CUDA under ZeRO 0-2,
+    # off on CPU (no compile time for CPU runs and tests) and under ZeRO 3. Training-only: may change on resume.
+    compile: Union[bool, Literal["auto"]] = "auto"
     # model.type titans only; None (the default, and what a decoder recipe keeps) means the defaults.
     titans: Optional[TitansConfig] = None
 
@@ -224,6 +237,7 @@ class MemoryLlamaConfig:
     conv_kernel: int = 4
     max_lr: float = 0.01
     init_lr: float = 0.005  # theta at initialisation, max_lr * sigmoid(0) as in the thesis's titans-pytorch
+    kernel: Literal["auto", "triton", "torch"] = "auto"  # as model.titans.kernel
     # The gated block (Section 4.1.3): W_x = I, W_h = 0, W_g = 0, b_g = gate_bias_init (-6: gate 2.5e-3).
     gate_bias_init: float = -6.0
     # input: o = y + x_t (Llama's residual; identity at init); x_dp: eq. 4.10 as printed, o = y + x_DP.
@@ -450,6 +464,9 @@ class TrainConfig:
     # Steps whose loss or gradient norm is not finite are skipped (no optimizer update) and counted; this
     # many in a row stop the run (DivergenceError, exit code 3).
     max_nonfinite_steps: int = 5
+    # The loss without the micro-batch's logits: linear + cross-entropy over chunks of this many tokens
+    # (memtrain.model.loss; decoder and titans models). 0: the full logits and F.cross_entropy.
+    loss_chunk_tokens: int = 4096
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -460,7 +477,9 @@ class ParallelConfig:
     zero_stage: int = 0
     precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
     backend: Literal["auto", "nccl", "gloo"] = "auto"
-    activation_checkpointing: bool = False
+    # Recompute blocks in backward: false / 'none', true / 'every' (every block), or an int n (every n-th
+    # block: 0, n, 2n, ...; 1 is every block, 0 none).
+    activation_checkpointing: Union[bool, int, str] = False
     # Hang guard: a collective that does not complete within this many minutes (a rank frozen, dead or
     # cut off) ends the run with one error instead of the 30-minute default wait. Checkpoint writes, where
     # a slow filesystem can hold one rank back legitimately, wait checkpoint_timeout_minutes instead.
@@ -481,6 +500,9 @@ class LoggingConfig:
     every_steps: Duration = Duration(10)
     tensorboard: bool = True
     peak_flops: Optional[float] = None  # per-device peak FLOP/s for MFU; default from the device name
+    # Libraries' own console output (DeepSpeed's info lines and config dump, its optimizer's memory prints):
+    # false keeps rank 0's console to memtrain's lines.
+    verbose: bool = False
 
 
 @dataclass
@@ -834,6 +856,15 @@ def validate(recipe: Recipe) -> Recipe:
 
     if p.zero_stage not in (0, 1, 2, 3):
         raise RecipeError("parallel.zero_stage", f"must be 0, 1, 2 or 3, got {p.zero_stage}")
+    checkpoint_every(p.activation_checkpointing)  # RecipeError for anything else
+    if t.loss_chunk_tokens < 0:
+        raise RecipeError("train.loss_chunk_tokens", f"must be >= 0 (0: no fused loss), got {t.loss_chunk_tokens}")
+    if m.compile is True and m.type != "decoder":
+        raise RecipeError("model.compile", f"regional compilation covers model.type 'decoder' only (this is "
+                          f"{m.type!r}); set model.compile: auto or false")
+    if m.compile is True and p.zero_stage == 3:
+        raise RecipeError("model.compile", "compiled blocks are not supported under ZeRO 3 (its parameter hooks run "
+                          "inside each block); set model.compile: auto or false, or parallel.zero_stage 0-2")
     if c.keep_last < 1:
         raise RecipeError("checkpoint.keep_last", f"must be >= 1, got {c.keep_last}")
     if recipe.steps(recipe.logging.every_steps) < 1:
@@ -1150,6 +1181,8 @@ def _validate_titans(m: ModelConfig) -> None:
     if not t.memory_init_lr < t.memory_max_lr:
         raise RecipeError("model.titans.memory_init_lr", f"{t.memory_init_lr} must be below "
                           f"model.titans.memory_max_lr {t.memory_max_lr}")
+    if not 0.9 < t.memory_max_momentum <= 1:  # eta starts at 0.9 (NeuralMemory's init_momentum)
+        raise RecipeError("model.titans.memory_max_momentum", f"must be in (0.9, 1], got {t.memory_max_momentum}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1178,6 +1211,29 @@ def load_recipe(path: str | Path, overrides: Optional[list[str]] = None) -> Reci
     return recipe_from_dict(data or {}, overrides)
 
 
+def checkpoint_every(value: Any) -> int:
+    """``parallel.activation_checkpointing`` as a block interval: 0 none (false, 'none', 0), 1 every block
+    (true, 'every', 1), n every n-th block (blocks 0, n, 2n, ...). RecipeError for anything else."""
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, str):
+        if value in ("none", "every"):
+            return int(value == "every")
+    elif isinstance(value, int) and value >= 0:
+        return value
+    raise RecipeError("parallel.activation_checkpointing", f"expected true, false, 'none', 'every' or a block "
+                      f"interval n >= 0 (every n-th block), got {value!r}")
+
+
+def compile_enabled(recipe: Recipe, device_type: str) -> bool:
+    """Whether the trainer compiles the decoder blocks (``model.compile``; ``auto``: on CUDA for
+    ``model.type decoder`` under ZeRO 0-2)."""
+    c = recipe.model.compile
+    if c == "auto":
+        return device_type == "cuda" and recipe.model.type == "decoder" and recipe.parallel.zero_stage < 3
+    return bool(c)
+
+
 def recipe_hash_fields(recipe: Recipe | dict) -> dict:
     """The parts of a recipe (a :class:`Recipe`, or the plain dict a checkpoint saved) a checkpoint must
     agree with to be resumed (model shape, data layout). Training-only settings (where the anchor came
@@ -1186,8 +1242,10 @@ def recipe_hash_fields(recipe: Recipe | dict) -> dict:
     plain = recipe.to_dict() if isinstance(recipe, Recipe) else recipe
     model = {k: v for k, v in (plain.get("model") or {}).items() if k not in _RESUMABLE_MODEL_KEYS}
     memory = {k: v for k, v in (plain.get("memory") or {}).items() if k not in _RESUMABLE_MEMORY_KEYS}
-    if isinstance(memory.get("crossattn"), dict):
-        memory["crossattn"] = {k: v for k, v in memory["crossattn"].items() if k not in _RESUMABLE_CROSSATTN_KEYS}
+    for section, name, keys in ((model, "titans", _RESUMABLE_TITANS_KEYS), (memory, "crossattn", _RESUMABLE_CROSSATTN_KEYS),
+                                (memory, "memory_llama", _RESUMABLE_MEMORY_LLAMA_KEYS)):
+        if isinstance(section.get(name), dict):
+            section[name] = {k: v for k, v in section[name].items() if k not in keys}
     return {"model": model, "memory": memory, "data.seq_len": (plain.get("data") or {}).get("seq_len")}
 
 
@@ -1197,14 +1255,17 @@ def recipe_hash_defaults() -> dict:
     return recipe_hash_fields(Recipe(memory=MemoryConfig(crossattn=CrossAttnConfig())))
 
 
-_RESUMABLE_MODEL_KEYS = ("init_from",)
+_RESUMABLE_MODEL_KEYS = ("init_from", "compile")
 _RESUMABLE_MEMORY_KEYS = ("optimizer", "grad_clip", "generic_prob", "freeze_anchor", "bank", "bank_optimizer",
                           "bank_dtype", "bank_offload")
 _RESUMABLE_CROSSATTN_KEYS = ("balance_loss", "bank_lr", "freeze_bank_at", "freeze_bank", "lora_lr", "bank", "kernel")
+_RESUMABLE_TITANS_KEYS = ("kernel",)
+_RESUMABLE_MEMORY_LLAMA_KEYS = ("kernel",)
 
 
 __all__ = [
-    "Duration", "Recipe", "RecipeError", "SECTIONS", "load_recipe", "parse_size", "recipe_from_dict",
+    "Duration", "Recipe", "RecipeError", "SECTIONS", "checkpoint_every", "compile_enabled", "load_recipe",
+    "parse_size", "recipe_from_dict",
     "apply_override", "parse_override", "validate", "recipe_hash_defaults", "recipe_hash_fields",
 ] + [name for name in dir() if name.endswith("Config")]
 

@@ -50,8 +50,9 @@ class RefMemory:
     equations, per batch element and head:
 
     - q, k, v: projection, then a causal depthwise convolution over the written stream (Titans 4.4),
-      SiLU, q and k L2-normalised per head;
-    - gates from the written token: theta = max_lr sigmoid(.), eta = sigmoid(.), alpha = sigmoid(.);
+      SiLU, q and k L2-normalised per head, v too when the memory's ``value_norm`` is on (the Titans models);
+    - gates from the written token: theta = max_lr sigmoid(.), eta = max_momentum sigmoid(.) (max_momentum 1
+      for MemoryLlama, the paper's form; ``model.titans.memory_max_momentum`` for Titans), alpha = sigmoid(.);
     - ``u_t = grad ||M_{t'}(k_t) - v_t||^2`` at the weights M_{t'} of the start of t's chunk (chunks at
       absolute multiples of chunk_size; thesis eq. 2.38, Titans 3.2), by autograd;
     - ``S_t = eta_t S_{t-1} - theta_t u_t`` (eq. 2.39), ``M_t = (1 - alpha_t) M_{t-1} + S_t`` (eq. 2.40);
@@ -66,6 +67,7 @@ class RefMemory:
         p = {n: t.detach().double() for n, t in mem.named_parameters()}
         self.H, self.d, self.C, self.K = mem.heads, mem.head_dim, mem.chunk_size, mem.conv_kernel
         self.inner, self.max_lr = mem.heads * mem.head_dim, mem.max_lr
+        self.max_momentum, self.value_norm = mem.max_momentum, mem.value_norm
         self.w_qkv, self.conv_w, self.conv_b = p["to_qkv.weight"], p["conv.weight"][:, 0], p["conv.bias"]
         self.w_gates, self.b_gates = p["to_gates.weight"], p["to_gates.bias"]
         self.out_norm, self.w_gate_out, self.w_out = p["out_norm"], p["to_out_gate.weight"], p["to_out.weight"]
@@ -110,9 +112,11 @@ class RefMemory:
         q, k, v = qkv.split(self.inner, dim=-1)
         q, k = F.normalize(_silu(self._heads(q)), dim=-1), F.normalize(_silu(self._heads(k)), dim=-1)
         v = _silu(self._heads(v))
+        if self.value_norm:
+            v = F.normalize(v, dim=-1)
         g = (a @ self.w_gates.T + self.b_gates).view(-1, 3, self.H)
         theta = self.max_lr * torch.sigmoid(g[:, 0])[..., None, None]
-        eta = torch.sigmoid(g[:, 1])[..., None, None]
+        eta = self.max_momentum * torch.sigmoid(g[:, 1])[..., None, None]
         alpha = torch.sigmoid(g[:, 2])[..., None, None]
         if self.pos % self.C == 0:
             self.W_chunk = [w.clone() for w in self.W]

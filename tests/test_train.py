@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -290,6 +291,43 @@ def test_two_ranks_under_deepspeed_launcher_environment_match_one_process(workdi
     _compare(workdir, "dslaunch", reference)
 
 
+def _console_lines_are_memtrains(stdout: str) -> None:
+    """Rank 0's console: memtrain's own lines and the step lines, nothing from the libraries."""
+    for line in stdout.splitlines():
+        assert line.startswith(("memtrain: ", "step ")), f"a library's line on the console: {line!r}\n{stdout}"
+
+
+def test_compiled_checkpointed_fused_loss_run_matches_the_reference(workdir, reference):
+    """model.compile=true (regional torch.compile under the DeepSpeed engine, inductor on CPU), every
+    second block checkpointed and the fused loss in chunks of 7 tokens (64 per micro-batch): the same
+    losses as the eager run; the compile time is reported at the start and in time/compile_s; the
+    console holds memtrain's lines only."""
+    out = train(workdir, "compiled", "model.compile=true", "parallel.activation_checkpointing=2",
+                "train.loss_chunk_tokens=7")
+    got = losses(workdir, "compiled")
+    assert got.keys() == reference.keys()
+    for step, value in reference.items():
+        assert got[step] == pytest.approx(value, rel=1e-5, abs=1e-5), step
+    assert "2 block(s) compiled (torch.compile, regional) | activation checkpointing 1 in 2 blocks (1 of 2) | " \
+           "loss fused, chunks of 7 tokens" in out.stdout
+    assert re.search(r"memtrain: compiled 2 decoder block\(s\): \d+\.\d s of step 1's", out.stdout), out.stdout
+    rows = [json.loads(line) for line in (workdir / "runs" / "compiled" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["time/compile_s"] > 0
+    _console_lines_are_memtrains(out.stdout)
+    assert "DeepSpeed" not in out.stderr
+
+
+def test_library_output_shows_with_logging_verbose_and_full_logits_match(workdir, reference):
+    """logging.verbose=true lets DeepSpeed's own lines through (the default run hides them: the test
+    above); train.loss_chunk_tokens=0 (full logits and F.cross_entropy) gives the fused run's losses."""
+    out = train(workdir, "verbose", "logging.verbose=true", "train.loss_chunk_tokens=0", "train.max_steps=3")
+    assert "DeepSpeed" in out.stdout
+    assert "eager blocks | activation checkpointing none | loss full logits" in out.stdout
+    got = losses(workdir, "verbose")
+    for step in (1, 2, 3):  # the same schedule up to step 3's loss (warmup; the cosine differs after)
+        assert got[step] == pytest.approx(reference[step], rel=1e-5, abs=1e-5), step
+
+
 def test_quickstart_recipe_runs_end_to_end(tmp_path):
     """recipes/quickstart.yaml itself, through the CLI, for a handful of steps."""
     recipe = str(REPO / "recipes" / "quickstart.yaml")
@@ -322,15 +360,15 @@ INJECT_NAN = textwrap.dedent("""
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     accum = 4 // world  # 8 sequences per step, micro-batches of 2
     calls = {"n": 0}
-    real = t.token_loss_sum
-    def poisoned(logits, labels):
-        out = real(logits, labels)
+    real = t.output_loss_sum
+    def poisoned(output, labels):
+        out = real(output, labels)
         if torch.is_grad_enabled():  # training forwards only (validation runs without grad)
             calls["n"] += 1
             if (calls["n"] - 1) // accum + 1 == 3 and (calls["n"] - 1) % accum == 0 and rank == world - 1:
                 out = out * float("nan")
         return out
-    t.token_loss_sum = poisoned
+    t.output_loss_sum = poisoned
     from memtrain.launcher.cli import main
     raise SystemExit(main(sys.argv[1:]))
 """)

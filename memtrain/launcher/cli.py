@@ -3,7 +3,7 @@
     memtrain train   RECIPE [key=value ...]            train, or resume the run in run.dir
     memtrain prepare RECIPE [key=value ...] [--force]  tokenize and write MDS shards into data.dir
     memtrain prepare RECIPE [key=value ...] --verify   check the prepared shards against their checksums
-    memtrain recipe show RECIPE [key=value ...]        resolved recipe, DeepSpeed config, parameters
+    memtrain recipe show RECIPE [key=value ...]        resolved recipe, DeepSpeed config, parameters, peak memory
     memtrain submit  RECIPE [key=value ...] [--dry-run] write an sbatch script and submit it to Slurm
     memtrain status  RUN_DIR                           a run's progress, checkpoints, attempts and restarts
     memtrain scaling RUN_DIR [RUN_DIR ...] [--out DIR] tokens/s, MFU and scaling efficiency of several runs
@@ -59,7 +59,8 @@ def _parser() -> argparse.ArgumentParser:
                           "checksum recorded at preparation (exit 2 naming the damaged files)")
     rp = sub.add_parser("recipe", help="inspect recipes")
     rsub = rp.add_subparsers(dest="recipe_command", required=True, metavar="ACTION")
-    sp = rsub.add_parser("show", help="print the resolved recipe, its DeepSpeed config and parameter count")
+    sp = rsub.add_parser("show", help="print the resolved recipe, its DeepSpeed config, parameter count and an "
+                                      "estimate of the peak memory per GPU")
     recipe_args(sp)
     sp.add_argument("--world-size", type=int, default=None,
                     help="data-parallel ranks to resolve the DeepSpeed config for (default: slurm.nodes x "
@@ -152,6 +153,7 @@ def recipe_show(recipe, world_size: Optional[int]) -> str:
 
     from memtrain.model import build, count_parameters
     from memtrain.parallel.engine import deepspeed_config
+    from memtrain.parallel.memory_estimate import estimate_peak_memory, format_memory_estimate
 
     if world_size is None:
         world_size = 1
@@ -165,7 +167,9 @@ def recipe_show(recipe, world_size: Optional[int]) -> str:
              *memory_lines(model),
              *(model.describe() if hasattr(model, "describe") else []),
              f"tokens per step: {recipe.tokens_per_step} ({recipe.sequences_per_step} sequences of {recipe.data.seq_len})",
-             f"max steps: {recipe.max_steps} ({recipe.max_steps * recipe.tokens_per_step} tokens)"]
+             f"max steps: {recipe.max_steps} ({recipe.max_steps * recipe.tokens_per_step} tokens)",
+             *format_memory_estimate(estimate_peak_memory(recipe, world_size, precision, model), world_size,
+                                     precision, recipe.parallel.zero_stage)]
     return "\n".join(lines)
 
 

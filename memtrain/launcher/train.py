@@ -35,7 +35,6 @@ reset memory (the blocks' ``auto`` mode), validation included.
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import signal
@@ -49,6 +48,7 @@ import torch.nn.functional as F
 from memtrain.config import Recipe, RecipeError
 from memtrain.errors import CheckpointError, CollectiveError, DivergenceError, LaunchError
 from memtrain.parallel import dist
+from memtrain.launcher.console import library_output, set_library_log_levels
 from memtrain.launcher.metrics import ATTEMPTS, MetricsWriter, format_line
 
 
@@ -65,6 +65,62 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Summed token loss of one batch, in fp32 (the numerator of a token-weighted mean)."""
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
                            ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def output_loss_sum(out, labels: torch.Tensor) -> torch.Tensor:
+    """The summed token loss of a forward's output: the model's own ``loss_sum`` (it was given the labels:
+    the fused loss, :func:`configure_model`) or :func:`token_loss_sum` of its logits."""
+    return out.loss_sum if out.loss_sum is not None else token_loss_sum(out.logits, labels)
+
+
+def label_kwargs(model, batch: dict) -> dict:
+    """``labels=`` for models that compute their loss themselves (decoder and Titans; not ``hf``)."""
+    return {"labels": batch["labels"]} if hasattr(model, "set_fused_loss") else {}
+
+
+def configure_model(model, recipe: Recipe, device: torch.device) -> dict:
+    """Apply the recipe's training options to ``model`` (before DeepSpeed): activation checkpointing
+    (parallel.activation_checkpointing: none, every block or every n-th), the fused loss
+    (train.loss_chunk_tokens; decoder and Titans models) and regional compilation of the decoder blocks
+    (model.compile). Returns what was applied (``checkpoint_every``, ``loss_chunk_tokens``,
+    ``compiled_blocks``) for :func:`training_options_line`."""
+    from memtrain.config import checkpoint_every, compile_enabled
+
+    every = checkpoint_every(recipe.parallel.activation_checkpointing)
+    if every:
+        model.set_activation_checkpointing(every)
+    chunk = 0
+    if hasattr(model, "set_fused_loss"):
+        chunk = recipe.train.loss_chunk_tokens
+        model.set_fused_loss(chunk)
+    compiled = model.compile_blocks() if compile_enabled(recipe, device.type) else 0
+    return {"checkpoint_every": every, "loss_chunk_tokens": chunk, "compiled_blocks": compiled}
+
+
+def training_options_line(options: dict, n_layers: Optional[int]) -> str:
+    """``compiled blocks ... | activation checkpointing ... | loss ...`` for the start of a run."""
+    every, chunk, compiled = options["checkpoint_every"], options["loss_chunk_tokens"], options["compiled_blocks"]
+    if not every:
+        ckpt = "none"
+    elif every == 1:
+        ckpt = "every block"
+    else:
+        count = f" ({len(range(0, n_layers, every))} of {n_layers})" if n_layers else ""
+        ckpt = f"1 in {every} blocks{count}"
+    loss = f"fused, chunks of {chunk} tokens" if chunk else "full logits"
+    blocks = f"{compiled} block(s) compiled (torch.compile, regional)" if compiled else "eager blocks"
+    return f"{blocks} | activation checkpointing {ckpt} | loss {loss}"
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent in torch.compile (Dynamo frames and their backward graphs)."""
+    try:
+        from torch._dynamo.utils import calculate_time_spent
+
+        spent = calculate_time_spent()
+    except Exception:  # an internal API: report nothing rather than fail a run
+        return float("nan")
+    return float(spent.get("entire_frame_compile", 0.0)) + float(spent.get("entire_backward_compile", 0.0))
 
 
 def scored_tokens(labels: torch.Tensor) -> int:
@@ -171,10 +227,12 @@ def evaluate(engine, val_set, device: torch.device, bank=None, memory: str = "fe
         return None
     engine.eval()
     total, count = 0.0, 0
+    module = getattr(engine, "module", engine)
     for batch in val_set:
         batch = to_device(batch, device)
-        out = engine(batch["input_ids"], doc_ids=batch["doc_ids"], memory=eval_memory(bank, batch, memory))
-        total += float(token_loss_sum(out.logits, batch["labels"]))
+        out = engine(batch["input_ids"], doc_ids=batch["doc_ids"], memory=eval_memory(bank, batch, memory),
+                     **label_kwargs(module, batch))
+        total += float(output_loss_sum(out, batch["labels"]))
         count += scored_tokens(batch["labels"])
     engine.train()
     total, count = _all_sum([total, float(count)], device)
@@ -385,6 +443,25 @@ def check_kernels(recipe: Recipe, device: torch.device) -> None:
             use_triton("triton", torch.empty(0, device=device))
         except RuntimeError as err:
             raise RecipeError("memory.crossattn.kernel", f"{err}; or set memory.crossattn.kernel: auto") from None
+    titans = []  # (key, depth, head size, hidden width or None) of Titans memories whose recipe forces the kernels
+    t = recipe.model.titans
+    if recipe.model.type == "titans" and t is not None and t.kernel == "triton":
+        head = t.memory_head_dim or recipe.model.d_model // t.memory_heads
+        titans.append(("model.titans.kernel", t.memory_depth, head, t.expansion))
+    ml = recipe.memory.memory_llama
+    if recipe.memory.is_memory_llama and ml is not None and ml.kernel == "triton":
+        titans.append(("memory.memory_llama.kernel", ml.depth, ml.head_dim, ml.expansion))
+    for key, depth, head, expansion in titans:
+        from memtrain.kernels.titans import use_triton as titans_use_triton
+
+        # MemoryLlama's default head (the base model's width over the heads) is not known before the model loads:
+        # the device is checked here, the size when the memory is built
+        head = head or 64
+        try:
+            titans_use_triton("triton", torch.empty(0, device=device), depth, head_dim=head,
+                              hidden=max(1, int(round(expansion * head))))
+        except (RuntimeError, ValueError) as err:
+            raise RecipeError(key, f"{err}; or set {key}: auto") from None
 
 
 class Banks(NamedTuple):
@@ -480,10 +557,10 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
     rank, world = dist_env.rank, dist_env.world_size
     run_dir = recipe.run_dir
     latest = ckpt.latest_checkpoint(run_dir)  # again, now under the lock
-    import deepspeed
-
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    deepspeed.utils.logger.setLevel(logging.WARNING)
+    verbose = recipe.logging.verbose
+    with library_output(verbose):
+        import deepspeed  # noqa: F401  (DeepSpeed's import speaks on some machines)
+    set_library_log_levels(verbose)  # rank 0's console: memtrain's lines (logging.verbose shows the libraries')
 
     torch.manual_seed(recipe.run.seed)  # identical initial weights on every rank
     model = build(recipe.model, recipe.memory, recipe.data.clustering.branching)
@@ -494,8 +571,7 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
     if mem.freeze_anchor:
         for p in model.anchor_parameters():
             p.requires_grad_(False)
-    if recipe.parallel.activation_checkpointing:
-        model.set_activation_checkpointing(True)
+    options = configure_model(model, recipe, device)  # checkpointing, fused loss, compiled blocks
     n_params = count_parameters(model)
     if recipe.model.type == "hf" and meta["vocab_size"] > model.vocab_size:
         raise RecipeError("data.tokenizer.path", f"the tokenizer has {meta['vocab_size']} tokens but "
@@ -544,7 +620,8 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
             ckpt.ensure_universal(latest, rank)
             universal = True
 
-    engine, optimizer, scheduler = initialize(model, recipe, world, prec, load_universal=universal)
+    with library_output(verbose):  # DeepSpeed's optimizer prints its memory (MA ... Max_MA ...) here
+        engine, optimizer, scheduler = initialize(model, recipe, world, prec, load_universal=universal)
     joint_norm = None
     if step_bank is not None and joint and recipe.parallel.zero_stage > 0:
         from memtrain.parallel.engine import JointNorm
@@ -565,7 +642,8 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
         _, incomplete = ckpt.list_checkpoints(run_dir)
         for p in incomplete:
             _log(f"ignoring incomplete checkpoint {p} (no {ckpt.MARKER})", rank)
-        state, rank_state = ckpt.load(engine, latest, rank, universal=universal)
+        with library_output(verbose):
+            state, rank_state = ckpt.load(engine, latest, rank, universal=universal)
         if step_bank is not None:
             ckpt.load_bank(step_bank, latest.path)
         step, tokens_seen = int(state["step"]), int(state["tokens_seen"])
@@ -605,6 +683,12 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
     _log(f"{params} | {world} rank(s) via {dist_env.launcher} on {device.type} ({prec}) | "
          f"ZeRO {recipe.parallel.zero_stage} | {recipe.sequences_per_step} x {recipe.data.seq_len} tokens per step "
          f"= {recipe.train.micro_batch_size} per micro-batch x {world} ranks x {accum} accumulation", rank)
+    n_layers = len(model.blocks) if isinstance(getattr(model, "blocks", None), torch.nn.ModuleList) else None
+    _log(training_options_line(options, n_layers), rank)
+    compiled = options["compiled_blocks"] > 0
+    compile_base = compile_seconds() if compiled else 0.0
+    if compiled:
+        _log("the first step (and the first evaluation) includes compiling the blocks; time/compile_s counts it", rank)
     if writer.log_dir:
         _log(f"TensorBoard logs in {writer.log_dir} (tensorboard --logdir {run_dir / 'tensorboard'})", rank)
 
@@ -618,11 +702,12 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
         if step_bank is not None:  # replicated: rank 0 writes it; sharded: every rank its rows
             write_bank = lambda path: ckpt.save_bank(step_bank, path, rank)  # noqa: E731
         dist.set_timeout(recipe.parallel.checkpoint_timeout_minutes)  # one rank may write for a while
-        path = ckpt.save(engine, recipe, step=at_step, rank=rank, world_size=world,
-                         trainer_state={"step": at_step, "tokens_seen": tokens_seen, "loader": loader_state,
-                                        "world_size": world, "nonfinite_steps": nonfinite_total,
-                                        "nonfinite_run": nonfinite_run},
-                         rank_extra={"loader": loader_state}, write_extra=write_bank)
+        with library_output(verbose):
+            path = ckpt.save(engine, recipe, step=at_step, rank=rank, world_size=world,
+                             trainer_state={"step": at_step, "tokens_seen": tokens_seen, "loader": loader_state,
+                                            "world_size": world, "nonfinite_steps": nonfinite_total,
+                                            "nonfinite_run": nonfinite_run},
+                             rank_extra={"loader": loader_state}, write_extra=write_bank)
         dist.set_timeout(recipe.parallel.timeout_minutes)
         _log(f"saved checkpoint {path}", rank)
 
@@ -633,6 +718,7 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
     dist.set_timeout(recipe.parallel.timeout_minutes)  # the hang guard, per step (save() lengthens it)
 
     last: dict = {}
+    first_step = step
     engine.train()
     last_saved = step if latest is not None else -1
     zero0 = recipe.parallel.zero_stage == 0
@@ -659,8 +745,8 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
                     # Generic memory with probability 1/(k+1) per sequence (Section 4), drawn per sample.
                     generic = generic_mask(batch["sample_index"], step, recipe.run.seed, recipe.generic_prob)
                     memory = bank.fetch(batch["cluster_ids"], generic.to(device))
-                out = engine(batch["input_ids"], doc_ids=batch["doc_ids"], memory=memory)
-                ce = token_loss_sum(out.logits, batch["labels"])
+                out = engine(batch["input_ids"], doc_ids=batch["doc_ids"], memory=memory, **label_kwargs(model, batch))
+                ce = output_loss_sum(out, batch["labels"])
                 loss = ce * scale  # DeepSpeed divides by accum and averages over ranks: the global token mean
                 ce_parts.append(ce.detach())
                 if out.aux_loss is not None:
@@ -766,6 +852,11 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
                     val_generic = evaluate(engine, val_set, device, bank, "generic")
                     if val_generic is not None:
                         values["loss/val_generic"] = val_generic
+            if compiled:
+                values["time/compile_s"] = compile_seconds() - compile_base  # this process's, so far
+                if step == first_step + 1:
+                    _log(f"compiled {options['compiled_blocks']} decoder block(s): {values['time/compile_s']:.1f} s "
+                         f"of step {step}'s {step_time:.1f} s", rank)
             if step % log_every == 0 or step == max_steps or "loss/val" in values or nonfinite:
                 writer.scalars(step, values)
                 line = format_line(step, max_steps, values)
@@ -807,4 +898,5 @@ def _last_good(info) -> str:
             "train.schedule.warmup, lower train.grad_clip) and run again to resume from it, or start a new run.dir")
 
 
-__all__ = ["train", "evaluate", "eval_memory", "clip_memory", "lm_loss", "token_loss_sum"]
+__all__ = ["train", "evaluate", "eval_memory", "clip_memory", "configure_model", "lm_loss", "output_loss_sum",
+           "token_loss_sum"]

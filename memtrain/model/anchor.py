@@ -41,16 +41,21 @@ from torch.utils.checkpoint import checkpoint
 
 from memtrain.config import MemoryConfig, ModelConfig
 from memtrain.model.attention import AttentionMask, attend, build_attention_mask
+from memtrain.model.loss import IGNORE_INDEX, linear_cross_entropy
 from memtrain.model.hierarchical import (AnchorDims, FetchedMemory, GenericMemory, MemoryLayout, ffn_memory,
                                          kv_memory, lora_delta)
 
 
 @dataclass
 class ModelOutput:
-    """What a forward returns: logits ``[B, T, V]`` and an optional auxiliary loss (memory modules)."""
+    """What a forward returns: logits ``[B, T, V]`` and an optional auxiliary loss (memory modules).
+    With ``labels`` passed to the forward, ``loss_sum`` is the summed token cross-entropy (fp32, ignored
+    labels not scored: the trainer's ``token_loss_sum``); ``logits`` is then None when the fused loss
+    computed it without them (:func:`memtrain.model.loss.linear_cross_entropy`)."""
 
-    logits: torch.Tensor
+    logits: Optional[torch.Tensor]
     aux_loss: Optional[torch.Tensor] = None
+    loss_sum: Optional[torch.Tensor] = None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -232,6 +237,49 @@ class Block(nn.Module):
         return x
 
 
+class LMHead(nn.Linear):
+    """The bias-free LM head (state-dict key ``lm_head.weight``, possibly tied to the embedding). Called
+    with ``labels`` it returns the summed token loss instead of the logits: the fused, chunked
+    linear + cross-entropy when ``chunk_tokens`` > 0. The loss runs inside this module's own call so that
+    ZeRO-3 gathers the weight around it, as for the plain logits."""
+
+    def forward(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None, chunk_tokens: int = 0):
+        if labels is None:
+            return F.linear(x, self.weight)
+        if chunk_tokens > 0:
+            return None, linear_cross_entropy(x, self.weight, labels, chunk_tokens=chunk_tokens)
+        logits = F.linear(x, self.weight)
+        upcast = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32 (float64 stays float64)
+        return logits, F.cross_entropy(upcast.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                       ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def lm_output(model: nn.Module, x: torch.Tensor, labels: Optional[torch.Tensor]) -> tuple[Any, Any]:
+    """``(logits, loss_sum)`` of the final hidden states ``x`` (before the final norm): logits alone
+    without ``labels``; with them the summed loss, and the logits unless the fused loss is on."""
+    h = model.norm(x)
+    if labels is None:
+        return model.lm_head(h), None
+    if labels.shape != x.shape[:-1]:
+        raise ValueError(f"labels shape {tuple(labels.shape)} differs from input_ids {tuple(x.shape[:-1])}")
+    return model.lm_head(h, labels, model.loss_chunk_tokens)
+
+
+def checkpoint_interval(every: Any) -> int:
+    """Activation checkpointing as a block interval: 0 none, 1 every block, n every n-th block (blocks
+    0, n, 2n, ...). ``True``/``False`` are every/none."""
+    if isinstance(every, bool):
+        return int(every)
+    if not isinstance(every, int) or every < 0:
+        raise ValueError(f"activation checkpointing must be true, false or a block interval >= 0, got {every!r}")
+    return every
+
+
+def checkpointed_blocks(n_layers: int, every: int) -> list[int]:
+    """The indices of the blocks recomputed in backward under :func:`checkpoint_interval` ``every``."""
+    return list(range(0, n_layers, every)) if every else []
+
+
 def _trunc_normal_(weight: torch.Tensor, std: float) -> None:
     nn.init.trunc_normal_(weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
@@ -249,15 +297,36 @@ def build_lm_shell(model: nn.Module, cfg: ModelConfig, blocks: nn.ModuleList) ->
     model.norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
     if cfg.tie_embeddings:
         # Built on meta so that no V x d matrix is allocated only to be replaced by the embedding.
-        model.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False, device="meta")
+        model.lm_head = LMHead(cfg.d_model, cfg.vocab_size, bias=False, device="meta")
         model.lm_head.weight = model.embed.weight
     else:
-        model.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        model.lm_head = LMHead(cfg.d_model, cfg.vocab_size, bias=False)
     model.rope = RotaryEmbedding(model.head_dim, cfg.rope_theta)
-    model.activation_checkpointing = False
+    model.activation_checkpointing = 0  # block interval (checkpoint_interval)
+    model.loss_chunk_tokens = 0  # with labels: 0 the logits' cross-entropy, > 0 the fused loss in such chunks
 
 
-class DecoderLM(nn.Module):
+class TrainingOptions:
+    """What the trainer switches on in a decoder LM built by :func:`build_lm_shell` (mixed into
+    :class:`DecoderLM` and :class:`memtrain.model.titans.arch.TitansLM`)."""
+
+    def set_activation_checkpointing(self, every: Any) -> None:
+        """Recompute blocks' activations in backward (training only) to save memory: ``True`` every block,
+        ``False``/0 none, an int n every n-th block (0, n, 2n, ...)."""
+        self.activation_checkpointing = checkpoint_interval(every)
+
+    def set_fused_loss(self, chunk_tokens: int) -> None:
+        """With ``labels``, compute the loss ``chunk_tokens`` tokens at a time without the logits (0: off)."""
+        if chunk_tokens < 0:
+            raise ValueError(f"chunk_tokens must be >= 0, got {chunk_tokens}")
+        self.loss_chunk_tokens = int(chunk_tokens)
+
+    def _recompute(self, index: int) -> bool:
+        every = self.activation_checkpointing
+        return bool(every) and index % every == 0 and self.training and torch.is_grad_enabled()
+
+
+class DecoderLM(TrainingOptions, nn.Module):
     """OpenLM decoder-only language model (see the module docstring for architecture and init)."""
 
     def __init__(self, cfg: ModelConfig, memory: Optional[MemoryConfig] = None, branching: int = 16):
@@ -298,9 +367,19 @@ class DecoderLM(nn.Module):
             if isinstance(module, (nn.LayerNorm, RMSNorm)):
                 module.reset_parameters()
 
-    def set_activation_checkpointing(self, enabled: bool) -> None:
-        """Recompute each block's activations in backward (training only) to save memory."""
-        self.activation_checkpointing = bool(enabled)
+    def compile_blocks(self, **compile_kwargs: Any) -> int:
+        """Regional compilation: ``torch.compile`` each decoder block (``nn.Module.compile``, in place).
+        The blocks share one class and one forward, so Dynamo compiles that code once and every block
+        reuses it (parameters are graph inputs; tests/test_compile.py counts the frames). Blocks that
+        read a cross-attention memory stay eager (their read is a per-layer Python object). Returns how
+        many blocks were compiled."""
+        n = 0
+        for i, block in enumerate(self.blocks):
+            if self.crossattn is not None and self.crossattn.has(i):
+                continue
+            block.compile(**compile_kwargs)
+            n += 1
+        return n
 
     def position_ids(self, input_ids: torch.Tensor, doc_ids: Optional[torch.Tensor]) -> torch.Tensor:
         """RoPE positions: per document when ``reset_positions`` and doc_ids are given, else 0..T-1."""
@@ -330,10 +409,11 @@ class DecoderLM(nn.Module):
         return self.crossattn.bank_parameters() if self.crossattn is not None else []
 
     def forward(self, input_ids: torch.Tensor, doc_ids: Optional[torch.Tensor] = None,
-                memory: Optional[FetchedMemory] = None) -> ModelOutput:
+                memory: Optional[FetchedMemory] = None, labels: Optional[torch.Tensor] = None) -> ModelOutput:
         """``input_ids`` ``[B, T]``; ``doc_ids`` ``[B, T]`` document index per position (computed by the
         loader: :func:`memtrain.data.loader.document_ids`), None for one document per sequence. ``memory``:
-        the sequences' fetched memory (from the bank) and generic mask; None runs the anchor alone."""
+        the sequences' fetched memory (from the bank) and generic mask; None runs the anchor alone.
+        ``labels`` ``[B, T]``: also return the summed token loss (:class:`ModelOutput`)."""
         if memory is not None and self.memory_layout is None:
             raise ValueError("this model has no memory modules (memory.type is 'none'); pass memory=None")
         if input_ids.dim() != 2:
@@ -346,13 +426,13 @@ class DecoderLM(nn.Module):
                              f"{tuple(input_ids.shape)}")
 
         cos, sin = self.rope(self.position_ids(input_ids, doc_ids))
+        # Built once per forward (for flex: the block mask) and shared by every block.
         mask = build_attention_mask(doc_ids, T, self.cfg.attention, input_ids.device)
         x = self.embed(input_ids)
         layout = self.memory_layout
         mems: list[Optional[torch.Tensor]] = [None] * len(self.blocks)
         if memory is not None:
             mems = layout.per_layer(self.generic_memory(memory, input_ids.shape[0]))
-        recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         routing_losses: list[torch.Tensor] = []
         for i, (block, mem) in enumerate(zip(self.blocks, mems)):
             extra: tuple = (mem, layout) if mem is not None else (None, None)
@@ -360,7 +440,7 @@ class DecoderLM(nn.Module):
             if self.crossattn is not None and self.crossattn.has(i):
                 kwargs = {"memory_read": _MemoryRead(self.crossattn, i, routing_losses),
                           "memory_after": "attn" if self.crossattn.cfg.variant == "A" else "ffn"}
-            if recompute:
+            if self._recompute(i):
                 x = checkpoint(block, x, cos, sin, mask, *extra, use_reentrant=False, **kwargs)
             else:
                 x = block(x, cos, sin, mask, *extra, **kwargs)
@@ -368,7 +448,8 @@ class DecoderLM(nn.Module):
         if routing_losses and self.crossattn.cfg.balance_loss:
             # Load balancing (Switch-style), averaged over the memory layers; the trainer adds it to the loss.
             aux = self.crossattn.cfg.balance_loss * torch.stack(routing_losses[:len(self.crossattn.parts)]).mean()
-        return ModelOutput(logits=self.lm_head(self.norm(x)), aux_loss=aux)
+        logits, loss_sum = lm_output(self, x, labels)
+        return ModelOutput(logits=logits, aux_loss=aux, loss_sum=loss_sum)
 
 
 class _MemoryRead:
@@ -393,6 +474,7 @@ def anchor_dims(cfg: ModelConfig) -> AnchorDims:
 
 
 __all__ = [
-    "Attention", "Block", "DecoderLM", "anchor_dims", "ModelOutput", "RMSNorm", "RotaryEmbedding", "SwiGLU", "apply_rope",
-    "build_lm_shell", "make_norm", "position_ids_from_doc_ids",
+    "Attention", "Block", "DecoderLM", "LMHead", "TrainingOptions", "anchor_dims", "ModelOutput", "RMSNorm",
+    "RotaryEmbedding", "SwiGLU", "apply_rope", "build_lm_shell", "checkpoint_interval", "checkpointed_blocks",
+    "lm_output", "make_norm", "position_ids_from_doc_ids",
 ]

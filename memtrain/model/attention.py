@@ -15,7 +15,8 @@ document boundaries). This module owns that rule for every attention path:
   dense-mask sdpa path stands in for it.
 - ``auto``: flex on CUDA when it can be imported, sdpa otherwise.
 
-Masks are built once per forward by :func:`build_attention_mask` and shared by all layers.
+Masks are built once per forward by :func:`build_attention_mask` and shared by all layers (the flex
+``BlockMask`` too: one ``create_block_mask`` per batch, compiled on CUDA, outside the compiled blocks).
 """
 
 from __future__ import annotations
@@ -151,7 +152,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMas
     if H % KV:
         raise ValueError(f"{H} query heads are not a multiple of {KV} key/value heads")
     if mask.backend == "flex":
-        fn = _compiled_flex_attention() if q.is_cuda else flex_attention
+        # Inside a compiled region (regional compilation of the blocks) Dynamo traces flex itself.
+        fn = _compiled_flex_attention() if q.is_cuda and not torch.compiler.is_compiling() else flex_attention
         return fn(q, k, v, block_mask=mask.block_mask, enable_gqa=KV != H)
     if mask.dense is None:
         # enable_gqa keeps FlashAttention usable without materialising repeated k/v.

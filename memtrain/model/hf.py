@@ -17,8 +17,8 @@ per sequence) to the MLP's output. For Gemma 3 that is before ``post_feedforward
 exactly the widened FFN. The per-layer memories of one call are set by :meth:`HFMemoryLM.forward`
 and cleared when it returns (also on exceptions).
 
-Activation checkpointing (:meth:`HFMemoryLM.set_activation_checkpointing`) is Hugging Face's own,
-non-reentrant. The memories are closed over by the hooks, not inputs of the checkpointed layers, so
+Activation checkpointing (:meth:`HFMemoryLM.set_activation_checkpointing`: every layer or every n-th) is
+Hugging Face's own, non-reentrant. The memories are closed over by the hooks, not inputs of the checkpointed layers, so
 each layer's checkpoint function is wrapped to re-install the memories of its own call when the
 layer is recomputed during backward (after ``forward`` has returned).
 
@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from memtrain.config import CrossAttnConfig, MemoryConfig, MemoryLlamaConfig, ModelConfig, RecipeError
-from memtrain.model.anchor import ModelOutput, make_norm
+from memtrain.model.anchor import ModelOutput, checkpoint_interval, make_norm
 from memtrain.model.hierarchical import AnchorDims, FetchedMemory, GenericMemory, MemoryLayout, ffn_memory
 
 MLP_ATTRS = ("gate_proj", "up_proj", "down_proj", "act_fn")
@@ -267,12 +267,23 @@ class HFMemoryLM(nn.Module):
 
     # -- activation checkpointing ------------------------------------------------------------------
 
-    def set_activation_checkpointing(self, enabled: bool) -> None:
-        """Hugging Face's non-reentrant gradient checkpointing of every decoder layer (training only)."""
-        self.activation_checkpointing = bool(enabled)
-        if enabled:
+    def set_activation_checkpointing(self, every: Any) -> None:
+        """Hugging Face's non-reentrant gradient checkpointing (training only) of every decoder layer
+        (``True`` or 1), every n-th (an int n: layers 0, n, 2n, ...; the others' per-layer
+        ``gradient_checkpointing`` flag is cleared) or none (``False`` or 0)."""
+        every = checkpoint_interval(every)
+        self.activation_checkpointing = every
+        if every:
             self.hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             self._wrap_checkpoint_functions()
+            if every > 1:
+                n_layers = text_config(self.hf_model.config).num_hidden_layers
+                layers = decoder_layers(self.hf_model, n_layers)
+                if layers is None or not all(hasattr(layer, "gradient_checkpointing") for layer in layers):
+                    raise ValueError(f"checkpointing every {every}-th layer needs Hugging Face decoder layers with "
+                                     "a gradient_checkpointing flag; use true (every layer) for this model")
+                for i, layer in enumerate(layers):
+                    layer.gradient_checkpointing = i % every == 0
         elif getattr(self.hf_model, "is_gradient_checkpointing", False):
             self.hf_model.gradient_checkpointing_disable()
 
@@ -312,7 +323,7 @@ def memory_llama_kwargs(ml: MemoryLlamaConfig) -> dict:
     """:class:`memtrain.model.titans.NeuralMemory` arguments from ``memory.memory_llama``."""
     return {"heads": ml.heads, "head_dim": ml.head_dim, "depth": ml.depth, "expansion": ml.expansion,
             "chunk_size": ml.chunk_size, "gate_mode": ml.gate_mode, "conv_kernel": ml.conv_kernel,
-            "max_lr": ml.max_lr, "init_lr": ml.init_lr}
+            "max_lr": ml.max_lr, "init_lr": ml.init_lr, "kernel": ml.kernel}
 
 
 def lora_kwargs(ml: MemoryLlamaConfig) -> Optional[dict]:

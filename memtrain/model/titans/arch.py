@@ -72,8 +72,12 @@ written into the memory only when a sequence starts from a fresh state.
 Inner-loop stability: with the memory core's own defaults (theta <= 0.1, starting at 0.01; chunk 16)
 the inner loop diverged (weights ~1e21, NaN loss) after ~15-115 outer AdamW steps at lr 3e-3 in the
 CPU recipes (MAC, MAL), as the outer loop raised the momentum gate and the value scale.
-``model.titans.memory_max_lr`` / ``memory_init_lr`` default to 0.003 / 0.001, which trained all
-variants stably for 150 such steps; nothing here bounds eta or v, so watch larger runs.
+``model.titans.memory_max_lr`` / ``memory_init_lr`` default to 0.003 / 0.001. That alone left eta and
+the value norm unbounded, and titans-400m-mag diverged from outer step 4 (MAG / MAL / LMM write the
+unit-RMS ``norm1(x)``, whose values are ~2.5x larger per head than MAC's attention outputs, and their
+gates move faster); so the memory L2-normalises its values and bounds eta by
+``memory_max_momentum`` (0.95), which bounds the inner loop's effective step (see
+:mod:`memtrain.model.titans.memory`, "Stability").
 
 Carrying memory: ``forward(..., memory=states)`` continues from the per-block memory states of a
 previous call (``output.memory``); the persistent tokens are then not written again. Attention
@@ -93,7 +97,7 @@ from torch.utils.checkpoint import checkpoint
 
 from memtrain.config import ModelConfig, TitansConfig
 from memtrain.model.anchor import (
-    build_lm_shell,
+    TrainingOptions, build_lm_shell, lm_output,
     ModelOutput, RMSNorm, RotaryEmbedding, SwiGLU, _trunc_normal_, make_norm, position_ids_from_doc_ids,
 )
 from memtrain.model.attention import AttentionMask
@@ -125,7 +129,8 @@ class _Context:
 def make_memory(cfg: ModelConfig, t: TitansConfig) -> NeuralMemory:
     return NeuralMemory(cfg.d_model, heads=t.memory_heads, head_dim=t.memory_head_dim, depth=t.memory_depth,
                         expansion=t.expansion, chunk_size=t.memory_chunk_size, gate_mode=t.gate_mode,
-                        conv_kernel=t.conv_kernel, max_lr=t.memory_max_lr, init_lr=t.memory_init_lr)
+                        conv_kernel=t.conv_kernel, max_lr=t.memory_max_lr, init_lr=t.memory_init_lr,
+                        kernel=t.kernel, max_momentum=t.memory_max_momentum, value_norm=t.memory_value_norm)
 
 
 class NormGate(nn.Module):
@@ -231,7 +236,7 @@ def restart_positions(starts: torch.Tensor) -> torch.Tensor:
     return idx - torch.where(starts, idx, torch.zeros_like(idx)).cummax(-1).values
 
 
-class TitansLM(nn.Module):
+class TitansLM(TrainingOptions, nn.Module):
     """A Titans language model; see the module docstring. Same call contract as
     :class:`~memtrain.model.anchor.DecoderLM`: ``forward(input_ids, doc_ids=None, memory=None)``."""
 
@@ -283,10 +288,6 @@ class TitansLM(nn.Module):
             if isinstance(module, (nn.LayerNorm, RMSNorm)):
                 module.reset_parameters()
 
-    def set_activation_checkpointing(self, enabled: bool) -> None:
-        """Recompute each block's activations in backward (training only) to save memory."""
-        self.activation_checkpointing = bool(enabled)
-
     def _context(self, input_ids: torch.Tensor, doc_ids: Optional[torch.Tensor]) -> _Context:
         t, cfg = self.titans, self.cfg
         B, T = input_ids.shape
@@ -319,10 +320,11 @@ class TitansLM(nn.Module):
         return _Context(cos, sin, mask=mask)
 
     def forward(self, input_ids: torch.Tensor, doc_ids: Optional[torch.Tensor] = None,
-                memory: Any = None) -> TitansOutput:
+                memory: Any = None, labels: Optional[torch.Tensor] = None) -> TitansOutput:
         """``input_ids`` ``[B, T]``; ``doc_ids`` ``[B, T]`` document index per position (attention never
         crosses documents; the neural memory is not reset, see the module docstring); ``memory``: None
-        (fresh memories) or the ``memory`` list of a previous output, to continue that sequence."""
+        (fresh memories) or the ``memory`` list of a previous output, to continue that sequence; ``labels``
+        ``[B, T]``: also return the summed token loss (``loss_sum``, the fused loss when it is on)."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}")
         T = input_ids.shape[1]
@@ -338,15 +340,15 @@ class TitansLM(nn.Module):
                              "memory) or None")
         ctx = self._context(input_ids, doc_ids)
         x = self.embed(input_ids)
-        recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         states = []
-        for block, state in zip(self.blocks, memory):
-            if recompute:
+        for i, (block, state) in enumerate(zip(self.blocks, memory)):
+            if self._recompute(i):
                 x, state = checkpoint(block, x, ctx, state, use_reentrant=False)
             else:
                 x, state = block(x, ctx, state)
             states.append(state)
-        return TitansOutput(logits=self.lm_head(self.norm(x)), memory=states)
+        logits, loss_sum = lm_output(self, x, labels)
+        return TitansOutput(logits=logits, memory=states, loss_sum=loss_sum)
 
 
 __all__ = ["NormGate", "TitansBlock", "TitansLM", "TitansOutput", "VARIANTS", "make_memory"]

@@ -4,9 +4,10 @@ Titans (Behrouz, Zhong, Mirrokni 2025), Sections 3.1-3.2 and 4.4. Per token x_t 
 
 1. projections ``q, k, v = x W_Q, x W_K, x W_V`` (``heads * head_dim`` wide, bias-free), each followed
    by a causal depthwise 1D convolution (kernel ``conv_kernel``; Section 4.4), then SiLU; q and k are
-   L2-normalised per head;
+   L2-normalised per head, and v too with ``value_norm=True`` (not in the paper; see "Stability" below);
 2. gates per head from x (linear + sigmoid): learning rate ``theta = max_lr * sigmoid(.)``, momentum
-   decay ``eta = sigmoid(.)``, forgetting ``alpha = sigmoid(.)``. With ``gate_mode="chunk"`` every
+   decay ``eta = max_momentum * sigmoid(.)`` (``max_momentum`` 1 by default, as in the paper),
+   forgetting ``alpha = sigmoid(.)``. With ``gate_mode="chunk"`` every
    token of a chunk uses the gates of the chunk's *first* token (Section 3.2, "parameters as the
    function of chunks"). The chunk's first token is used rather than e.g. the mean over the chunk
    because a mean would let token t's output depend on later tokens of its chunk (a causality leak
@@ -23,10 +24,22 @@ Titans (Behrouz, Zhong, Mirrokni 2025), Sections 3.1-3.2 and 4.4. Per token x_t 
 The learnable initial memory weights (``init_weights``, one ``[heads, d_out, d_in]`` per layer) are
 outer-loop parameters trained by back-propagation through the inner loop; the initial momentum is 0.
 The inner loop runs in float32 with autocast off (float64 if the parameters are float64), whatever
-the activation dtype. Within a chunk the per-token gradients are *summed* at the chunk-start weights
-(eq. 16), so the effective step grows with the chunk size: keep ``theta * chunk_size / (1 - eta)``
-moderate (the defaults start at theta = 0.01) or the inner loop can diverge. Document boundaries of
-packed sequences do not reset the memory (not implemented here).
+the activation dtype. Document boundaries of packed sequences do not reset the memory (not
+implemented here).
+
+Stability. Within a chunk the per-token gradients are *summed* at the chunk-start weights (eq. 16) and
+momentum accumulates them, so a persistent gradient direction (correlated keys) moves the weights by
+``theta * chunk_size / (1 - eta)`` per unit gradient and chunk; for a deep memory (depth >= 2) the inner
+loss's curvature grows with the square of the memory weights, which grow with the value norm ``|v|``
+(the weights must map unit keys onto v). Past a threshold in that effective step (about 1.5-2 with
+``|v| = 1``, less the larger ``|v|``) the weights run away within a few dozen chunks to inf / NaN, in
+float64 as in float32. Nothing in the paper's parameterisation bounds eta or ``|v|``, and the outer
+optimizer moves both within a few steps (titans-400m-mag: NaN from step 4). ``value_norm=True`` fixes
+``|v| = 1`` (the per-head RMSNorm of the output discards the retrieval's scale anyway) and
+``max_momentum`` bounds eta, so with ``theta <= max_lr`` the effective step is at most
+``max_lr * chunk_size / (1 - max_momentum)``. The Titans models turn both on
+(``model.titans.memory_value_norm``, ``memory_max_momentum``; 0.95 with max_lr 0.003 and chunk 16: at
+most 0.96); the core's defaults keep the paper's form (MemoryLlama uses them).
 
 API (what MAC / MAG / MAL use)::
 
@@ -63,6 +76,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from memtrain.kernels.titans import KERNEL_DEPTHS, KERNEL_MAX_TILE, KERNELS, kernel_fits, use_triton
 from memtrain.model.titans.inner_loop import ALGORITHMS, memory_scan, mlp_forward
 from memtrain.model.titans.state import MemoryState
 
@@ -82,6 +96,10 @@ class NeuralMemory(nn.Module):
         conv_kernel: width of the causal depthwise convolutions after the q/k/v projections.
         max_lr: upper bound of the inner learning rate theta.
         init_lr, init_momentum, init_forget: theta, eta and alpha at initialisation (gate biases).
+        max_momentum: upper bound of the momentum decay eta (1: unbounded, the paper's form).
+        value_norm: L2-normalise the values per head like the keys (False: the paper's form).
+        kernel: where the chunked inner loop runs: ``"auto"`` (the Triton kernels of
+            :mod:`memtrain.kernels.titans` on CUDA for depth 1 or 2, PyTorch elsewhere), ``"triton"``, ``"torch"``.
     """
 
     def __init__(
@@ -98,21 +116,33 @@ class NeuralMemory(nn.Module):
         init_lr: float = 0.01,
         init_momentum: float = 0.9,
         init_forget: float = 0.01,
+        kernel: str = "auto",
+        max_momentum: float = 1.0,
+        value_norm: bool = False,
     ) -> None:
         super().__init__()
         if gate_mode not in GATE_MODES:
             raise ValueError(f"unknown gate_mode {gate_mode!r}; expected one of {', '.join(GATE_MODES)}")
         if depth < 1 or chunk_size < 1 or conv_kernel < 1:
             raise ValueError("depth, chunk_size and conv_kernel must be >= 1")
-        if not (0 < init_lr < max_lr and 0 < init_momentum < 1 and 0 < init_forget < 1):
-            raise ValueError("need 0 < init_lr < max_lr and init_momentum, init_forget in (0, 1)")
+        if not (0 < init_lr < max_lr and 0 < init_momentum < max_momentum <= 1 and 0 < init_forget < 1):
+            raise ValueError("need 0 < init_lr < max_lr, 0 < init_momentum < max_momentum <= 1 and "
+                             "init_forget in (0, 1)")
+        self.max_momentum, self.value_norm = max_momentum, value_norm
         head_dim = head_dim or dim // heads
         self.dim, self.heads, self.head_dim, self.depth = dim, heads, head_dim, depth
+        if kernel not in KERNELS:
+            raise ValueError(f"unknown kernel {kernel!r}; expected one of {', '.join(KERNELS)}")
         self.chunk_size, self.gate_mode, self.conv_kernel, self.max_lr = chunk_size, gate_mode, conv_kernel, max_lr
+        self.kernel = kernel
         inner = heads * head_dim
         self.inner = inner
         hidden = max(1, int(round(expansion * head_dim)))
         sizes = [head_dim] + [hidden] * (depth - 1) + [head_dim]
+        if kernel == "triton" and not (depth in KERNEL_DEPTHS and kernel_fits(head_dim, hidden if depth > 1 else head_dim)):
+            raise ValueError(f"kernel 'triton' needs memory depth 1 or 2 and head size x hidden width within "
+                             f"{KERNEL_MAX_TILE} (powers of two), got depth {depth}, head size {head_dim}, hidden "
+                             f"{hidden}; use kernel 'auto' or 'torch'")
 
         self.to_qkv = nn.Linear(dim, 3 * inner, bias=False)
         self.conv = nn.Conv1d(3 * inner, 3 * inner, conv_kernel, groups=3 * inner, bias=True)
@@ -122,7 +152,7 @@ class NeuralMemory(nn.Module):
         self.out_norm = nn.Parameter(torch.ones(heads, head_dim))
         self.to_out_gate = nn.Linear(dim, inner, bias=False)
         self.to_out = nn.Linear(inner, dim, bias=False)
-        self._init_gates = (init_lr / max_lr, init_momentum, init_forget)
+        self._init_gates = (init_lr / max_lr, init_momentum / max_momentum, init_forget)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -131,7 +161,7 @@ class NeuralMemory(nn.Module):
         with torch.no_grad():
             nn.init.normal_(self.to_gates.weight, std=0.02)
             b = self.to_gates.bias.view(3, self.heads)
-            for row, p in zip(b, self._init_gates):  # sigmoid(bias) = init_lr / max_lr, eta, alpha
+            for row, p in zip(b, self._init_gates):  # sigmoid(bias) = init_lr / max_lr, eta / max_momentum, alpha
                 row.fill_(math.log(p / (1 - p)))
 
     # ---------------------------------------------------------------------------------------------
@@ -163,8 +193,9 @@ class NeuralMemory(nn.Module):
         xp = torch.cat([cache.to(x.dtype), x], dim=1).transpose(1, 2)
         return F.conv1d(xp, self.conv.weight[channels], self.conv.bias[channels], groups=xp.shape[1]).transpose(1, 2)
 
-    def _queries(self, q: torch.Tensor) -> torch.Tensor:
-        return F.normalize(F.silu(self._heads(q)).to(self.inner_dtype), dim=-1)
+    def _queries(self, q: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        q = F.normalize(F.silu(self._heads(q)).to(self.inner_dtype), dim=-1)
+        return q if dtype is None else q.to(dtype)
 
     def _output(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """[B, H, T, d] retrievals -> per-head RMSNorm, sigmoid gate from x, output projection."""
@@ -189,7 +220,8 @@ class NeuralMemory(nn.Module):
             if (pos + T) % C:
                 chunk_gates = g[:, :, -1]
         lr = self.max_lr * torch.sigmoid(g[..., 0])
-        return lr, F.logsigmoid(g[..., 1]), F.logsigmoid(-g[..., 2]), chunk_gates
+        log_eta = F.logsigmoid(g[..., 1]) + math.log(self.max_momentum)  # eta = max_momentum * sigmoid(.)
+        return lr, log_eta, F.logsigmoid(-g[..., 2]), chunk_gates
 
     # ---------------------------------------------------------------------------------------------
     # Forward / retrieve
@@ -210,11 +242,16 @@ class NeuralMemory(nn.Module):
         qkv = self._conv(qkv, state.conv_cache, slice(None))
         conv_cache = conv_in[:, conv_in.shape[1] - (self.conv_kernel - 1):]
         q, k, v = qkv.chunk(3, dim=-1)
-        q, k = self._queries(q), self._queries(k)
-        v = F.silu(self._heads(v)).to(self.inner_dtype)
+        # The Triton kernels take bf16 / fp16 q, k, v as they are (bf16 dot products, fp32 accumulation and
+        # state); the PyTorch form runs in the inner dtype.
+        fused = use_triton(self.kernel, qkv, self.depth, algorithm, self.head_dim, self.init_weights[0].shape[-2])
+        io_dtype = qkv.dtype if fused and qkv.dtype in (torch.bfloat16, torch.float16) else self.inner_dtype
+        q, k = self._queries(q, io_dtype), self._queries(k, io_dtype)
+        v = self._queries(v, io_dtype) if self.value_norm else F.silu(self._heads(v)).to(io_dtype)
         lr, log_eta, log_keep, chunk_gates = self._gates(x, state)
         with torch.autocast(device_type=x.device.type, enabled=False):
-            y, new_state = memory_scan(q, k, v, lr, log_eta, log_keep, state, self.chunk_size, algorithm)
+            y, new_state = memory_scan(q, k, v, lr, log_eta, log_keep, state, self.chunk_size, algorithm,
+                                       kernel=self.kernel)
         new_state = replace(new_state, chunk_gates=chunk_gates, conv_cache=conv_cache)
         return self._output(y, x), new_state
 

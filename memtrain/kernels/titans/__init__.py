@@ -1,0 +1,103 @@
+"""The Titans inner loop (Titans, Sections 3.1-3.2): fused Triton kernels (:mod:`.triton_kernels`, forward
+and backward) beside their PyTorch reference and fallback (:mod:`.reference`), and the dispatch between them.
+
+``kernel``: ``"auto"`` runs the kernels for the ``"chunked"`` algorithm on bfloat16 / float16 CUDA tensors
+(bf16 training; when Triton imports, the memory has depth 1 or 2 and its layers fit one tile) and the PyTorch chunked form elsewhere; ``"triton"`` forces the
+kernels (on CPU only under ``TRITON_INTERPRET=1``; the tests do; a ValueError for depth 3+, a layer tile
+above :data:`KERNEL_MAX_TILE` or the sequential algorithm); ``"torch"`` forces the PyTorch form.
+
+float32 inputs under ``"auto"`` stay in PyTorch: the kernels' IEEE float32 dot products (``"triton"`` with float32
+inputs, what the exactness tests use) compile slowly for large tiles (the backward at head size 64, hidden 128,
+chunk 64 took over ten minutes in ptxas for sm_90, against seconds in bfloat16) and run on the CUDA cores.
+
+The kernels start at a chunk boundary. A call that starts inside a chunk (``pos % chunk_size != 0``, e.g.
+token-by-token decoding) runs the rest of that chunk through the PyTorch form and the remainder through
+the kernels; the result is the same function either way.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from memtrain.kernels.titans import reference
+from memtrain.kernels.titans.reference import ALGORITHMS
+
+KERNELS = ("auto", "triton", "torch")
+KERNEL_DEPTHS = (1, 2)
+# The kernels hold a layer's weights as one tile: head size x hidden width, each rounded up to a power of two,
+# at most this many elements (head size 128 with hidden 256; the recipes use 64 x 128). MemoryLlama's one
+# 2048-wide head stays in PyTorch.
+KERNEL_MAX_TILE = 128 * 256
+
+
+def _pow2(x: int) -> int:
+    return 1 << max(4, (x - 1).bit_length())
+
+
+def kernel_fits(head_dim: int, hidden: int) -> bool:
+    """Whether a memory with this head size and hidden width (depth 1: the head size) fits the kernels' tiles."""
+    return _pow2(head_dim) * _pow2(hidden) <= KERNEL_MAX_TILE
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def use_triton(kernel: str, q: torch.Tensor, depth: int, algorithm: str = "chunked", head_dim: int = 64,
+               hidden: int = 128) -> bool:
+    """Whether ``kernel`` runs the Triton kernels for tensors like ``q`` and a memory of ``depth`` layers of
+    ``head_dim`` and ``hidden`` width (ValueError for an unknown ``kernel``; a ValueError / RuntimeError when
+    ``triton`` is asked for where it cannot run)."""
+    if kernel not in KERNELS:
+        raise ValueError(f"Titans memory kernel must be one of {KERNELS}, got {kernel!r}")
+    if kernel == "torch":
+        return False
+    hidden = hidden if depth > 1 else head_dim
+    supported = algorithm == "chunked" and depth in KERNEL_DEPTHS and kernel_fits(head_dim, hidden)
+    if kernel == "auto":  # half-precision inputs (bf16 training); float32 / float64 stay in PyTorch
+        return supported and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and triton_available()
+    if not supported:
+        raise ValueError(f"Titans memory kernel 'triton' runs the chunked algorithm for memory depth 1 or 2 with "
+                         f"head size x hidden width (powers of two) up to {KERNEL_MAX_TILE}, got algorithm "
+                         f"{algorithm!r}, depth {depth}, head size {head_dim}, hidden {hidden}; use kernel 'auto' or "
+                         "'torch'")
+    if not triton_available():
+        raise RuntimeError("Titans memory kernel 'triton' needs the triton package")
+    if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("Titans memory kernel 'triton' on CPU tensors needs TRITON_INTERPRET=1 (the Triton "
+                           "interpreter); use 'auto' or 'torch' on CPU")
+    return True
+
+
+def scan(q, k, v, lr, log_eta, log_keep, w, s, wg, pos: int, chunk_size: int, algorithm: str = "chunked",
+         kernel: str = "auto"):
+    """``(y, w, s, wg)`` of the inner loop over ``q``, ``k``, ``v`` ``[N, T, head_dim]`` from absolute position
+    ``pos`` (the shapes of :mod:`.reference`); ``kernel`` picks where it runs (module docstring)."""
+    if not use_triton(kernel, q, len(w), algorithm, head_dim=w[0].shape[-1], hidden=w[0].shape[-2]):
+        return reference.scan(q, k, v, lr, log_eta, log_keep, w, s, wg, pos, chunk_size, algorithm)
+    from memtrain.kernels.titans import triton_kernels
+
+    T = q.shape[1]
+    lead = min((chunk_size - pos % chunk_size) % chunk_size, T)
+    ys = []
+    if lead:  # finish the chunk the state is in with the PyTorch form, then start aligned
+        head, dt = slice(0, lead), w[0].dtype
+        y, w, s, wg = reference.scan(q[:, head].to(dt), k[:, head].to(dt), v[:, head].to(dt), lr[:, head],
+                                     log_eta[:, head], log_keep[:, head], w, s, wg, pos, chunk_size, algorithm)
+        ys.append(y)
+    if lead < T:
+        tail = slice(lead, T)
+        y, w, s, wg = triton_kernels.chunk_scan(q[:, tail], k[:, tail], v[:, tail], lr[:, tail], log_eta[:, tail],
+                                                log_keep[:, tail], w, s, chunk_size)
+        ys.append(y)
+    return (ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)), w, s, wg
+
+
+__all__ = ["ALGORITHMS", "KERNELS", "KERNEL_DEPTHS", "KERNEL_MAX_TILE", "kernel_fits", "scan", "triton_available",
+           "use_triton"]

@@ -1,0 +1,475 @@
+"""The Titans inner loop in Triton (Titans, Sections 3.1-3.2, eqs. 13-16): the chunk-parallel memory update
+and retrieval, forward and backward, for a matrix memory (depth 1) and a two-layer SiLU MLP memory (depth 2).
+:mod:`.reference` (the PyTorch chunked form) is the specification.
+
+One program per (batch element, head) runs the whole sequence: the loop over chunks is inside the kernel
+(one forward launch and one backward launch per layer call). Per chunk of ``C`` tokens, with the chunk-start
+weights ``W`` and momentum ``S`` (per layer) in float32 and the chunk's recurrence coefficients
+(:func:`.reference.chunk_coefficients`: ``decay`` B_t, ``carry`` f_t, ``mix`` c_{t,i}, the momentum's
+``E_end`` and ``m_end``), the forward
+
+1. takes the per-token gradients of ``||M_W(k_i) - v_i||^2`` at ``W`` in factored form: layer inputs
+   ``a_i`` and pre-activation deltas ``d_i`` (``u_i = d_i a_i^T``, never materialised);
+2. reads every token, layer by layer, ``z_t = B_t W h_t + f_t S h_t - sum_{i<=t} c_{t,i} d_i (a_i . h_t)``
+   as masked ``[C, C]`` matrix products (``y_t = M_t(q_t)``, the weights after token t's update);
+3. carries ``W' = B_last W + f_last S - sum_i c_{last,i} d_i a_i^T`` and
+   ``S' = E_end S - sum_i m_end_i d_i a_i^T`` to the next chunk.
+
+The backward walks the chunks in reverse with the gradients of the chunk-end state carried (float32),
+recomputing each chunk's forward from its start state, and returns the gradients of q, k, v, of every
+coefficient (autograd takes them to the gates theta, eta, alpha through :func:`chunk_coefficients`) and of
+the initial weights and momentum. The second-order terms are included: ``a_i``, ``d_i`` depend on the
+chunk-start weights, so the gradient reaching ``W`` also flows back through the per-token gradients
+(``silu''`` for depth 2). Memory stays bounded: the forward saves the state at the start of every
+``R``-th chunk only (``R = ceil(sqrt(n_chunks))``); the backward recomputes the ``R`` states of a group
+into a per-program scratch, then differentiates the group in reverse (``O(sqrt(n_chunks))`` states per
+(batch, head) instead of one per chunk).
+
+Precision: gates, coefficients, carried state, gradients and all accumulation in float32. With float32
+q/k/v the dot products are IEEE float32 (no TF32); with bfloat16 (float16) q/k/v both operands of every dot
+are rounded to bfloat16 (float16) for the tensor cores, with float32 accumulation (the interpreter's bfloat16
+dot is wrong in Triton 3.8, so the CPU tests check the low-precision path in float16). Block sizes: the head size, hidden width
+and chunk size rounded up to powers of two (at least 16), masked. Under ``TRITON_INTERPRET=1`` the same
+kernels run on CPU tensors (the tests do).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from memtrain.kernels.titans.reference import chunk_coefficients
+
+
+@triton.jit
+def _mm(a, b, DOT: tl.constexpr):
+    """``a @ b`` accumulated in float32. ``DOT``: 0 IEEE float32 products (no TF32); 1 both operands rounded to
+    bfloat16; 2 to float16 (tensor cores)."""
+    if DOT == 0:
+        return tl.dot(a, b, input_precision="ieee")
+    elif DOT == 1:
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    else:
+        return tl.dot(a.to(tl.float16), b.to(tl.float16))
+
+
+@triton.jit
+def _load_mat(ptr, R, Cc, offs_r, offs_c):
+    """A row-major ``[R, Cc]`` float32 matrix into a ``[len(offs_r), len(offs_c)]`` tile (zeros outside)."""
+    m = (offs_r[:, None] < R) & (offs_c[None, :] < Cc)
+    return tl.load(ptr + offs_r[:, None] * Cc + offs_c[None, :], mask=m, other=0.0)
+
+
+@triton.jit
+def _store_mat(ptr, x, R, Cc, offs_r, offs_c):
+    m = (offs_r[:, None] < R) & (offs_c[None, :] < Cc)
+    tl.store(ptr + offs_r[:, None] * Cc + offs_c[None, :], x, mask=m)
+
+
+@triton.jit
+def _rows(ptr, n, c, Tp, C, D, offs_c, offs_d):
+    """Rows ``c*C + offs_c`` of sequence ``n`` of a ``[N, Tp, D]`` tensor, as float32 ``[BC, BD]``."""
+    m = (offs_c[:, None] < C) & (offs_d[None, :] < D)
+    off = (n * Tp + c * C + offs_c[:, None]) * D + offs_d[None, :]
+    return tl.load(ptr + off, mask=m, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store_rows(ptr, x, n, c, Tp, C, D, offs_c, offs_d):
+    m = (offs_c[:, None] < C) & (offs_d[None, :] < D)
+    tl.store(ptr + (n * Tp + c * C + offs_c[:, None]) * D + offs_d[None, :], x, mask=m)
+
+
+@triton.jit
+def _coefs(DEC, CAR, MIX, EEND, MEND, n, c, NC, C, last, offs_c):
+    """Chunk ``c``'s coefficients, and the rows of B, f and c that give its end state (row ``last``)."""
+    mc = offs_c < C
+    base = n * NC + c
+    dec = tl.load(DEC + base * C + offs_c, mask=mc, other=0.0)
+    car = tl.load(CAR + base * C + offs_c, mask=mc, other=0.0)
+    mix = tl.load(MIX + base * C * C + offs_c[:, None] * C + offs_c[None, :], mask=mc[:, None] & mc[None, :],
+                  other=0.0)
+    ee = tl.load(EEND + base)
+    me = tl.load(MEND + base * C + offs_c, mask=mc, other=0.0)
+    ml = tl.load(MIX + base * C * C + last * C + offs_c, mask=mc, other=0.0)
+    dec_l = tl.load(DEC + base * C + last)
+    car_l = tl.load(CAR + base * C + last)
+    return dec, car, mix, ee, me, ml, dec_l, car_l
+
+
+@triton.jit
+def _inner2(k, v, w1, w2, DOT: tl.constexpr):
+    """Per-token gradients of a depth-2 memory at ``(w1, w2)``: pre-activations, hidden activations, sigmoid,
+    ``silu'``, the hidden delta before ``silu'`` (``e1``), and the deltas of both layers."""
+    z1 = _mm(k, tl.trans(w1), DOT)
+    sg = tl.sigmoid(z1)
+    a1 = z1 * sg
+    dsilu = sg + a1 * (1.0 - sg)
+    d2 = 2.0 * (_mm(a1, tl.trans(w2), DOT) - v)
+    e1 = _mm(d2, w2, DOT)
+    return z1, a1, sg, dsilu, e1, e1 * dsilu, d2
+
+
+@triton.jit
+def _read(h, w, st, a, dd, dec, car, mix, DOT: tl.constexpr):
+    """One layer's pre-activations ``B W h + f S h - (c o (h a^T)) d`` for the rows ``h`` of a chunk."""
+    p = _mm(h, tl.trans(a), DOT)
+    hw = _mm(h, tl.trans(w), DOT)
+    hs = _mm(h, tl.trans(st), DOT)
+    z = dec[:, None] * hw + car[:, None] * hs - _mm(mix * p, dd, DOT)
+    return z, p, hw, hs
+
+
+@triton.jit
+def _advance(w, st, dd, a, ml, me, dec_l, car_l, ee, DOT: tl.constexpr):
+    """One layer's chunk-end weights and momentum (deltas ``dd`` ``[BC, out]``, inputs ``a`` ``[BC, in]``)."""
+    dt = tl.trans(dd)
+    nw = dec_l * w + car_l * st - _mm(dt, ml[:, None] * a, DOT)
+    ns = ee * st - _mm(dt, me[:, None] * a, DOT)
+    return nw, ns
+
+
+@triton.jit
+def _end_grads(gw, gs, dd, a, ml, me, DOT: tl.constexpr):
+    """Gradients through one layer's chunk-end terms ``-sum_i c_last_i d_i a_i^T`` (weights) and
+    ``-sum_i m_end_i d_i a_i^T`` (momentum), given the end state's gradients ``gw``, ``gs``: those of the
+    deltas, of the inputs, and of ``c_last`` and ``m_end``."""
+    dgw = _mm(dd, gw, DOT)
+    dgs = _mm(dd, gs, DOT)
+    d_a = -ml[:, None] * dgw - me[:, None] * dgs
+    d_ml = -tl.sum(dgw * a, axis=1)
+    d_me = -tl.sum(dgs * a, axis=1)
+    d_dd = -ml[:, None] * _mm(a, tl.trans(gw), DOT) - me[:, None] * _mm(a, tl.trans(gs), DOT)
+    return d_dd, d_a, d_ml, d_me
+
+
+@triton.jit
+def _read_grads(dz, h, w, st, a, dd, p, hw, hs, dec, car, mix, DOT: tl.constexpr):
+    """Gradients through :func:`_read` given ``dz``: of h, a, dd, the state (``dw``, ``ds``), and the
+    coefficients (``ddec``, ``dcar`` per row, ``dmix``)."""
+    ddec = tl.sum(dz * hw, axis=1)
+    dcar = tl.sum(dz * hs, axis=1)
+    dzt = tl.trans(dz)
+    dw = _mm(dzt * dec[None, :], h, DOT)
+    ds = _mm(dzt * car[None, :], h, DOT)
+    d_dd = -_mm(tl.trans(mix * p), dz, DOT)
+    dm = -_mm(dz, tl.trans(dd), DOT)
+    dmix = dm * p
+    dp = dm * mix
+    dh = dec[:, None] * _mm(dz, w, DOT) + car[:, None] * _mm(dz, st, DOT) + _mm(dp, a, DOT)
+    d_a = _mm(tl.trans(dp), h, DOT)
+    return dh, d_a, d_dd, dw, ds, ddec, dcar, dmix
+
+
+@triton.jit
+def _fwd_kernel(Q, K, V, DEC, CAR, MIX, EEND, MEND, W1, S1, W2, S2,
+                Y, W1o, S1o, W2o, S2o, WG1, WG2, SW1, SS1, SW2, SS2,
+                NC, Tp, N_LAST, SAVE_EVERY, NSAVE, C, D, H1,
+                DEPTH: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr, DOT: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    offs_c = tl.arange(0, BC)
+    offs_d = tl.arange(0, BD)
+    offs_h = tl.arange(0, BH)
+    sz = H1 * D
+    w1 = _load_mat(W1 + n * sz, H1, D, offs_h, offs_d)  # [BH, BD]: layer 1 is [H1, D]
+    s1 = _load_mat(S1 + n * sz, H1, D, offs_h, offs_d)
+    w2 = _load_mat(W2 + n * sz, D, H1, offs_d, offs_h)  # [BD, BH]: layer 2 is [D, H1] (depth 2)
+    s2 = _load_mat(S2 + n * sz, D, H1, offs_d, offs_h)
+    for c in range(NC):
+        if c % SAVE_EVERY == 0:  # the state at this chunk's start, for the backward
+            j = c // SAVE_EVERY
+            _store_mat(SW1 + (n * NSAVE + j) * sz, w1, H1, D, offs_h, offs_d)
+            _store_mat(SS1 + (n * NSAVE + j) * sz, s1, H1, D, offs_h, offs_d)
+            if DEPTH == 2:
+                _store_mat(SW2 + (n * NSAVE + j) * sz, w2, D, H1, offs_d, offs_h)
+                _store_mat(SS2 + (n * NSAVE + j) * sz, s2, D, H1, offs_d, offs_h)
+        if c == NC - 1:  # the last chunk's start weights: the state's chunk weights when it is partial
+            _store_mat(WG1 + n * sz, w1, H1, D, offs_h, offs_d)
+            if DEPTH == 2:
+                _store_mat(WG2 + n * sz, w2, D, H1, offs_d, offs_h)
+        last = tl.where(c == NC - 1, N_LAST - 1, C - 1)
+        q = _rows(Q, n, c, Tp, C, D, offs_c, offs_d)
+        k = _rows(K, n, c, Tp, C, D, offs_c, offs_d)
+        v = _rows(V, n, c, Tp, C, D, offs_c, offs_d)
+        dec, car, mix, ee, me, ml, dec_l, car_l = _coefs(DEC, CAR, MIX, EEND, MEND, n, c, NC, C, last, offs_c)
+        if DEPTH == 2:
+            z1, a1, sg, dsilu, e1, d1, d2 = _inner2(k, v, w1, w2, DOT)
+            h, p1, qw1, qs1 = _read(q, w1, s1, k, d1, dec, car, mix, DOT)
+            h = h * tl.sigmoid(h)
+            y, p2, hw2, hs2 = _read(h, w2, s2, a1, d2, dec, car, mix, DOT)
+            w2, s2 = _advance(w2, s2, d2, a1, ml, me, dec_l, car_l, ee, DOT)
+        else:
+            d1 = 2.0 * (_mm(k, tl.trans(w1), DOT) - v)
+            y, p1, qw1, qs1 = _read(q, w1, s1, k, d1, dec, car, mix, DOT)
+        w1, s1 = _advance(w1, s1, d1, k, ml, me, dec_l, car_l, ee, DOT)
+        _store_rows(Y, y, n, c, Tp, C, D, offs_c, offs_d)
+    _store_mat(W1o + n * sz, w1, H1, D, offs_h, offs_d)
+    _store_mat(S1o + n * sz, s1, H1, D, offs_h, offs_d)
+    if DEPTH == 2:
+        _store_mat(W2o + n * sz, w2, D, H1, offs_d, offs_h)
+        _store_mat(S2o + n * sz, s2, D, H1, offs_d, offs_h)
+
+
+@triton.jit
+def _bwd_kernel(Q, K, V, DY, DEC, CAR, MIX, EEND, MEND, SW1, SS1, SW2, SS2, R1, RS1, R2, RS2,
+                DW1o, DS1o, DW2o, DS2o, DWG1, DWG2,
+                DQ, DK, DV, DDEC, DCAR, DMIX, DEEND, DMEND, DW1, DS1, DW2, DS2,
+                NC, Tp, N_LAST, SAVE_EVERY, NSAVE, C, D, H1,
+                DEPTH: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr,
+                DOT: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    offs_c = tl.arange(0, BC)
+    offs_d = tl.arange(0, BD)
+    offs_h = tl.arange(0, BH)
+    mc = offs_c < C
+    lower = (offs_c[:, None] >= offs_c[None, :]) & mc[:, None] & mc[None, :]
+    sz = H1 * D
+    # gradients of the state at the end of the current chunk (carried backwards)
+    g1 = _load_mat(DW1o + n * sz, H1, D, offs_h, offs_d)
+    gs1 = _load_mat(DS1o + n * sz, H1, D, offs_h, offs_d)
+    g2 = _load_mat(DW2o + n * sz, D, H1, offs_d, offs_h)
+    gs2 = _load_mat(DS2o + n * sz, D, H1, offs_d, offs_h)
+    gwg1 = _load_mat(DWG1 + n * sz, H1, D, offs_h, offs_d)
+    gwg2 = _load_mat(DWG2 + n * sz, D, H1, offs_d, offs_h)
+    for gi in range(NSAVE):
+        grp = NSAVE - 1 - gi
+        c0 = grp * SAVE_EVERY
+        c1 = tl.minimum(c0 + SAVE_EVERY, NC)
+        # recompute the chunk-start states of this group into the scratch
+        w1 = _load_mat(SW1 + (n * NSAVE + grp) * sz, H1, D, offs_h, offs_d)
+        s1 = _load_mat(SS1 + (n * NSAVE + grp) * sz, H1, D, offs_h, offs_d)
+        w2 = _load_mat(SW2 + (n * NSAVE + grp) * sz, D, H1, offs_d, offs_h)
+        s2 = _load_mat(SS2 + (n * NSAVE + grp) * sz, D, H1, offs_d, offs_h)
+        for c in range(c0, c1):
+            j = c - c0
+            _store_mat(R1 + (n * SAVE_EVERY + j) * sz, w1, H1, D, offs_h, offs_d)
+            _store_mat(RS1 + (n * SAVE_EVERY + j) * sz, s1, H1, D, offs_h, offs_d)
+            if DEPTH == 2:
+                _store_mat(R2 + (n * SAVE_EVERY + j) * sz, w2, D, H1, offs_d, offs_h)
+                _store_mat(RS2 + (n * SAVE_EVERY + j) * sz, s2, D, H1, offs_d, offs_h)
+            last = tl.where(c == NC - 1, N_LAST - 1, C - 1)
+            k = _rows(K, n, c, Tp, C, D, offs_c, offs_d)
+            v = _rows(V, n, c, Tp, C, D, offs_c, offs_d)
+            dec, car, mix, ee, me, ml, dec_l, car_l = _coefs(DEC, CAR, MIX, EEND, MEND, n, c, NC, C, last, offs_c)
+            if DEPTH == 2:
+                z1, a1, sg, dsilu, e1, d1, d2 = _inner2(k, v, w1, w2, DOT)
+                w2, s2 = _advance(w2, s2, d2, a1, ml, me, dec_l, car_l, ee, DOT)
+            else:
+                d1 = 2.0 * (_mm(k, tl.trans(w1), DOT) - v)
+            w1, s1 = _advance(w1, s1, d1, k, ml, me, dec_l, car_l, ee, DOT)
+        tl.debug_barrier()  # the scratch is written by other threads of this program
+        for ci in range(c1 - c0):
+            c = c1 - 1 - ci
+            j = c - c0
+            w1 = _load_mat(R1 + (n * SAVE_EVERY + j) * sz, H1, D, offs_h, offs_d)
+            s1 = _load_mat(RS1 + (n * SAVE_EVERY + j) * sz, H1, D, offs_h, offs_d)
+            w2 = _load_mat(R2 + (n * SAVE_EVERY + j) * sz, D, H1, offs_d, offs_h)
+            s2 = _load_mat(RS2 + (n * SAVE_EVERY + j) * sz, D, H1, offs_d, offs_h)
+            last = tl.where(c == NC - 1, N_LAST - 1, C - 1)
+            q = _rows(Q, n, c, Tp, C, D, offs_c, offs_d)
+            k = _rows(K, n, c, Tp, C, D, offs_c, offs_d)
+            v = _rows(V, n, c, Tp, C, D, offs_c, offs_d)
+            dy = _rows(DY, n, c, Tp, C, D, offs_c, offs_d)
+            dec, car, mix, ee, me, ml, dec_l, car_l = _coefs(DEC, CAR, MIX, EEND, MEND, n, c, NC, C, last, offs_c)
+            # the chunk-end state: W' = B_l W + f_l S - ..., S' = E S - ...
+            ddec_l = tl.sum(tl.sum(g1 * w1, axis=1), axis=0)
+            dcar_l = tl.sum(tl.sum(g1 * s1, axis=1), axis=0)
+            dee = tl.sum(tl.sum(gs1 * s1, axis=1), axis=0)
+            dw1 = dec_l * g1
+            ds1 = car_l * g1 + ee * gs1
+            if DEPTH == 2:
+                ddec_l += tl.sum(tl.sum(g2 * w2, axis=1), axis=0)
+                dcar_l += tl.sum(tl.sum(g2 * s2, axis=1), axis=0)
+                dee += tl.sum(tl.sum(gs2 * s2, axis=1), axis=0)
+                dw2 = dec_l * g2
+                ds2 = car_l * g2 + ee * gs2
+                # recompute the chunk
+                z1, a1, sg, dsilu, e1, d1, d2 = _inner2(k, v, w1, w2, DOT)
+                zh, p1, qw1, qs1 = _read(q, w1, s1, k, d1, dec, car, mix, DOT)
+                sh = tl.sigmoid(zh)
+                h = zh * sh
+                _, p2, hw2, hs2 = _read(h, w2, s2, a1, d2, dec, car, mix, DOT)
+                # end-state terms of both layers
+                dd1, dk, dml, dme = _end_grads(g1, gs1, d1, k, ml, me, DOT)
+                dd2, da1, dml2, dme2 = _end_grads(g2, gs2, d2, a1, ml, me, DOT)
+                dml += dml2
+                dme += dme2
+                # the outputs' layer 2
+                dh, da, ddd, dw, ds, ddec, dcar, dmix = _read_grads(dy, h, w2, s2, a1, d2, p2, hw2, hs2, dec, car,
+                                                                    mix, DOT)
+                da1 += da
+                dd2 += ddd
+                dw2 += dw
+                ds2 += ds
+                dz_q = dh * (sh + h * (1.0 - sh))  # the gradient of layer 1's output pre-activations
+            else:
+                d1 = 2.0 * (_mm(k, tl.trans(w1), DOT) - v)
+                _, p1, qw1, qs1 = _read(q, w1, s1, k, d1, dec, car, mix, DOT)
+                dd1, dk, dml, dme = _end_grads(g1, gs1, d1, k, ml, me, DOT)
+                ddec = tl.zeros([BC], dtype=tl.float32)
+                dcar = tl.zeros([BC], dtype=tl.float32)
+                dmix = tl.zeros([BC, BC], dtype=tl.float32)
+                dz_q = dy
+            # the outputs' layer 1 (the queries' layer)
+            dq, da, ddd, dw, ds, ddec1, dcar1, dmix1 = _read_grads(dz_q, q, w1, s1, k, d1, p1, qw1, qs1, dec, car,
+                                                                   mix, DOT)
+            dk += da
+            dd1 += ddd
+            dw1 += dw
+            ds1 += ds
+            ddec += ddec1
+            dcar += dcar1
+            dmix += dmix1
+            # the per-token gradients at the chunk-start weights: d1 = 2 (W1 k - v) (depth 1), or the deltas of
+            # the MLP (depth 2; with the second-order terms through silu'')
+            if DEPTH == 2:
+                de1 = dd1 * dsilu
+                dz1 = dd1 * e1 * sg * (1.0 - sg) * (2.0 + z1 * (1.0 - 2.0 * sg))
+                dd2 += _mm(de1, tl.trans(w2), DOT)
+                dw2 += _mm(tl.trans(d2), de1, DOT)
+                dz2 = 2.0 * dd2
+                dv = -dz2
+                dw2 += _mm(tl.trans(dz2), a1, DOT)
+                da1 += _mm(dz2, w2, DOT)
+                dz1 += da1 * dsilu
+            else:
+                dz1 = 2.0 * dd1
+                dv = -dz1
+            dw1 += _mm(tl.trans(dz1), k, DOT)
+            dk += _mm(dz1, w1, DOT)
+            # the end row of the coefficients (B_last, f_last, c_last) was read at row `last`
+            is_last = offs_c == last
+            ddec += tl.where(is_last, ddec_l, 0.0)
+            dcar += tl.where(is_last, dcar_l, 0.0)
+            dmix += tl.where(is_last[:, None], dml[None, :], 0.0)
+            dmix = tl.where(lower, dmix, 0.0)
+            base = n * NC + c
+            tl.store(DDEC + base * C + offs_c, ddec, mask=mc)
+            tl.store(DCAR + base * C + offs_c, dcar, mask=mc)
+            tl.store(DMIX + base * C * C + offs_c[:, None] * C + offs_c[None, :], dmix, mask=mc[:, None] & mc[None, :])
+            tl.store(DEEND + base, dee)
+            tl.store(DMEND + base * C + offs_c, dme, mask=mc)
+            _store_rows(DQ, dq, n, c, Tp, C, D, offs_c, offs_d)
+            _store_rows(DK, dk, n, c, Tp, C, D, offs_c, offs_d)
+            _store_rows(DV, dv, n, c, Tp, C, D, offs_c, offs_d)
+            # the chunk-start state's gradients become the previous chunk's end-state gradients
+            g1 = dw1
+            gs1 = ds1
+            if DEPTH == 2:
+                g2 = dw2
+                gs2 = ds2
+            # the last chunk's start weights are also an output (the state's chunk weights)
+            at_last = (c == NC - 1).to(tl.float32)
+            g1 += at_last * gwg1
+            if DEPTH == 2:
+                g2 += at_last * gwg2
+        tl.debug_barrier()  # before the next group overwrites the scratch
+    _store_mat(DW1 + n * sz, g1, H1, D, offs_h, offs_d)
+    _store_mat(DS1 + n * sz, gs1, H1, D, offs_h, offs_d)
+    if DEPTH == 2:
+        _store_mat(DW2 + n * sz, g2, D, H1, offs_d, offs_h)
+        _store_mat(DS2 + n * sz, gs2, D, H1, offs_d, offs_h)
+
+
+def _empty(*shape, device, dtype=torch.float32) -> torch.Tensor:
+    """Every buffer the kernels write (the tests replace this with a NaN fill: unwritten elements show)."""
+    return torch.empty(*shape, device=device, dtype=dtype)
+
+
+_DOT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the dot products' operand precision
+
+
+def _block(x: int) -> int:
+    return max(16, triton.next_power_of_2(x))
+
+
+def _launch_shape(D: int, H1: int, C: int) -> dict:
+    """Block sizes and launch options. ``num_stages=1``: the loads inside the chunk loops are not software-
+    pipelined; with the default (3) the pipeliner double-buffers the state tiles the backward reloads per chunk
+    and the backward needs 337 KB (chunk 16) / 438 KB (chunk 64) of shared memory at head size 64, hidden 128,
+    above an H100's 227 KB; with 1 it needs 61 KB / 139 KB (the forward 65 KB at chunk 64), measured by compiling
+    for sm_90a ahead of time (``triton.compile`` with a ``GPUTarget``, no GPU needed)."""
+    BC, BD, BH = _block(C), _block(D), _block(H1)
+    return dict(BC=BC, BD=BD, BH=BH, num_warps=8 if BH * BD >= 128 * 64 else 4, num_stages=1)
+
+
+class _ChunkScan(torch.autograd.Function):
+    """Inputs: q, k, v ``[N, Tp, D]`` (``Tp`` a multiple of ``C``, padded), the coefficients of
+    :func:`chunk_coefficients` on ``[N, Tp / C, C]`` gates, ``T`` (real tokens), ``C`` and the state
+    (weights then momentum, one per layer). Outputs: ``y`` ``[N, Tp, D]`` (float32), the end weights,
+    the end momentum, and the last chunk's start weights."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, dec, car, mix, e_end, m_end, T: int, C: int, *state):
+        depth = len(state) // 2
+        N, Tp, D = q.shape
+        NC = Tp // C
+        w1, s1 = state[0], state[depth]
+        w2, s2 = (state[1], state[depth + 1]) if depth == 2 else (w1, s1)
+        H1 = w1.shape[1]
+        R = max(1, math.ceil(math.sqrt(NC)))
+        nsave = -(-NC // R)
+        y = _empty(N, Tp, D, device=q.device)
+        outs = [_empty(*t.shape, device=q.device) for t in (w1, s1, w2, s2, w1, w2)]
+        saved = [_empty(N, nsave, *t.shape[1:], device=q.device) for t in (w1, s1, w2, s2)]
+        shape = _launch_shape(D, H1, C)
+        _fwd_kernel[(N,)](q, k, v, dec, car, mix, e_end, m_end, w1, s1, w2, s2, y, *outs, *saved,
+                          NC, Tp, T - (NC - 1) * C, R, nsave, C, D, H1, DEPTH=depth, DOT=_DOT[q.dtype], **shape)
+        ctx.save_for_backward(q, k, v, dec, car, mix, e_end, m_end, *saved)
+        ctx.meta = (T, C, depth, R, nsave, H1)
+        w1o, s1o, w2o, s2o, wg1, wg2 = outs
+        if depth == 2:
+            return y, w1o, w2o, s1o, s2o, wg1, wg2
+        return y, w1o, s1o, wg1
+
+    @staticmethod
+    def backward(ctx, dy, *grads):
+        q, k, v, dec, car, mix, e_end, m_end, sw1, ss1, sw2, ss2 = ctx.saved_tensors
+        T, C, depth, R, nsave, H1 = ctx.meta
+        N, Tp, D = q.shape
+        NC = Tp // C
+        if depth == 2:
+            gw1, gw2, gs1, gs2, gwg1, gwg2 = grads
+        else:
+            gw1, gs1, gwg1 = grads
+            gw2, gs2, gwg2 = gw1, gs1, gwg1
+        gw1, gw2, gs1, gs2, gwg1, gwg2 = (g.contiguous().float() for g in (gw1, gw2, gs1, gs2, gwg1, gwg2))
+        scratch = [_empty(N, R, *t.shape[2:], device=q.device) for t in (sw1, ss1, sw2, ss2)]
+        dq, dk, dv = (_empty(N, Tp, D, device=q.device) for _ in range(3))
+        ddec, dcar, dmix, dee, dme = (_empty(*t.shape, device=q.device) for t in (dec, car, mix, e_end, m_end))
+        dstate = [_empty(*t.shape, device=q.device) for t in (gw1, gs1, gw2, gs2)]
+        _bwd_kernel[(N,)](q, k, v, dy.contiguous().float(), dec, car, mix, e_end, m_end, sw1, ss1, sw2, ss2,
+                          *scratch, gw1, gs1, gw2, gs2, gwg1, gwg2,
+                          dq, dk, dv, ddec, dcar, dmix, dee, dme, *dstate,
+                          NC, Tp, T - (NC - 1) * C, R, nsave, C, D, H1,
+                          DEPTH=depth, DOT=_DOT[q.dtype], **_launch_shape(D, H1, C))
+        dw1, ds1, dw2, ds2 = dstate
+        state_grads = (dw1, dw2, ds1, ds2) if depth == 2 else (dw1, ds1)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), ddec, dcar, dmix, dee, dme, None, None,
+                *state_grads)
+
+
+def chunk_scan(q, k, v, lr, log_eta, log_keep, w, s, chunk_size: int):
+    """The inner loop over ``q``, ``k``, ``v`` ``[N, T, D]`` starting at a chunk boundary, with gates ``[N, T]``
+    and the state ``w``, ``s`` (lists of ``[N, d_out, d_in]``, depth 1 or 2); returns ``(y, w, s, wg)`` like
+    :func:`.reference.scan` (``y`` and the state in float32; ``wg``: the weights at the last chunk's start)."""
+    N, T, D = q.shape
+    C = chunk_size
+    NC = -(-T // C)
+    pad = NC * C - T
+    gates = [F.pad(g.float(), (0, pad)).view(N, NC, C) for g in (lr, log_eta, log_keep)]
+    coef = chunk_coefficients(*gates)
+    dt = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.float32
+    q, k, v = (F.pad(x.to(dt), (0, 0, 0, pad)).contiguous() for x in (q, k, v))
+    state = [x.float().contiguous() for x in (*w, *s)]
+    out = _ChunkScan.apply(q, k, v, *(c.contiguous() for c in coef), T, C, *state)
+    depth = len(w)
+    y, w_end, s_end, wg = out[0][:, :T], list(out[1:1 + depth]), list(out[1 + depth:1 + 2 * depth]), list(out[1 + 2 * depth:])
+    return y, w_end, s_end, wg
+
+
+__all__ = ["chunk_scan"]
