@@ -1207,7 +1207,10 @@ def load_recipe(path: str | Path, overrides: Optional[list[str]] = None) -> Reci
     try:
         data = yaml.load(path.read_text(encoding="utf-8"), Loader=RecipeLoader)
     except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise RecipeError("", f"{path} is not valid YAML: {e}") from None
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise RecipeError("", f"{path} is not valid YAML{where}: {problem}") from None
     return recipe_from_dict(data or {}, overrides)
 
 

@@ -101,3 +101,14 @@ def test_recipe_show_prints_recipe_deepspeed_config_and_parameters(capsys):
     assert '"train_micro_batch_size_per_gpu": 8' in out and '"gradient_accumulation_steps": 1' in out
     assert '"tensorboard": {\n    "enabled": false' in out
     assert "rope_theta: 100000.0" in out
+
+
+def test_broken_yaml_is_one_line_naming_the_position(tmp_path):
+    from memtrain.config import load_recipe
+
+    path = tmp_path / "bad.yaml"
+    path.write_text("model: {type: titans, titans: {kernel: [1")
+    with pytest.raises(RecipeError) as err:
+        load_recipe(path)
+    message = str(err.value)
+    assert "\n" not in message and "not valid YAML at line 1, column 42" in message
