@@ -6,7 +6,7 @@ PYTHON ?= python3
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.memtrain-installed
 
-.PHONY: install quickstart demo-memory demo-crossattn test test-fast bench clean
+.PHONY: install quickstart demo-memory demo-crossattn reproduce-hmem reproduce-titans test test-fast bench clean
 
 $(STAMP): setup.py constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -41,6 +41,19 @@ demo-crossattn: $(STAMP)
 	$(VENV)/bin/memtrain eval recipes/quickstart-crossattn.yaml
 	$(VENV)/bin/memtrain eval recipes/quickstart-crossattn.yaml $(CA_ANCHOR)
 
+# The hierarchical-memories paper at small scale (reproduce/hmem.py, README "Reproducing the papers'
+# effects"): the anchor alone, memories added to it (A2) or trained from scratch (A4), an anchor with as
+# many parameters as anchor + fetched memory, and a bank-size sweep, all on the same tokens, scored on the
+# long-tail probes by frequency bucket. Writes runs/reproduce/hmem.{json,md,png}; `--gpu` for one GPU.
+reproduce-hmem: $(STAMP)
+	$(PY) reproduce/hmem.py
+
+# Titans Table 2 at small scale (reproduce/titans.py): LMM, MAC, a sliding-window and a full-attention
+# transformer trained on the same tokens at a short context, S-NIAH / BABILong-style accuracy at 1x-8x it.
+# Writes runs/reproduce/titans.{json,md,png}. `--gpu` sizes for one GPU: $(PY) reproduce/titans.py --gpu
+reproduce-titans: $(STAMP)
+	$(PY) reproduce/titans.py
+
 test: $(STAMP)
 	$(VENV)/bin/pytest -q
 
@@ -55,4 +68,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/routed_attention.py --quick
 
 clean:
-	rm -rf runs data/quickstart data/quickstart-memory data/quickstart-crossattn .pytest_cache
+	rm -rf runs data/quickstart data/quickstart-memory data/quickstart-crossattn data/reproduce-hmem data/reproduce-titans .pytest_cache

@@ -176,6 +176,10 @@ class ModelConfig:
     rope_theta: float = 100000.0
     max_seq_len: int = 2048
     attention: Literal["auto", "sdpa", "flex"] = "auto"
+    # Sliding-window attention (model.type decoder only): a query sees the last attention_window keys of
+    # its own document, itself included (Titans Section 5.2's SWA baseline). None: full causal attention.
+    # A windowed decoder reads sequences longer than max_seq_len (RoPE offsets never exceed the window).
+    attention_window: Optional[int] = None
     reset_positions: bool = True  # RoPE positions restart at every document in a packed sequence
     init_std: Optional[float] = None  # default 1/sqrt(d_model)
     # Regional torch.compile of the decoder blocks (model.type decoder): auto = on CUDA under ZeRO 0-2,
@@ -408,7 +412,8 @@ class ClusteringConfig:
 @dataclass
 class DataConfig:
     dir: Optional[str] = None  # default data/<run.name>
-    # "builtin", "builtin:longtail" (Zipf-frequency facts with probes), or local files/globs
+    # "builtin", "builtin:longtail" (Zipf-frequency facts with probes), "builtin:tasks" (builtin plus S-NIAH /
+    # BABILong-style training examples that fit seq_len), or local files/globs
     sources: list[str] = field(default_factory=lambda: ["builtin"])
     text_field: str = "text"
     seq_len: int = 2048
@@ -794,6 +799,13 @@ def validate(recipe: Recipe) -> Recipe:
             raise RecipeError("model.n_kv_heads", f"model.n_heads {m.n_heads} must be a multiple of "
                               f"model.n_kv_heads {m.n_kv_heads}")
     positive("model.rope_theta", m.rope_theta)
+    if m.attention_window is not None:
+        if m.type != "decoder":
+            raise RecipeError("model.attention_window", f"is only used with model.type 'decoder' (model.type is "
+                              f"{m.type!r}); remove it (Titans sets its windows in model.titans)")
+        if m.attention_window < 1:
+            raise RecipeError("model.attention_window", f"must be >= 1 (keys per query, itself included) or null "
+                              f"for full attention, got {m.attention_window}")
     positive("model.norm_eps", m.norm_eps)
     if m.init_std is not None:
         positive("model.init_std", m.init_std)
@@ -807,8 +819,8 @@ def validate(recipe: Recipe) -> Recipe:
     if not 0 <= d.val_fraction < 1:
         raise RecipeError("data.val_fraction", f"must be in [0, 1), got {d.val_fraction}")
     if not d.sources:
-        raise RecipeError("data.sources", "is empty; name local files (text, jsonl, parquet), 'builtin' or "
-                          "'builtin:longtail'")
+        raise RecipeError("data.sources", "is empty; name local files (text, jsonl, parquet), 'builtin', "
+                          "'builtin:longtail' or 'builtin:tasks'")
     if d.tokenizer.path is None and d.tokenizer.vocab_size > m.vocab_size:
         raise RecipeError("data.tokenizer.vocab_size", f"{d.tokenizer.vocab_size} exceeds model.vocab_size "
                           f"{m.vocab_size}; the embedding must cover every token id")

@@ -23,7 +23,7 @@ from memtrain.eval.longctx import (
     check_long_context, fresh_memory_per_forward, greedy_generate, niah_depths, parse_lengths, parse_tasks,
     run_long_context, stream_call_tokens, task_examples,
 )
-from memtrain.eval.tasks import format_prompt
+from memtrain.data.tasks import format_prompt
 from memtrain.model.anchor import ModelOutput
 from memtrain.model.titans.arch import TitansOutput
 

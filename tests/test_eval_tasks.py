@@ -1,14 +1,15 @@
-"""Offline long-context evaluation data (memtrain.eval.tasks): S-NIAH and BABILong-style
+"""Offline long-context evaluation data (memtrain.data.tasks): S-NIAH and BABILong-style
 qa1-qa5. Determinism, lengths, needle depth, the answer recovered from the context by an independent
 solver, scoring."""
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
-from memtrain.eval.tasks import (
+from memtrain.data.tasks import (
     BABILONG_TASKS, DEFAULT_DEPTHS, NIAH_TASKS, TASKS, format_prompt, generate, generate_babilong, generate_niah,
     is_correct, score, to_scalars, word_count,
 )
@@ -195,3 +196,63 @@ def test_score_buckets():
     assert flat["eval/niah/length_depth/2048_0.0"] == 1.0
     with pytest.raises(ValueError, match="1 predictions for 10 examples"):
         score(["x"], examples)
+
+
+# --------------------------------------------------------------------------------------------------
+# builtin:tasks training documents (memtrain.data.tasks.task_documents)
+
+
+def test_training_documents_differ_from_evaluation_examples():
+    from memtrain.data.tasks import TaskCorpus, task_documents
+    from memtrain.eval.longctx import TASK_SEED
+
+    corpus = TaskCorpus(per_task=30)
+    docs = task_documents(256, corpus)
+    assert len(docs) >= 30 * len(NIAH_TASKS) and docs == task_documents(256, corpus)
+    # every training document is a prompt followed by its answer
+    assert all(re.search(r"\n\nQuestion: .+\nAnswer: \S+$", d) for d in docs)
+    # the evaluation's examples (seed 0) at the training documents' (word) lengths
+    lengths = sorted({len(d.split()) for d in docs})[::7]
+    evals = []
+    for task in TASKS:
+        for n in lengths:
+            try:
+                evals += generate(task, 2, lengths=[n], seed=TASK_SEED)
+            except ValueError:  # too short for this task's facts
+                pass
+    assert evals
+    eval_prompts = {format_prompt(e) for e in evals}
+    train_prompts = {d.rsplit(" ", 1)[0] for d in docs}
+    assert not eval_prompts & train_prompts
+    # S-NIAH needle values (7-digit numbers) are never those of an evaluation example
+    train_numbers = {m for d in docs for m in re.findall(r"\b\d{7}\b", d.split("\n\nQuestion")[0])}
+    eval_numbers = {e["answer"] for e in evals if e["task"] in ("passkey", "number")}
+    assert eval_numbers and not train_numbers & eval_numbers
+
+
+def test_training_documents_fit_the_length_and_spread_the_needle():
+    from memtrain.data.tasks import TaskCorpus, task_documents
+
+    corpus = TaskCorpus(per_task=40)
+    docs = task_documents(256, corpus)
+    # the word proxy: at most max_fill * seq_len / tokens_per_word words of prompt
+    limit = corpus.max_fill * 256 / corpus.tokens_per_word
+    assert all(word_count(d.rsplit(" ", 1)[0]) <= limit for d in docs)
+    passkey = [d for d in docs if "pass key" in d]
+    depths = [d.index("The pass key is") / len(d.split("\n\nQuestion")[0]) for d in passkey]
+    assert min(depths) < 0.2 and max(depths) > 0.8  # uniform depths, not all at one place
+    with pytest.raises(ValueError, match="seed 0"):
+        task_documents(256, TaskCorpus(seed=0))
+
+
+def test_builtin_tasks_source_mixes_the_corpus_and_changes_the_fingerprint():
+    from memtrain.config import load_recipe
+    from memtrain.data.prepare import data_settings, fingerprint
+    from memtrain.data.sources import read_documents
+
+    docs = list(read_documents(["builtin:tasks"], seq_len=128))
+    assert sum("\nAnswer: " in d for d in docs) > 1000 and sum("\nAnswer: " not in d for d in docs) > 10000
+    base = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "reproduce-titans.yaml")
+    other = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "reproduce-titans.yaml", ["data.sources=[builtin]"])
+    assert fingerprint(data_settings(base)) != fingerprint(data_settings(other))
+    assert data_settings(base)["tasks_version"] >= 1

@@ -27,7 +27,7 @@ from memtrain.data.cluster import ClusterTree, level_offset, normalize, num_inte
 from memtrain.eval.common import PromptEncoder, batch_memory
 from memtrain.eval.hierarchical import corrupt_ids, mode_ids, mode_names, probe_accuracy, val_perplexity
 from memtrain.eval.longctx import long_context, stream_call_tokens
-from memtrain.eval.tasks import format_prompt
+from memtrain.data.tasks import format_prompt
 from memtrain.model import build
 from memtrain.model.anchor import ModelOutput
 from memtrain.model.hierarchical import FetchedMemory, GenericMemory

@@ -95,6 +95,12 @@ def data_settings(recipe: Recipe) -> dict[str, Any]:
         from memtrain.data.longtail import LONGTAIL_VERSION
 
         settings["longtail_version"] = LONGTAIL_VERSION
+    if "builtin:tasks" in d.sources:
+        from memtrain.data.builtin import BUILTIN_VERSION
+        from memtrain.data.tasks import TASKS_CORPUS_VERSION
+
+        settings["builtin_version"] = BUILTIN_VERSION
+        settings["tasks_version"] = TASKS_CORPUS_VERSION
     return settings
 
 
@@ -204,7 +210,7 @@ def _build(recipe: Recipe, out: Path, settings: dict, fp: str) -> dict[str, Any]
         _check_vocab(tokenizer.vocab_size, recipe)
 
     read = ReadStats()
-    docs = list(tqdm(read_documents(d.sources, d.text_field, read, cache_dir=out / ".cache"),
+    docs = list(tqdm(read_documents(d.sources, d.text_field, read, cache_dir=out / ".cache", seq_len=d.seq_len),
                      desc="reading", unit=" docs", disable=None))
     shutil.rmtree(out / ".cache", ignore_errors=True)
     if not docs:
@@ -515,7 +521,7 @@ def _build_distributed(recipe: Recipe, out: Path, settings: dict, fp: str, comm:
     def read_all() -> tuple[list[str], Any]:
         read = ReadStats()
         cache = out / f".cache-{part_name(rank)}"
-        docs = list(tqdm(read_documents(d.sources, d.text_field, read, cache_dir=cache),
+        docs = list(tqdm(read_documents(d.sources, d.text_field, read, cache_dir=cache, seq_len=d.seq_len),
                          desc="reading", unit=" docs", disable=quiet))
         shutil.rmtree(cache, ignore_errors=True)
         if not docs:

@@ -1,7 +1,9 @@
 """Reading raw documents from the recipe's ``data.sources``.
 
 A source is ``"builtin"`` (the generated corpus of :mod:`memtrain.data.builtin`), ``"builtin:longtail"``
-(the Zipf-frequency corpus of :mod:`memtrain.data.longtail`) or a local path or
+(the Zipf-frequency corpus of :mod:`memtrain.data.longtail`), ``"builtin:tasks"`` (the built-in corpus
+mixed with S-NIAH and BABILong-style training examples that fit ``data.seq_len``,
+:func:`memtrain.data.tasks.task_documents`; Titans Sections 5.3-5.4) or a local path or
 glob of files: ``.txt`` (one document per file), ``.jsonl`` / ``.json`` (one document per record, in
 the field ``data.text_field``) or ``.parquet`` (one document per row, same field). Files are read with
 Hugging Face ``datasets`` in streaming mode, one file at a time, so nothing is cached under
@@ -25,6 +27,8 @@ from memtrain.errors import DataError
 
 BUILTIN = "builtin"
 LONGTAIL = "builtin:longtail"
+TASKS = "builtin:tasks"
+BUILTINS = (BUILTIN, LONGTAIL, TASKS)
 # extension -> (datasets builder, extra builder arguments)
 _FORMATS: dict[str, tuple[str, dict]] = {
     ".txt": ("text", {"sample_by": "document", "encoding": "utf-8"}),
@@ -47,11 +51,12 @@ def resolve_sources(sources: list[str]) -> list[str]:
     """Expand each source into ``"builtin"`` or a sorted list of existing files, checking extensions."""
     out: list[str] = []
     for source in sources:
-        if source in (BUILTIN, LONGTAIL):
+        if source in BUILTINS:
             out.append(source)
             continue
         if source.startswith(BUILTIN + ":"):
-            raise DataError(f"unknown built-in corpus {source!r} in data.sources; use {BUILTIN!r} or {LONGTAIL!r}")
+            raise DataError(f"unknown built-in corpus {source!r} in data.sources; use {BUILTIN!r}, {LONGTAIL!r} "
+                            f"or {TASKS!r}")
         pattern = os.path.expanduser(source)
         if glob.has_magic(pattern):
             matches = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
@@ -72,12 +77,13 @@ def resolve_sources(sources: list[str]) -> list[str]:
 
 
 def read_documents(sources: list[str], text_field: str = "text", stats: Optional[ReadStats] = None,
-                   cache_dir: Optional[str | Path] = None) -> Iterator[str]:
+                   cache_dir: Optional[str | Path] = None, seq_len: int = 2048) -> Iterator[str]:
     """Yield the non-empty documents of ``sources`` in order (sources, then sorted files, then rows).
 
     ``stats``, when given, is updated as documents are read. ``cache_dir`` is where ``datasets`` may
     put scratch files (``prepare`` passes a folder inside its temporary build directory); by default
-    a temporary directory removed when the iterator finishes.
+    a temporary directory removed when the iterator finishes. ``seq_len`` (``data.seq_len``) sizes the
+    ``builtin:tasks`` examples.
     Raises :class:`DataError` for missing files, unsupported extensions, bytes that are not UTF-8 and
     files whose records lack ``text_field``. (JSON lines are read in blocks: a record without the field
     in a block where others have it reads as null, and counts as an empty document.)
@@ -88,7 +94,7 @@ def read_documents(sources: list[str], text_field: str = "text", stats: Optional
     with tempfile.TemporaryDirectory(prefix="memtrain-datasets-") as scratch:
         for path in files:
             stats.files.append(path)
-            docs = _builtin(path) if path in (BUILTIN, LONGTAIL) else _read_file(path, text_field, cache_dir or scratch)
+            docs = _builtin(path, seq_len) if path in BUILTINS else _read_file(path, text_field, cache_dir or scratch)
             for text in docs:
                 if text.strip():
                     stats.documents += 1
@@ -97,7 +103,17 @@ def read_documents(sources: list[str], text_field: str = "text", stats: Optional
                     stats.skipped_empty += 1
 
 
-def _builtin(name: str = BUILTIN) -> Iterator[str]:
+def _builtin(name: str = BUILTIN, seq_len: int = 2048) -> Iterator[str]:
+    if name == TASKS:
+        import random
+
+        from memtrain.data.builtin import builtin_documents
+        from memtrain.data.tasks import task_documents
+
+        docs = builtin_documents(seed=0) + task_documents(seq_len)
+        random.Random("builtin:tasks").shuffle(docs)  # tasks spread over the packed samples
+        yield from docs
+        return
     if name == LONGTAIL:
         from memtrain.data.longtail import longtail_documents
 

@@ -10,7 +10,7 @@ writing the run directory (:func:`memtrain.parallel.checkpoint.reading`). What r
 - hierarchical memories (:mod:`memtrain.eval.hierarchical`): val perplexity per memory mode and, with
   ``builtin:longtail`` among the sources, the fact probes per mode (fetched, generic, blocked,
   corrupted retrieval);
-- long-context tasks (:mod:`memtrain.eval.longctx`, tasks from :mod:`memtrain.eval.tasks`): S-NIAH and
+- long-context tasks (:mod:`memtrain.eval.longctx`, tasks from :mod:`memtrain.data.tasks`): S-NIAH and
   BABILong-style qa1-qa5, by default for ``model.type: titans`` and ``memory.type: memory_llama``.
 
 The report is written as JSON to ``<run dir of the checkpoint>/eval/<tag>.json`` (``--out`` elsewhere)

@@ -1,12 +1,14 @@
 """Long-context evaluation for `memtrain eval`: single needle in a haystack (RULER-style S-NIAH:
 passkey, number, word) and BABILong-style fact chaining (qa1-qa5), generated offline by
-:mod:`memtrain.eval.tasks` (Titans paper Sections 5.3-5.4), answered by greedy generation.
+:mod:`memtrain.data.tasks` (Titans paper Sections 5.3-5.4), answered by greedy generation.
 
 - Titans models read prompts longer than ``model.max_seq_len`` in calls of ``max_seq_len`` tokens,
   carrying the memory state across calls (``stream``; exact for MAC and LMM, the attention window of
   MAG / MAL restarts per call); every sample starts from the initial memory.
 - Other models see a window: prompts longer than the context minus the new tokens keep their last
-  tokens and are counted as truncated. MemoryLlama blocks start every forward from M_0
+  tokens and are counted as truncated. A decoder with sliding-window attention
+  (``model.attention_window``, Titans Section 5.2's SWA baseline) has no context limit and reads every
+  prompt whole. MemoryLlama blocks start every forward from M_0
   (:func:`fresh_memory_per_forward`); a hierarchical-memory model uses its generic memory.
 
 The command itself (checkpoint loading, the report) is :mod:`memtrain.eval.evaluate`; what the
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import sys
 import time
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -27,7 +30,7 @@ from memtrain.config import Recipe, RecipeError
 from memtrain.eval.common import PromptEncoder, accuracy_cell, batch_memory, right_padded
 
 # --------------------------------------------------------------------------------------------------
-# Long-context tasks: S-NIAH and BABILong-style qa1-qa5 (memtrain.eval.tasks), greedy
+# Long-context tasks: S-NIAH and BABILong-style qa1-qa5 (memtrain.data.tasks), greedy
 
 
 TASK_GROUPS = {"niah": ("passkey", "number", "word"), "babilong": ("qa1", "qa2", "qa3", "qa4", "qa5")}
@@ -37,6 +40,7 @@ DEFAULT_TASK_SAMPLES = 5
 DEFAULT_MAX_NEW_TOKENS = 16
 TASK_SEED = 0
 TASK_BATCH_SIZE = 8
+NO_CONTEXT_LIMIT = sys.maxsize  # for callers that slice by the context: model_context None
 LOGITS_BUDGET = 2 * 2**30  # bytes of fp32 logits one generation forward may produce (caps the batch)
 
 
@@ -50,7 +54,7 @@ def parse_tasks(spec: Optional[str | Sequence[str]]) -> list[str]:
     """Task names from ``"niah,babilong"``-style input: the groups ``niah`` (passkey, number, word) and
     ``babilong`` (qa1-qa5) or single task names, in order, without repeats; ``none`` (or nothing) is
     no task. RecipeError for unknown names."""
-    from memtrain.eval.tasks import TASKS
+    from memtrain.data.tasks import TASKS
 
     items = spec.split(",") if isinstance(spec, str) else list(spec or [])
     out: list[str] = []
@@ -124,10 +128,10 @@ def check_long_context(recipe: Recipe, tasks: Optional[str | Sequence[str]], len
 
 def task_examples(tasks: Sequence[str], lengths: Sequence[int], samples: int, encoder: PromptEncoder,
                   seed: int = TASK_SEED) -> list[dict]:
-    """``samples`` examples per task and length (:func:`memtrain.eval.tasks.generate`, whose
+    """``samples`` examples per task and length (:func:`memtrain.data.tasks.generate`, whose
     prompts fit ``length`` tokens of ``encoder``): S-NIAH with its needles at :func:`niah_depths`,
     BABILong with the facts where they land. Deterministic in the arguments."""
-    from memtrain.eval.tasks import NIAH_TASKS, generate
+    from memtrain.data.tasks import NIAH_TASKS, generate
 
     extra = len(encoder.prefix)
     out = []
@@ -164,9 +168,12 @@ def stream_call_tokens(model: torch.nn.Module) -> Optional[int]:
     return n
 
 
-def model_context(model: torch.nn.Module, recipe: Recipe) -> int:
+def model_context(model: torch.nn.Module, recipe: Recipe) -> Optional[int]:
     """The longest input the model takes: a Hugging Face model's ``max_position_embeddings`` (its
-    pretrained context), else ``model.max_seq_len``."""
+    pretrained context), None (no limit) for a decoder with sliding-window attention (its RoPE offsets
+    never exceed the window, so any length is read as in training), else ``model.max_seq_len``."""
+    if recipe.model.type == "decoder" and recipe.model.attention_window is not None:
+        return None
     if recipe.model.type == "hf":
         for module in model.modules():
             config = getattr(module, "config", None)
@@ -215,9 +222,9 @@ def _batches(order: Sequence[int], lengths: Sequence[int], batch_size: int, max_
 
 @torch.no_grad()
 def greedy_generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int, eot_id: int,
-                    max_context: int, *, stream_tokens: Optional[int] = None, batch_size: int = TASK_BATCH_SIZE,
-                    memory_fn: Callable[[int], Any] = lambda n: None, device: torch.device | str = "cpu",
-                    pad_id: Optional[int] = None, vocab_size: Optional[int] = None,
+                    max_context: Optional[int], *, stream_tokens: Optional[int] = None,
+                    batch_size: int = TASK_BATCH_SIZE, memory_fn: Callable[[int], Any] = lambda n: None,
+                    device: torch.device | str = "cpu", pad_id: Optional[int] = None, vocab_size: Optional[int] = None,
                     logits_budget: int = LOGITS_BUDGET) -> tuple[list[list[int]], list[bool]]:
     """Greedy decoding without a KV cache: each new token re-runs the model on the whole prefix (or, for
     a streamed model, on the part after its carried memory). Stops at ``eot_id`` (not returned) or after
@@ -225,9 +232,9 @@ def greedy_generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], ma
 
     - **window** (``stream_tokens`` None: decoders, Hugging Face models): a prompt longer than
       ``max_context - max_new_tokens + 1`` tokens keeps its last that many (left truncation, flagged),
-      so every forward fits ``max_context``. Prompts are sorted by length and batched right-padded
-      (``pad_id``, default ``eot_id``; the models are causal, so padding after a row never changes its
-      logits); each row's next token is read at its own last position. ``memory_fn(batch)`` is the
+      so every forward fits ``max_context`` (None: no limit, every prompt is read whole). Prompts are
+      sorted by length and batched right-padded (``pad_id``, default ``eot_id``; the models are causal,
+      so padding after a row never changes its logits); each row's next token is read at its own last position. ``memory_fn(batch)`` is the
       ``memory`` argument (e.g. the generic memory of a hierarchical-memory model).
     - **stream** (``stream_tokens`` = C: Titans): every sample starts from a fresh memory; while the
       unread part of a sequence exceeds ``max_context`` its first C tokens are run and the memory state
@@ -243,7 +250,11 @@ def greedy_generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], ma
     pad = eot_id if pad_id is None else pad_id
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
-    if stream_tokens is None:
+    if stream_tokens is None and max_context is None:
+        seqs = [list(map(int, p)) for p in prompts]
+        truncated = [False] * n
+        span = lambda length: length + max_new_tokens - 1  # noqa: E731
+    elif stream_tokens is None:
         budget = max_context - max_new_tokens + 1
         if budget < 1:
             raise ValueError(f"max_new_tokens {max_new_tokens} leaves no room for a prompt in {max_context} tokens")
@@ -251,7 +262,7 @@ def greedy_generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], ma
         truncated = [len(p) > budget for p in prompts]
         span = lambda length: length + max_new_tokens - 1  # noqa: E731 - the longest forward of a row
     else:
-        if not 1 <= stream_tokens <= max_context:
+        if max_context is None or not 1 <= stream_tokens <= max_context:
             raise ValueError(f"stream_tokens must lie in [1, {max_context}], got {stream_tokens}")
         seqs = [list(map(int, p)) for p in prompts]
         truncated = [False] * n
@@ -320,15 +331,15 @@ def _cell(hits: Sequence[bool], cut: Sequence[bool]) -> dict[str, Any]:
 
 
 def run_long_context(model: torch.nn.Module, tokenizer: Any, examples: Sequence[dict], max_new_tokens: int,
-                     max_context: int, *, stream_tokens: Optional[int] = None, batch_size: int = TASK_BATCH_SIZE,
-                     memory_fn: Callable[[int], Any] = lambda n: None, device: torch.device | str = "cpu",
+                     max_context: Optional[int], *, stream_tokens: Optional[int] = None,
+                     batch_size: int = TASK_BATCH_SIZE, memory_fn: Callable[[int], Any] = lambda n: None, device: torch.device | str = "cpu",
                      vocab_size: Optional[int] = None, encoder: Optional[PromptEncoder] = None) -> dict[str, Any]:
-    """Tokenize each example's prompt (:func:`memtrain.eval.tasks.format_prompt`), generate
+    """Tokenize each example's prompt (:func:`memtrain.data.tasks.format_prompt`), generate
     greedily (:func:`greedy_generate`; MemoryLlama blocks start every forward from M_0), decode and score
-    (:func:`memtrain.eval.tasks.score`, whole-word answer match). Returns accuracy with
+    (:func:`memtrain.data.tasks.score`, whole-word answer match). Returns accuracy with
     counts and truncated prompts overall, per task, per length, per task and length, per needle depth,
     and every example's prediction."""
-    from memtrain.eval.tasks import format_prompt, is_correct, score
+    from memtrain.data.tasks import format_prompt, is_correct, score
 
     encoder = encoder or PromptEncoder(tokenizer)
     prompts = [encoder.encode(format_prompt(e)) for e in examples]
@@ -388,15 +399,16 @@ def long_context(model: torch.nn.Module, bank: Any, recipe: Recipe, tokenizer: A
     results = run_long_context(model, tokenizer, examples, max_new_tokens, max_context, stream_tokens=stream,
                                batch_size=batch_size, memory_fn=memory_fn, device=device, vocab_size=vocab,
                                encoder=encoder)
-    from memtrain.eval.tasks import NIAH_TASKS
+    from memtrain.data.tasks import NIAH_TASKS
 
     return {
         "tasks": list(tasks), "lengths": list(lengths), "samples": samples, "seed": TASK_SEED,
         "niah_depths": niah_depths(samples) if any(t in NIAH_TASKS for t in tasks) else [],
         "max_new_tokens": max_new_tokens, "length_unit": "tokens", "bos": bool(encoder.prefix),
-        "context": {"mode": "stream" if stream is not None else "window", "max_context": max_context,
-                    "call_tokens": stream,
-                    "prompt_budget": None if stream is not None else max_context - max_new_tokens + 1},
+        "context": {"mode": "stream" if stream is not None else "window" if max_context is not None else "whole",
+                    "max_context": max_context, "call_tokens": stream,
+                    "prompt_budget": None if stream is not None or max_context is None
+                    else max_context - max_new_tokens + 1},
         "memory": memory,
         **results,
         "seconds": round(time.perf_counter() - t0, 3),
@@ -426,6 +438,8 @@ def long_context_lines(lc: dict[str, Any]) -> list[str]:
     if ctx["mode"] == "stream":
         how = (f"read in calls of {ctx['call_tokens']} tokens with the memory carried between them "
                f"(nothing truncated)")
+    elif ctx["mode"] == "whole":
+        how = "read whole (sliding-window attention: no context limit)"
     else:
         how = (f"{lc['truncated']} left-truncated to {ctx['prompt_budget']} tokens to fit the model's "
                f"{ctx['max_context']}-token context")
@@ -440,6 +454,7 @@ __all__ = [
     "DEFAULT_TASK_LENGTHS",
     "DEFAULT_TASK_SAMPLES",
     "LOGITS_BUDGET",
+    "NO_CONTEXT_LIMIT",
     "PromptEncoder",
     "TASK_BATCH_SIZE",
     "TASK_GROUPS",

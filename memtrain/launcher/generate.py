@@ -225,7 +225,7 @@ def generate(recipe: Recipe, prompts: Sequence[str], checkpoint: Optional[str | 
     from memtrain.data.tokenizer import load_tokenizer
     from memtrain.eval.common import PromptEncoder, write_json_atomic
     from memtrain.eval.evaluate import find_checkpoint, load_model, pick_device
-    from memtrain.eval.longctx import greedy_generate, model_context
+    from memtrain.eval.longctx import NO_CONTEXT_LIMIT, greedy_generate, model_context
     from memtrain.parallel import checkpoint as ckpt
 
     check_generate(recipe, prompts, context_bank, max_new_tokens, bank_capacity, encoder, encoder_steps,
@@ -244,7 +244,7 @@ def generate(recipe: Recipe, prompts: Sequence[str], checkpoint: Optional[str | 
         ckpt.check_compatible(info, state, recipe, info.world_size)
         ckpt.verify(info)
         model, _ = load_model(recipe, info, device)
-    max_context = model_context(model, recipe)
+    max_context = model_context(model, recipe) or NO_CONTEXT_LIMIT  # None: a windowed decoder reads any length
     echo(f"checkpoint {info.path} (step {info.step}) on {device}; context bank {context_bank}")
     answer_ids = [int(t) for t in tokenizer.encode(answer)] if answer is not None else None
 

@@ -13,7 +13,8 @@ Architecture (paper Appendix A.1, Tables 6-8, block of Fig. 13; Appendix I names
 - RoPE (Appendix A: frequency base 100,000), rotate-half convention, computed in fp32. With
   ``reset_positions`` the positions restart at every document of a packed sequence.
 - SwiGLU FFN with OpenLM's names: ``w3(silu(w1 x) * w2 x)`` (w1 gate, w2 up, w3 down). No biases.
-- Attention is causal and never crosses documents (:mod:`memtrain.model.attention`).
+- Attention is causal and never crosses documents (:mod:`memtrain.model.attention`); with
+  ``model.attention_window`` it is sliding-window attention (Titans Section 5.2's SWA baseline).
 
 Initialisation (OpenLM's scheme; :meth:`DecoderLM.reset_parameters`): every weight matrix and the
 embedding draw from a normal truncated at +-3 sigma, with
@@ -419,7 +420,8 @@ class DecoderLM(TrainingOptions, nn.Module):
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}")
         T = input_ids.shape[1]
-        if T > self.cfg.max_seq_len:
+        if T > self.cfg.max_seq_len and self.cfg.attention_window is None:
+            # A windowed decoder is length-agnostic: RoPE offsets within a window never exceed it.
             raise ValueError(f"sequence length {T} exceeds model.max_seq_len {self.cfg.max_seq_len}")
         if doc_ids is not None and doc_ids.shape != input_ids.shape:
             raise ValueError(f"doc_ids shape {tuple(doc_ids.shape)} differs from input_ids "
@@ -427,7 +429,7 @@ class DecoderLM(TrainingOptions, nn.Module):
 
         cos, sin = self.rope(self.position_ids(input_ids, doc_ids))
         # Built once per forward (for flex: the block mask) and shared by every block.
-        mask = build_attention_mask(doc_ids, T, self.cfg.attention, input_ids.device)
+        mask = build_attention_mask(doc_ids, T, self.cfg.attention, input_ids.device, self.cfg.attention_window)
         x = self.embed(input_ids)
         layout = self.memory_layout
         mems: list[Optional[torch.Tensor]] = [None] * len(self.blocks)

@@ -15,6 +15,10 @@ document boundaries). This module owns that rule for every attention path:
   dense-mask sdpa path stands in for it.
 - ``auto``: flex on CUDA when it can be imported, sdpa otherwise.
 
+With a sliding window of ``w`` keys (``model.attention_window``; the SWA baseline of Titans Section 5.2,
+Table 2), a query at t additionally sees only keys s with ``t - s < w`` (itself included); plain causal
+sdpa then takes the dense mask, and the flex ``mask_mod`` adds the same condition.
+
 Masks are built once per forward by :func:`build_attention_mask` and shared by all layers (the flex
 ``BlockMask`` too: one ``create_block_mask`` per batch, compiled on CUDA, outside the compiled blocks).
 """
@@ -71,10 +75,19 @@ def _warn_flex_cpu_backward() -> None:
                   "while gradients are enabled", stacklevel=4)
 
 
-def document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
-    """Dense boolean mask ``[B, 1, T, T]``: True where query t may attend key s (s <= t, same doc)."""
-    T = doc_ids.shape[-1]
-    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
+def causal_mask(seq_len: int, device: torch.device | str, window: Optional[int] = None) -> torch.Tensor:
+    """Dense boolean mask ``[T, T]``: True where query t may attend key s (s <= t, and t - s < ``window``
+    when one is given)."""
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
+    if window is not None:
+        causal = causal.triu(-(window - 1))
+    return causal
+
+
+def document_mask(doc_ids: torch.Tensor, window: Optional[int] = None) -> torch.Tensor:
+    """Dense boolean mask ``[B, 1, T, T]``: True where query t may attend key s (s <= t, same doc, and
+    t - s < ``window`` when one is given)."""
+    causal = causal_mask(doc_ids.shape[-1], doc_ids.device, window)
     same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]
     return (same_doc & causal)[:, None]
 
@@ -94,15 +107,23 @@ def _create_block_mask_accepts_compile() -> bool:
     return "_compile" in inspect.signature(create_block_mask).parameters
 
 
-def _flex_block_mask(doc_ids: Optional[torch.Tensor], batch: int, seq_len: int, device: torch.device) -> Any:
+def _flex_block_mask(doc_ids: Optional[torch.Tensor], batch: int, seq_len: int, device: torch.device,
+                     window: Optional[int] = None) -> Any:
+    if window is None:
+        def visible(q_idx, kv_idx):
+            return q_idx >= kv_idx
+    else:
+        def visible(q_idx, kv_idx):
+            return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
+
     if doc_ids is None:
         def mask_mod(b, h, q_idx, kv_idx):
-            return q_idx >= kv_idx
+            return visible(q_idx, kv_idx)
 
         batch_dim = None  # the same causal pattern for every sequence
     else:
         def mask_mod(b, h, q_idx, kv_idx):
-            return (q_idx >= kv_idx) & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
+            return visible(q_idx, kv_idx) & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
 
         batch_dim = batch
     kwargs = {}
@@ -114,21 +135,28 @@ def _flex_block_mask(doc_ids: Optional[torch.Tensor], batch: int, seq_len: int, 
 
 
 def build_attention_mask(doc_ids: Optional[torch.Tensor], seq_len: int, backend: str,
-                         device: torch.device) -> AttentionMask:
+                         device: torch.device, window: Optional[int] = None) -> AttentionMask:
     """Build the mask for one forward pass (shared by all layers).
 
     ``doc_ids``: ``[B, T]`` document index per position (non-decreasing along T) or None for one
-    document per sequence (plain causal attention).
+    document per sequence (plain causal attention). ``window``: keys per query, itself included
+    (sliding-window attention); None for full causal attention.
     """
+    if window is not None and window < 1:
+        raise ValueError(f"attention window must be >= 1, got {window}")
+    if window is not None and window >= seq_len:
+        window = None  # every causal key is within the window: plain causal attention
     resolved = resolve_backend(backend, device)
     if doc_ids is not None and doc_ids.shape[-1] != seq_len:
         raise ValueError(f"doc_ids has length {doc_ids.shape[-1]}, expected {seq_len}")
     if resolved == "flex":
         batch = 1 if doc_ids is None else doc_ids.shape[0]
-        return AttentionMask("flex", block_mask=_flex_block_mask(doc_ids, batch, seq_len, device))
+        return AttentionMask("flex", block_mask=_flex_block_mask(doc_ids, batch, seq_len, device, window))
     if doc_ids is None:
-        return AttentionMask("sdpa")
-    return AttentionMask("sdpa", dense=document_mask(doc_ids))
+        if window is None:
+            return AttentionMask("sdpa")
+        return AttentionMask("sdpa", dense=causal_mask(seq_len, device, window)[None, None])
+    return AttentionMask("sdpa", dense=document_mask(doc_ids, window))
 
 
 @functools.lru_cache(maxsize=None)
@@ -165,6 +193,6 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMas
 
 
 __all__ = [
-    "AttentionMask", "BACKENDS", "attend", "build_attention_mask", "document_mask", "flex_available",
+    "AttentionMask", "BACKENDS", "attend", "build_attention_mask", "causal_mask", "document_mask", "flex_available",
     "resolve_backend",
 ]

@@ -24,6 +24,14 @@ BABILong that of the earliest supporting fact, rounded to the nearest quarter. `
 defaults to a whitespace word count; pass a tokenizer's counter for token lengths, e.g.
 ``lambda s: len(tok(s, add_special_tokens=False).input_ids)``.
 
+**Training documents** (:func:`task_documents`, the ``builtin:tasks`` source of
+:mod:`memtrain.data.sources`): the same formats written as ``format_prompt(example) + " " + answer``,
+generated with :data:`TRAIN_SEED` (the evaluation uses seed 0, ``memtrain.eval.longctx.TASK_SEED``, so
+no evaluation example is trained on) at lengths that fit the training sequence length, with S-NIAH
+needles at uniformly random depths. At small scale a model does not learn needle retrieval zero-shot
+from prose (Titans Section 5.3 evaluates models pretrained on 15-30B tokens), so the reproduction of
+Table 2 trains on the task formats at a short context and tests at 1x-8x that context.
+
 Scoring (:func:`score`) follows the thesis protocol (Section 4.2.3): a prediction is correct when it
 contains the answer as a whole word (case-insensitive), accuracy per task, length, depth and
 (length, depth) cell. :func:`generate` is deterministic in its arguments (per-example generators
@@ -38,6 +46,7 @@ import itertools
 import random
 import re
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Sequence
 
 NIAH_TASKS = ("passkey", "number", "word")
@@ -452,7 +461,60 @@ def to_scalars(result: dict, prefix: str = "eval") -> dict[str, float]:
     return out
 
 
+# -------------------------------------------------------------------------------------------------
+# Training documents (the builtin:tasks source)
+
+
+TRAIN_SEED = 1  # != the evaluation's seed 0 (memtrain.eval.longctx.TASK_SEED): no evaluation example is trained on
+# Bump when the training documents change, so data prepared with builtin:tasks is rebuilt.
+TASKS_CORPUS_VERSION = 2
+
+
+@dataclass(frozen=True)
+class TaskCorpus:
+    """How many ``builtin:tasks`` training examples, and how long. The tokenizer is trained after the
+    sources are read, so lengths are whitespace words (:func:`word_count`) times ``tokens_per_word``, a
+    proxy above the tokens per word of this text (2.0 on average with the 2048-piece unigram tokenizer
+    of ``recipes/reproduce-titans.yaml``: seven-digit numbers take several pieces) so that an example
+    fits ``seq_len`` tokens (the longest came to 0.96 x seq_len there)."""
+
+    # Examples of each of the 8 tasks: 2000 (every S-NIAH example a distinct needle; with 400, a
+    # 4-layer model trained 200 steps learned the answer format but never copied a needle).
+    per_task: int = 2000
+    min_fill: float = 0.3  # an example's length is drawn uniformly in [min_fill, max_fill] x seq_len (proxy tokens)
+    max_fill: float = 0.95
+    tokens_per_word: float = 2.5
+    seed: int = TRAIN_SEED
+
+
+def task_documents(seq_len: int, corpus: TaskCorpus = TaskCorpus()) -> list[str]:
+    """``corpus.per_task`` training documents per task of :data:`TASKS`, each ``format_prompt(example) +
+    " " + answer``, deterministic in the arguments. S-NIAH needles sit at uniformly random depths; a
+    BABILong sample whose facts do not fit its length is drawn again with the task's fewest facts, and
+    left out if even those do not fit (short ``seq_len``)."""
+    if corpus.seed == 0:
+        raise ValueError("TaskCorpus.seed 0 is the evaluation's seed; training examples need another")
+    rng = random.Random(f"tasks-corpus:{corpus.seed}")
+    docs = []
+    for task in TASKS:
+        for i in range(corpus.per_task):
+            words = int(rng.uniform(corpus.min_fill, corpus.max_fill) * seq_len / corpus.tokens_per_word)
+            depth = round(rng.random(), 3)
+            seed = f"{corpus.seed}.{i}"
+            example = None
+            for num_facts in ((None, _FACTS[task][0]) if task in BABILONG_TASKS else (None,)):
+                try:
+                    example = generate(task, 1, lengths=[words], depths=[depth], seed=seed, num_facts=num_facts)[0]
+                    break
+                except ValueError:
+                    continue
+            if example is not None:
+                docs.append(format_prompt(example) + " " + example["answer"])
+    return docs
+
+
 __all__ = [
+    "TASKS_CORPUS_VERSION", "TRAIN_SEED", "TaskCorpus", "task_documents",
     "BABILONG_TASKS", "DEFAULT_DEPTHS", "DEFAULT_LENGTHS", "NIAH_TASKS", "PROMPT", "TASKS", "format_prompt",
     "generate", "generate_babilong", "generate_niah", "is_correct", "score", "to_scalars", "word_count",
 ]
