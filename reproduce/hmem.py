@@ -33,7 +33,11 @@ memory arms add the memory optimizer of the quickstart recipe, untuned here):
 Every run is ``memtrain train`` and ``memtrain eval`` on ``recipes/reproduce-hmem.yaml`` with
 overrides (printed in ``hmem.md`` and the log), so any arm can be re-run by hand. Results:
 ``<out>/hmem.json``, ``<out>/hmem.md`` (with the paper's numbers beside), ``<out>/hmem.png``
-(probe accuracy by frequency bucket) and ``<out>/hmem.log`` (every command's output).
+(probe accuracy by frequency bucket) and ``<out>/hmem.log`` (every command's output). After the arms,
+:func:`retrieval_analysis` measures whether retrieval from the prompt reaches the clusters that hold
+each probe's facts, and what the memory models score when it does (oracle retrieval). Running the
+script again skips the arms already trained and evaluated under ``--out``.
+Usage: ``python reproduce/hmem.py [--out DIR] [--gpu] [--smoke] [--arms a,b] [--data-dir DIR]``.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ and BABILong-style accuracy per length, and validation perplexity. Results: ``<o
 1x-8x) and ``<out>/titans.png`` (S-NIAH mean accuracy against the context multiple).
 
 Nothing is tuned per arm; the results are reported whichever way they come out.
-Usage: ``python reproduce/titans.py [--out DIR] [--gpu] [--smoke] [--arms a,b]``.
+Usage: ``python reproduce/titans.py [--out DIR] [--gpu] [--smoke] [--arms a,b] [--steps N]``.
 """
 
 from __future__ import annotations
