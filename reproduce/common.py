@@ -49,7 +49,11 @@ def newest_eval(run_dir: Path) -> dict[str, Any]:
                    key=lambda p: int(p.stem.removeprefix("global_step")))
     if not files:
         raise ReproError(f"{run_dir}/eval holds no report; run `memtrain eval` on the run first")
-    return json.loads(files[-1].read_text())
+    try:
+        return json.loads(files[-1].read_text())
+    except ValueError as e:
+        raise ReproError(f"{files[-1]} is not valid JSON ({e}); delete it and run the script again, which "
+                         "evaluates the arm anew") from None
 
 
 def pct(x: Optional[float]) -> str:

@@ -158,3 +158,16 @@ def test_retrieval_agreement_counts_probes_that_reach_their_entitys_clusters(tmp
     for b in ("all", *hmem.BUCKETS):
         levels = [r["agreement"][f"level{l}"][b] for l in (1, 2, 3)]
         assert all(0.0 <= v <= 1.0 for v in levels) and levels == sorted(levels, reverse=True), (b, levels)
+
+
+def test_a_corrupted_report_is_evaluated_again_not_a_traceback(tmp_path):
+    from common import ReproError, newest_eval
+
+    run = tmp_path / "runs" / "anchor"
+    (run / "eval").mkdir(parents=True)
+    bad = run / "eval" / "global_step300.json"
+    bad.write_text('{"checkpoint": {"step": 3')  # cut off mid-write
+    with pytest.raises(ReproError, match="global_step300.json is not valid JSON") as e:
+        newest_eval(run)
+    assert "\n" not in str(e.value) and bad.exists()  # one line; nothing deleted behind the user's back
+    assert hmem.finished(run, 300) is None  # the script trains (resumes) and evaluates the arm again
