@@ -7,7 +7,9 @@ module, same width, heads, depth and chunk size, so the same math), ``speedup_ch
 on CUDA the kernel columns (``kernel="triton"`` under bf16 autocast, as bf16 training runs it:
 ``kernel_bf16_tokens_per_s``, its speedups over the PyTorch chunked form and over titans-pytorch,
 ``kernel_first_call_s`` (compilation) and ``kernel_max_rel_err_vs_torch``, the largest relative error of
-output and input gradient against the PyTorch form on the first 1024 tokens); and
+output and input gradient against the PyTorch form on the first 1024 tokens; ``kernel_impl`` names the kernel
+pair: ``triton_kernels`` for depth 1-2, ``triton_deep`` for depth 3+; at depth 1-2 the ``kernel_any_depth_*``
+columns time ``triton_deep`` as well, to show what holding the state in registers buys); and
 ``titans_pytorch`` (tokens/s of titans-pytorch's layer at the closest settings, or
 ``"not installed"``). Each timing is the median over repeats after a short warm-up; the loss is the
 mean square of the layer output. Not part of the test suite.
@@ -61,6 +63,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from memtrain.kernels import titans as titans_kernels  # noqa: E402
 from memtrain.kernels.titans import triton_available  # noqa: E402
 from memtrain.model.titans import NeuralMemory  # noqa: E402
 
@@ -68,6 +71,8 @@ FULL = [  # (batch, seq_len, dim, heads, depth, chunk_size)
     (4, 2048, 512, 8, 2, 64),
     (4, 8192, 512, 8, 2, 64),
     (2, 2048, 768, 12, 2, 16),
+    (4, 2048, 512, 8, 3, 64),  # deeper memories (Section 5.5 varies L_M from 1 to 4): the any-depth kernels
+    (4, 2048, 512, 8, 4, 64),
 ]
 QUICK = [
     (1, 2048, 256, 4, 2, 64),
@@ -165,21 +170,32 @@ def kernel_columns(mem: NeuralMemory, x: torch.Tensor, warm: torch.Tensor, repea
         (g,) = torch.autograd.grad(y.square().mean(), inp)
         return y.detach(), g
 
-    check = x[:, : min(T, 1024)]
-    y_ref, g_ref = fwd_bwd("torch", check)
-    _sync(x.device)
-    t0 = time.perf_counter()
-    y_k, g_k = fwd_bwd("triton", check)
-    _sync(x.device)
-    out["kernel_first_call_s"] = round(time.perf_counter() - t0, 2)
-    out["kernel_max_rel_err_vs_torch"] = max(
-        ((a - b).abs().max() / b.abs().max()).item() for a, b in ((y_k, y_ref), (g_k, g_ref)))
-    mem.kernel = "triton"
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        secs["kernel_bf16"] = time_fwd_bwd(lambda inp: mem(inp)[0].float().square().mean(), x, repeats, warm)
-    mem.kernel = "torch"
-    out["kernel_bf16_tokens_per_s"] = round(B * T / secs["kernel_bf16"], 1)
-    out["speedup_kernel_bf16_vs_chunked"] = round(secs["chunked"] / secs["kernel_bf16"], 2)
+    def columns(prefix: str) -> None:
+        check = x[:, : min(T, 1024)]
+        y_ref, g_ref = fwd_bwd("torch", check)
+        _sync(x.device)
+        t0 = time.perf_counter()
+        y_k, g_k = fwd_bwd("triton", check)
+        _sync(x.device)
+        out[f"{prefix}_first_call_s"] = round(time.perf_counter() - t0, 2)
+        out[f"{prefix}_max_rel_err_vs_torch"] = max(
+            ((a - b).abs().max() / b.abs().max()).item() for a, b in ((y_k, y_ref), (g_k, g_ref)))
+        mem.kernel = "triton"
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            secs[f"{prefix}_bf16"] = time_fwd_bwd(lambda inp: mem(inp)[0].float().square().mean(), x, repeats, warm)
+        mem.kernel = "torch"
+        out[f"{prefix}_bf16_tokens_per_s"] = round(B * T / secs[f"{prefix}_bf16"], 1)
+        out[f"speedup_{prefix}_bf16_vs_chunked"] = round(secs["chunked"] / secs[f"{prefix}_bf16"], 2)
+
+    deep_from = titans_kernels.DEEP_KERNEL_MIN_DEPTH
+    out["kernel_impl"] = "triton_deep" if mem.depth >= deep_from else "triton_kernels"
+    columns("kernel")
+    if mem.depth < deep_from and titans_kernels.kernel_fits(mem.head_dim, mem.init_weights[0].shape[-2], deep_from):
+        titans_kernels.DEEP_KERNEL_MIN_DEPTH = 1  # the any-depth kernels at this depth too
+        try:
+            columns("kernel_any_depth")
+        finally:
+            titans_kernels.DEEP_KERNEL_MIN_DEPTH = deep_from
     return out
 
 

@@ -141,8 +141,8 @@ class TitansConfig:
     # (1 - memory_max_momentum). Without them (the paper's form, false / 1.0) titans-400m-mag diverged.
     memory_value_norm: bool = True
     memory_max_momentum: float = 0.95
-    # Where the chunked inner loop runs (memtrain.kernels.titans): auto = the fused Triton kernels on CUDA for
-    # memory_depth 1 or 2, the PyTorch chunked form elsewhere; triton forces the kernels (CPU only under
+    # Where the chunked inner loop runs (memtrain.kernels.titans): auto = the fused Triton kernels on CUDA (any
+    # memory_depth; head size x hidden width within their tiles), the PyTorch chunked form elsewhere; triton forces the kernels (CPU only under
     # TRITON_INTERPRET=1); torch forces the PyTorch form. The same function: may change on resume.
     kernel: Literal["auto", "triton", "torch"] = "auto"
     persistent_tokens: int = 4  # N_p learnable tokens prepended in every block (Section 3.3); 0: none

@@ -1,10 +1,16 @@
-"""The Titans inner loop (Titans, Sections 3.1-3.2): fused Triton kernels (:mod:`.triton_kernels`, forward
-and backward) beside their PyTorch reference and fallback (:mod:`.reference`), and the dispatch between them.
+"""The Titans inner loop (Titans, Sections 3.1-3.2): fused Triton kernels, forward and backward, beside their
+PyTorch reference and fallback (:mod:`.reference`), and the dispatch between them.
+
+Two kernel pairs: :mod:`.triton_kernels` for memory depth 1 and 2 (every layer's weights and momentum held in
+registers) and :mod:`.triton_deep` for depth 3 and more (Section 5.5 varies the depth from 1 to 4; the state
+lives in a per-program scratch in global memory, one zero-padded tile per layer). :func:`scan` picks by depth
+(:data:`DEEP_KERNEL_MIN_DEPTH`).
 
 ``kernel``: ``"auto"`` runs the kernels for the ``"chunked"`` algorithm on bfloat16 / float16 CUDA tensors
-(bf16 training; when Triton imports, the memory has depth 1 or 2 and its layers fit one tile) and the PyTorch chunked form elsewhere; ``"triton"`` forces the
-kernels (on CPU only under ``TRITON_INTERPRET=1``; the tests do; a ValueError for depth 3+, a layer tile
-above :data:`KERNEL_MAX_TILE` or the sequential algorithm); ``"torch"`` forces the PyTorch form.
+(bf16 training; when Triton imports and the layers fit the kernels' tiles, :func:`kernel_unsupported`) and the
+PyTorch chunked form elsewhere; ``"triton"`` forces the kernels (on CPU only under ``TRITON_INTERPRET=1``; the
+tests do; a ValueError naming the limit for a memory whose layers do not fit or the sequential algorithm);
+``"torch"`` forces the PyTorch form.
 
 float32 inputs under ``"auto"`` stay in PyTorch: the kernels' IEEE float32 dot products (``"triton"`` with float32
 inputs, what the exactness tests use) compile slowly for large tiles (the backward at head size 64, hidden 128,
@@ -25,20 +31,43 @@ from memtrain.kernels.titans import reference
 from memtrain.kernels.titans.reference import ALGORITHMS
 
 KERNELS = ("auto", "triton", "torch")
-KERNEL_DEPTHS = (1, 2)
-# The kernels hold a layer's weights as one tile: head size x hidden width, each rounded up to a power of two,
-# at most this many elements (head size 128 with hidden 256; the recipes use 64 x 128). MemoryLlama's one
-# 2048-wide head stays in PyTorch.
+# The kernels hold a layer's weights as one tile. Depth 1-2: head size x hidden width, each rounded up to a
+# power of two, at most this many elements (head size 128 with hidden 256; the recipes use 64 x 128).
 KERNEL_MAX_TILE = 128 * 256
+# Depth 3+: every layer padded to one square tile of the larger of the two (rounded up), at most this wide (a
+# 256-wide tile's bf16 dot operands alone would exceed an H100's shared memory). MemoryLlama's one 2048-wide
+# head stays in PyTorch.
+DEEP_KERNEL_MAX_WIDTH = 128
+# Memories at least this deep run the any-depth kernels (:mod:`.triton_deep`); the benchmark lowers it to time
+# them at depth 2 as well.
+DEEP_KERNEL_MIN_DEPTH = 3
 
 
 def _pow2(x: int) -> int:
     return 1 << max(4, (x - 1).bit_length())
 
 
-def kernel_fits(head_dim: int, hidden: int) -> bool:
-    """Whether a memory with this head size and hidden width (depth 1: the head size) fits the kernels' tiles."""
+def kernel_fits(head_dim: int, hidden: int, depth: int = 2) -> bool:
+    """Whether a memory of ``depth`` layers with this head size and hidden width (depth 1: the head size) fits
+    the kernels' tiles."""
+    if depth >= DEEP_KERNEL_MIN_DEPTH:
+        return max(_pow2(head_dim), _pow2(hidden)) <= DEEP_KERNEL_MAX_WIDTH
     return _pow2(head_dim) * _pow2(hidden) <= KERNEL_MAX_TILE
+
+
+def kernel_unsupported(depth: int, head_dim: int, hidden: int, algorithm: str = "chunked") -> str | None:
+    """Why the kernels cannot run this memory (``None`` when they can): the sequential algorithm, or layers
+    wider than the kernels' tiles. ``hidden`` is ignored for depth 1."""
+    hidden = hidden if depth > 1 else head_dim
+    if algorithm != "chunked":
+        return f"the Triton kernels run the chunked algorithm, got algorithm {algorithm!r}"
+    if not kernel_fits(head_dim, hidden, depth):
+        limit = (f"head size and hidden width up to {DEEP_KERNEL_MAX_WIDTH} at depth {DEEP_KERNEL_MIN_DEPTH}+"
+                 if depth >= DEEP_KERNEL_MIN_DEPTH else
+                 f"head size x hidden width (powers of two) up to {KERNEL_MAX_TILE} at depth 1-2")
+        return (f"the Triton kernels take a memory with {limit}, got depth {depth}, head size {head_dim}, hidden "
+                f"{hidden}")
+    return None
 
 
 def triton_available() -> bool:
@@ -58,15 +87,11 @@ def use_triton(kernel: str, q: torch.Tensor, depth: int, algorithm: str = "chunk
         raise ValueError(f"Titans memory kernel must be one of {KERNELS}, got {kernel!r}")
     if kernel == "torch":
         return False
-    hidden = hidden if depth > 1 else head_dim
-    supported = algorithm == "chunked" and depth in KERNEL_DEPTHS and kernel_fits(head_dim, hidden)
+    why = kernel_unsupported(depth, head_dim, hidden, algorithm)
     if kernel == "auto":  # half-precision inputs (bf16 training); float32 / float64 stay in PyTorch
-        return supported and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and triton_available()
-    if not supported:
-        raise ValueError(f"Titans memory kernel 'triton' runs the chunked algorithm for memory depth 1 or 2 with "
-                         f"head size x hidden width (powers of two) up to {KERNEL_MAX_TILE}, got algorithm "
-                         f"{algorithm!r}, depth {depth}, head size {head_dim}, hidden {hidden}; use kernel 'auto' or "
-                         "'torch'")
+        return why is None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and triton_available()
+    if why is not None:
+        raise ValueError(f"Titans memory kernel 'triton': {why}; use kernel 'auto' or 'torch'")
     if not triton_available():
         raise RuntimeError("Titans memory kernel 'triton' needs the triton package")
     if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
@@ -81,7 +106,10 @@ def scan(q, k, v, lr, log_eta, log_keep, w, s, wg, pos: int, chunk_size: int, al
     ``pos`` (the shapes of :mod:`.reference`); ``kernel`` picks where it runs (module docstring)."""
     if not use_triton(kernel, q, len(w), algorithm, head_dim=w[0].shape[-1], hidden=w[0].shape[-2]):
         return reference.scan(q, k, v, lr, log_eta, log_keep, w, s, wg, pos, chunk_size, algorithm)
-    from memtrain.kernels.titans import triton_kernels
+    if len(w) >= DEEP_KERNEL_MIN_DEPTH:
+        from memtrain.kernels.titans.triton_deep import chunk_scan
+    else:
+        from memtrain.kernels.titans.triton_kernels import chunk_scan
 
     T = q.shape[1]
     lead = min((chunk_size - pos % chunk_size) % chunk_size, T)
@@ -93,11 +121,11 @@ def scan(q, k, v, lr, log_eta, log_keep, w, s, wg, pos: int, chunk_size: int, al
         ys.append(y)
     if lead < T:
         tail = slice(lead, T)
-        y, w, s, wg = triton_kernels.chunk_scan(q[:, tail], k[:, tail], v[:, tail], lr[:, tail], log_eta[:, tail],
-                                                log_keep[:, tail], w, s, chunk_size)
+        y, w, s, wg = chunk_scan(q[:, tail], k[:, tail], v[:, tail], lr[:, tail], log_eta[:, tail],
+                                 log_keep[:, tail], w, s, chunk_size)
         ys.append(y)
     return (ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)), w, s, wg
 
 
-__all__ = ["ALGORITHMS", "KERNELS", "KERNEL_DEPTHS", "KERNEL_MAX_TILE", "kernel_fits", "scan", "triton_available",
-           "use_triton"]
+__all__ = ["ALGORITHMS", "DEEP_KERNEL_MAX_WIDTH", "DEEP_KERNEL_MIN_DEPTH", "KERNELS", "KERNEL_MAX_TILE", "kernel_fits",
+           "kernel_unsupported", "scan", "triton_available", "use_triton"]

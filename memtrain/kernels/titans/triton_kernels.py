@@ -166,6 +166,30 @@ def _read_grads(dz, h, w, st, a, dd, p, hw, hs, dec, car, mix, DOT: tl.constexpr
 
 
 @triton.jit
+def _store_chunk_grads(DQ, DK, DV, DDEC, DCAR, DMIX, DEEND, DMEND, dq, dk, dv, ddec, dcar, dmix, dee, dme, ddec_l,
+                       dcar_l, dml, n, c, NC, Tp, C, D, last, offs_c, offs_d):
+    """Chunk ``c``'s input gradients: the rows of q, k, v and those of its coefficients. The end row of B, f and
+    c (row ``last``, read for the chunk-end state) also gets ``ddec_l``, ``dcar_l`` and ``dml``; ``dmix`` is kept
+    lower triangular."""
+    mc = offs_c < C
+    lower = (offs_c[:, None] >= offs_c[None, :]) & mc[:, None] & mc[None, :]
+    is_last = offs_c == last
+    ddec += tl.where(is_last, ddec_l, 0.0)
+    dcar += tl.where(is_last, dcar_l, 0.0)
+    dmix += tl.where(is_last[:, None], dml[None, :], 0.0)
+    dmix = tl.where(lower, dmix, 0.0)
+    base = n * NC + c
+    tl.store(DDEC + base * C + offs_c, ddec, mask=mc)
+    tl.store(DCAR + base * C + offs_c, dcar, mask=mc)
+    tl.store(DMIX + base * C * C + offs_c[:, None] * C + offs_c[None, :], dmix, mask=mc[:, None] & mc[None, :])
+    tl.store(DEEND + base, dee)
+    tl.store(DMEND + base * C + offs_c, dme, mask=mc)
+    _store_rows(DQ, dq, n, c, Tp, C, D, offs_c, offs_d)
+    _store_rows(DK, dk, n, c, Tp, C, D, offs_c, offs_d)
+    _store_rows(DV, dv, n, c, Tp, C, D, offs_c, offs_d)
+
+
+@triton.jit
 def _fwd_kernel(Q, K, V, DEC, CAR, MIX, EEND, MEND, W1, S1, W2, S2,
                 Y, W1o, S1o, W2o, S2o, WG1, WG2, SW1, SS1, SW2, SS2,
                 NC, Tp, N_LAST, SAVE_EVERY, NSAVE, C, D, H1,
@@ -225,8 +249,6 @@ def _bwd_kernel(Q, K, V, DY, DEC, CAR, MIX, EEND, MEND, SW1, SS1, SW2, SS2, R1, 
     offs_c = tl.arange(0, BC)
     offs_d = tl.arange(0, BD)
     offs_h = tl.arange(0, BH)
-    mc = offs_c < C
-    lower = (offs_c[:, None] >= offs_c[None, :]) & mc[:, None] & mc[None, :]
     sz = H1 * D
     # gradients of the state at the end of the current chunk (carried backwards)
     g1 = _load_mat(DW1o + n * sz, H1, D, offs_h, offs_d)
@@ -341,21 +363,8 @@ def _bwd_kernel(Q, K, V, DY, DEC, CAR, MIX, EEND, MEND, SW1, SS1, SW2, SS2, R1, 
                 dv = -dz1
             dw1 += _mm(tl.trans(dz1), k, DOT)
             dk += _mm(dz1, w1, DOT)
-            # the end row of the coefficients (B_last, f_last, c_last) was read at row `last`
-            is_last = offs_c == last
-            ddec += tl.where(is_last, ddec_l, 0.0)
-            dcar += tl.where(is_last, dcar_l, 0.0)
-            dmix += tl.where(is_last[:, None], dml[None, :], 0.0)
-            dmix = tl.where(lower, dmix, 0.0)
-            base = n * NC + c
-            tl.store(DDEC + base * C + offs_c, ddec, mask=mc)
-            tl.store(DCAR + base * C + offs_c, dcar, mask=mc)
-            tl.store(DMIX + base * C * C + offs_c[:, None] * C + offs_c[None, :], dmix, mask=mc[:, None] & mc[None, :])
-            tl.store(DEEND + base, dee)
-            tl.store(DMEND + base * C + offs_c, dme, mask=mc)
-            _store_rows(DQ, dq, n, c, Tp, C, D, offs_c, offs_d)
-            _store_rows(DK, dk, n, c, Tp, C, D, offs_c, offs_d)
-            _store_rows(DV, dv, n, c, Tp, C, D, offs_c, offs_d)
+            _store_chunk_grads(DQ, DK, DV, DDEC, DCAR, DMIX, DEEND, DMEND, dq, dk, dv, ddec, dcar, dmix, dee, dme,
+                               ddec_l, dcar_l, dml, n, c, NC, Tp, C, D, last, offs_c, offs_d)
             # the chunk-start state's gradients become the previous chunk's end-state gradients
             g1 = dw1
             gs1 = ds1
@@ -453,10 +462,12 @@ class _ChunkScan(torch.autograd.Function):
                 *state_grads)
 
 
-def chunk_scan(q, k, v, lr, log_eta, log_keep, w, s, chunk_size: int):
+def chunk_scan(q, k, v, lr, log_eta, log_keep, w, s, chunk_size: int, scan_fn=None):
     """The inner loop over ``q``, ``k``, ``v`` ``[N, T, D]`` starting at a chunk boundary, with gates ``[N, T]``
     and the state ``w``, ``s`` (lists of ``[N, d_out, d_in]``, depth 1 or 2); returns ``(y, w, s, wg)`` like
-    :func:`.reference.scan` (``y`` and the state in float32; ``wg``: the weights at the last chunk's start)."""
+    :func:`.reference.scan` (``y`` and the state in float32; ``wg``: the weights at the last chunk's start).
+    ``scan_fn``: the autograd Function run on the padded inputs and chunk coefficients (:class:`_ChunkScan`;
+    :mod:`.triton_deep` passes its own)."""
     N, T, D = q.shape
     C = chunk_size
     NC = -(-T // C)
@@ -466,7 +477,7 @@ def chunk_scan(q, k, v, lr, log_eta, log_keep, w, s, chunk_size: int):
     dt = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.float32
     q, k, v = (F.pad(x.to(dt), (0, 0, 0, pad)).contiguous() for x in (q, k, v))
     state = [x.float().contiguous() for x in (*w, *s)]
-    out = _ChunkScan.apply(q, k, v, *(c.contiguous() for c in coef), T, C, *state)
+    out = (scan_fn or _ChunkScan).apply(q, k, v, *(c.contiguous() for c in coef), T, C, *state)
     depth = len(w)
     y, w_end, s_end, wg = out[0][:, :T], list(out[1:1 + depth]), list(out[1 + depth:1 + 2 * depth]), list(out[1 + 2 * depth:])
     return y, w_end, s_end, wg

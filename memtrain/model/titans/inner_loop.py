@@ -45,9 +45,9 @@ initial weights).
 
 Where it runs: the algorithms live in :mod:`memtrain.kernels.titans` -- the PyTorch forms above in
 ``reference`` and the fused Triton kernels (forward and backward, the loop over chunks inside the
-kernel) in ``triton_kernels``. ``kernel`` picks: ``"auto"`` runs the Triton kernels for ``"chunked"``
-on CUDA tensors (memory depth 1 or 2) and the PyTorch chunked form elsewhere; ``"triton"`` forces the
-kernels (on CPU only under ``TRITON_INTERPRET=1``); ``"torch"`` the PyTorch form.
+kernel) in ``triton_kernels`` (depth 1-2) and ``triton_deep`` (depth 3+). ``kernel`` picks: ``"auto"`` runs
+the Triton kernels for ``"chunked"`` on bf16 / fp16 CUDA tensors and the PyTorch chunked form elsewhere;
+``"triton"`` forces the kernels (on CPU only under ``TRITON_INTERPRET=1``); ``"torch"`` the PyTorch form.
 """
 
 from __future__ import annotations

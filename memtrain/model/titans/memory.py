@@ -76,7 +76,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from memtrain.kernels.titans import KERNEL_DEPTHS, KERNEL_MAX_TILE, KERNELS, kernel_fits, use_triton
+from memtrain.kernels.titans import KERNELS, kernel_unsupported, use_triton
 from memtrain.model.titans.inner_loop import ALGORITHMS, memory_scan, mlp_forward
 from memtrain.model.titans.state import MemoryState
 
@@ -99,7 +99,8 @@ class NeuralMemory(nn.Module):
         max_momentum: upper bound of the momentum decay eta (1: unbounded, the paper's form).
         value_norm: L2-normalise the values per head like the keys (False: the paper's form).
         kernel: where the chunked inner loop runs: ``"auto"`` (the Triton kernels of
-            :mod:`memtrain.kernels.titans` on CUDA for depth 1 or 2, PyTorch elsewhere), ``"triton"``, ``"torch"``.
+            :mod:`memtrain.kernels.titans` on CUDA for any depth whose layers fit their tiles, PyTorch
+            elsewhere), ``"triton"``, ``"torch"``.
     """
 
     def __init__(
@@ -139,10 +140,9 @@ class NeuralMemory(nn.Module):
         self.inner = inner
         hidden = max(1, int(round(expansion * head_dim)))
         sizes = [head_dim] + [hidden] * (depth - 1) + [head_dim]
-        if kernel == "triton" and not (depth in KERNEL_DEPTHS and kernel_fits(head_dim, hidden if depth > 1 else head_dim)):
-            raise ValueError(f"kernel 'triton' needs memory depth 1 or 2 and head size x hidden width within "
-                             f"{KERNEL_MAX_TILE} (powers of two), got depth {depth}, head size {head_dim}, hidden "
-                             f"{hidden}; use kernel 'auto' or 'torch'")
+        why = kernel_unsupported(depth, head_dim, hidden) if kernel == "triton" else None
+        if why is not None:
+            raise ValueError(f"kernel 'triton': {why}; use kernel 'auto' or 'torch'")
 
         self.to_qkv = nn.Linear(dim, 3 * inner, bias=False)
         self.conv = nn.Conv1d(3 * inner, 3 * inner, conv_kernel, groups=3 * inner, bias=True)

@@ -1,0 +1,378 @@
+"""The Titans inner loop in Triton for a memory MLP of any depth L (Titans, Sections 3.1-3.2 and 5.5, which
+varies L_M from 1 to 4): the chunk-parallel update and retrieval, forward and backward, with the loop over
+chunks inside the kernels. :mod:`.triton_kernels` holds the depth-1/2 kernels (every layer's weights and
+momentum kept in registers) and the per-layer building blocks used here; :mod:`.reference` is the
+specification.
+
+The math per chunk is that of :mod:`.triton_kernels` with the two-layer MLP replaced by L layers
+(``a_0 = k``, ``z_l = a_l W_l^T``, ``a_{l+1} = silu(z_l)``, ``M(k) = z_{L-1}``; the per-token gradients in
+factored form ``delta_{L-1} = 2 (z_{L-1} - v)``, ``e_l = delta_{l+1} W_{l+1}``,
+``delta_l = e_l * silu'(z_l)``). What differs is where the state lives: L layers do not fit in registers, so
+each program keeps its weights and momentum as ``[L, BW, BW]`` float32 tiles in global memory (every layer
+padded with zeros to one ``BW x BW`` tile, ``BW`` the larger of head size and hidden width rounded up to a
+power of two; zeros stay zeros through every product, silu(0) = 0) and the per-layer activations of the
+chunk (``a_l``, ``z_l``, ``e_l``, ``delta_l``, the read's ``h_l`` and pre-activations, and their gradients) in a
+per-program scratch of ``[BC, BW]`` tiles. Loops over layers are loops in the kernel; a layer's tiles are
+loaded when it is processed. Threads of a program exchange tiles through that scratch, so every phase that
+reads what another phase wrote starts with a barrier (``tl.debug_barrier``), and so does every overwrite of
+a tile other threads may still read. The working set stays on chip for the recipes' shapes (L2: a few MB per
+program).
+
+Backward: the chunk-start states are saved every ``R = ceil(sqrt(n_chunks))`` chunks in the forward and the
+backward recomputes a group's states into a scratch (as :mod:`.triton_kernels`). Per chunk in reverse it
+recomputes the inner gradients and the read, then differentiates (i) the chunk-end terms, (ii) the read layer
+by layer from the top, (iii) the per-token gradients: the delta recurrence upwards (with the second-order
+term ``silu''``), then the key activations downwards. The gradients of the state at the chunk's start replace
+those of its end in place.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from memtrain.kernels.titans import triton_kernels as tk
+from memtrain.kernels.titans.triton_kernels import (_DOT, _advance, _block, _coefs, _end_grads, _mm, _read,
+                                                    _read_grads, _rows, _store_chunk_grads, _store_rows)
+
+# the activation scratch: one [BC, BW] tile per (buffer, layer)
+_A, _Z, _E, _DL, _H, _ZQ, _GD, _GA, _GZ = range(9)
+NBUF = 9
+
+
+@triton.jit
+def _ld(ptr, offs_r, offs_c, NCOL: tl.constexpr):
+    """A full (padded) row-major tile: rows ``offs_r``, columns ``offs_c`` of a ``NCOL``-wide buffer."""
+    return tl.load(ptr + offs_r[:, None] * NCOL + offs_c[None, :])
+
+
+@triton.jit
+def _st(ptr, x, offs_r, offs_c, NCOL: tl.constexpr):
+    tl.store(ptr + offs_r[:, None] * NCOL + offs_c[None, :], x)
+
+
+@triton.jit
+def _acc(ptr, x, offs_r, offs_c, NCOL: tl.constexpr):
+    """``tile += x`` in memory; the barrier keeps every thread's read before any thread's write whatever the
+    load's and the store's thread layouts."""
+    y = _ld(ptr, offs_r, offs_c, NCOL) + x
+    tl.debug_barrier()
+    _st(ptr, y, offs_r, offs_c, NCOL)
+
+
+@triton.jit
+def _act(sp, buf, l, DEPTH: tl.constexpr, BC: tl.constexpr, BW: tl.constexpr):
+    """The scratch tile of activation buffer ``buf`` at layer ``l`` (``sp``: this program's scratch)."""
+    return sp + (buf * DEPTH + l) * BC * BW
+
+
+@triton.jit
+def _dsilu(z):
+    sg = tl.sigmoid(z)
+    return sg + z * sg * (1.0 - sg)
+
+
+@triton.jit
+def _copy_state(src, dst, offs_w, DEPTH: tl.constexpr, BW: tl.constexpr):
+    """Copy a program's ``[L, BW, BW]`` tiles (same layout on both sides: no barrier needed)."""
+    for l in range(DEPTH):
+        _st(dst + l * BW * BW, _ld(src + l * BW * BW, offs_w, offs_w, BW), offs_w, offs_w, BW)
+
+
+@triton.jit
+def _inner(k, v, wp, sp, offs_c, offs_w, DEPTH: tl.constexpr, BC: tl.constexpr, BW: tl.constexpr,
+           DOT: tl.constexpr):
+    """Per-token gradients of ``||M_W(k_i) - v_i||^2`` at the weights ``wp`` (``[L, BW, BW]``): writes the
+    layer inputs ``a_l``, pre-activations ``z_l``, ``e_l`` and deltas ``delta_l`` into the scratch ``sp``.
+    Starts and ends with a barrier."""
+    tl.debug_barrier()  # earlier readers of the scratch (the previous chunk) are done
+    a = k
+    z = k
+    for l in range(DEPTH):
+        _st(_act(sp, 0, l, DEPTH, BC, BW), a, offs_c, offs_w, BW)  # _A
+        w = _ld(wp + l * BW * BW, offs_w, offs_w, BW)
+        z = _mm(a, tl.trans(w), DOT)
+        _st(_act(sp, 1, l, DEPTH, BC, BW), z, offs_c, offs_w, BW)  # _Z
+        a = z * tl.sigmoid(z)
+    d = 2.0 * (z - v)
+    _st(_act(sp, 3, DEPTH - 1, DEPTH, BC, BW), d, offs_c, offs_w, BW)  # _DL
+    tl.debug_barrier()
+    for li in range(DEPTH - 1):
+        l = DEPTH - 2 - li
+        w = _ld(wp + (l + 1) * BW * BW, offs_w, offs_w, BW)
+        e = _mm(d, w, DOT)
+        d = e * _dsilu(_ld(_act(sp, 1, l, DEPTH, BC, BW), offs_c, offs_w, BW))
+        _st(_act(sp, 2, l, DEPTH, BC, BW), e, offs_c, offs_w, BW)  # _E
+        _st(_act(sp, 3, l, DEPTH, BC, BW), d, offs_c, offs_w, BW)  # _DL
+    tl.debug_barrier()
+
+
+@triton.jit
+def _fwd_deep_kernel(Q, K, V, DEC, CAR, MIX, EEND, MEND, WC, SC, Y, WG, SW, SS, SCR,
+                     NC, Tp, N_LAST, SAVE_EVERY, NSAVE, C, D,
+                     DEPTH: tl.constexpr, BC: tl.constexpr, BW: tl.constexpr, DOT: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    offs_c = tl.arange(0, BC)
+    offs_w = tl.arange(0, BW)
+    LT = DEPTH * BW * BW
+    wp = WC + n * LT  # the current weights and momentum, updated in place chunk by chunk
+    mp = SC + n * LT
+    sp = SCR + n * 9 * DEPTH * BC * BW
+    for c in range(NC):
+        tl.debug_barrier()  # the previous chunk's state writes are visible
+        if c % SAVE_EVERY == 0:  # the state at this chunk's start, for the backward
+            j = c // SAVE_EVERY
+            _copy_state(wp, SW + (n * NSAVE + j) * LT, offs_w, DEPTH, BW)
+            _copy_state(mp, SS + (n * NSAVE + j) * LT, offs_w, DEPTH, BW)
+        if c == NC - 1:  # the last chunk's start weights: the state's chunk weights when it is partial
+            _copy_state(wp, WG + n * LT, offs_w, DEPTH, BW)
+        last = tl.where(c == NC - 1, N_LAST - 1, C - 1)
+        q = _rows(Q, n, c, Tp, C, D, offs_c, offs_w)
+        k = _rows(K, n, c, Tp, C, D, offs_c, offs_w)
+        v = _rows(V, n, c, Tp, C, D, offs_c, offs_w)
+        dec, car, mix, ee, me, ml, dec_l, car_l = _coefs(DEC, CAR, MIX, EEND, MEND, n, c, NC, C, last, offs_c)
+        _inner(k, v, wp, sp, offs_c, offs_w, DEPTH, BC, BW, DOT)
+        h = q
+        for l in range(DEPTH):
+            w = _ld(wp + l * BW * BW, offs_w, offs_w, BW)
+            st = _ld(mp + l * BW * BW, offs_w, offs_w, BW)
+            a = _ld(_act(sp, 0, l, DEPTH, BC, BW), offs_c, offs_w, BW)
+            dd = _ld(_act(sp, 3, l, DEPTH, BC, BW), offs_c, offs_w, BW)
+            z, p, hw, hs = _read(h, w, st, a, dd, dec, car, mix, DOT)
+            h = tl.where(l < DEPTH - 1, z * tl.sigmoid(z), z)
+            nw, ns = _advance(w, st, dd, a, ml, me, dec_l, car_l, ee, DOT)
+            tl.debug_barrier()  # every thread has read layer l's state before it is overwritten
+            _st(wp + l * BW * BW, nw, offs_w, offs_w, BW)
+            _st(mp + l * BW * BW, ns, offs_w, offs_w, BW)
+        _store_rows(Y, h, n, c, Tp, C, D, offs_c, offs_w)
+
+
+@triton.jit
+def _bwd_deep_kernel(Q, K, V, DY, DEC, CAR, MIX, EEND, MEND, SW, SS, RW, RS, GW, GS, GWG, SCR,
+                     DQ, DK, DV, DDEC, DCAR, DMIX, DEEND, DMEND,
+                     NC, Tp, N_LAST, SAVE_EVERY, NSAVE, C, D,
+                     DEPTH: tl.constexpr, BC: tl.constexpr, BW: tl.constexpr, DOT: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    offs_c = tl.arange(0, BC)
+    offs_w = tl.arange(0, BW)
+    TT = BW * BW
+    LT = DEPTH * TT
+    gw = GW + n * LT  # gradients of the weights / momentum at the current chunk's end, replaced in place by
+    gs = GS + n * LT  # those at its start (at exit: the initial state's)
+    sp = SCR + n * 9 * DEPTH * BC * BW
+    for gi in range(NSAVE):
+        grp = NSAVE - 1 - gi
+        c0 = grp * SAVE_EVERY
+        c1 = tl.minimum(c0 + SAVE_EVERY, NC)
+        # recompute the chunk-start states of this group into the scratch RW / RS
+        tl.debug_barrier()
+        _copy_state(SW + (n * NSAVE + grp) * LT, RW + n * SAVE_EVERY * LT, offs_w, DEPTH, BW)
+        _copy_state(SS + (n * NSAVE + grp) * LT, RS + n * SAVE_EVERY * LT, offs_w, DEPTH, BW)
+        for c in range(c0, c1 - 1):
+            j = c - c0
+            wp = RW + (n * SAVE_EVERY + j) * LT
+            mp = RS + (n * SAVE_EVERY + j) * LT
+            k = _rows(K, n, c, Tp, C, D, offs_c, offs_w)
+            v = _rows(V, n, c, Tp, C, D, offs_c, offs_w)
+            dec, car, mix, ee, me, ml, dec_l, car_l = _coefs(DEC, CAR, MIX, EEND, MEND, n, c, NC, C, C - 1,
+                                                             offs_c)
+            _inner(k, v, wp, sp, offs_c, offs_w, DEPTH, BC, BW, DOT)
+            for l in range(DEPTH):
+                nw, ns = _advance(_ld(wp + l * TT, offs_w, offs_w, BW), _ld(mp + l * TT, offs_w, offs_w, BW),
+                                  _ld(_act(sp, 3, l, DEPTH, BC, BW), offs_c, offs_w, BW),
+                                  _ld(_act(sp, 0, l, DEPTH, BC, BW), offs_c, offs_w, BW),
+                                  ml, me, dec_l, car_l, ee, DOT)
+                _st(wp + LT + l * TT, nw, offs_w, offs_w, BW)  # the next chunk's start state
+                _st(mp + LT + l * TT, ns, offs_w, offs_w, BW)
+        for ci in range(c1 - c0):
+            c = c1 - 1 - ci
+            j = c - c0
+            wp = RW + (n * SAVE_EVERY + j) * LT
+            mp = RS + (n * SAVE_EVERY + j) * LT
+            last = tl.where(c == NC - 1, N_LAST - 1, C - 1)
+            q = _rows(Q, n, c, Tp, C, D, offs_c, offs_w)
+            k = _rows(K, n, c, Tp, C, D, offs_c, offs_w)
+            v = _rows(V, n, c, Tp, C, D, offs_c, offs_w)
+            dy = _rows(DY, n, c, Tp, C, D, offs_c, offs_w)
+            dec, car, mix, ee, me, ml, dec_l, car_l = _coefs(DEC, CAR, MIX, EEND, MEND, n, c, NC, C, last, offs_c)
+            # recompute the chunk: the per-token gradients (scratch A, Z, E, DL), then the read (H, ZQ)
+            _inner(k, v, wp, sp, offs_c, offs_w, DEPTH, BC, BW, DOT)
+            h = q
+            for l in range(DEPTH):
+                _st(_act(sp, 4, l, DEPTH, BC, BW), h, offs_c, offs_w, BW)  # _H
+                z, p, hw, hs = _read(h, _ld(wp + l * TT, offs_w, offs_w, BW), _ld(mp + l * TT, offs_w, offs_w, BW),
+                                     _ld(_act(sp, 0, l, DEPTH, BC, BW), offs_c, offs_w, BW),
+                                     _ld(_act(sp, 3, l, DEPTH, BC, BW), offs_c, offs_w, BW), dec, car, mix, DOT)
+                _st(_act(sp, 5, l, DEPTH, BC, BW), z, offs_c, offs_w, BW)  # _ZQ
+                h = z * tl.sigmoid(z)
+            # (i) the chunk-end state W' = B_l W + f_l S - sum_i c_l,i d_i a_i^T, S' = E S - sum_i m_i d_i a_i^T
+            ddec_l = 0.0
+            dcar_l = 0.0
+            dee = 0.0
+            dml = tl.zeros([BC], dtype=tl.float32)
+            dme = tl.zeros([BC], dtype=tl.float32)
+            for l in range(DEPTH):
+                g = _ld(gw + l * TT, offs_w, offs_w, BW)
+                gm = _ld(gs + l * TT, offs_w, offs_w, BW)
+                w = _ld(wp + l * TT, offs_w, offs_w, BW)
+                st = _ld(mp + l * TT, offs_w, offs_w, BW)
+                ddec_l += tl.sum(tl.sum(g * w, axis=1), axis=0)
+                dcar_l += tl.sum(tl.sum(g * st, axis=1), axis=0)
+                dee += tl.sum(tl.sum(gm * st, axis=1), axis=0)
+                d_dd, d_a, d_ml, d_me = _end_grads(g, gm, _ld(_act(sp, 3, l, DEPTH, BC, BW), offs_c, offs_w, BW),
+                                                   _ld(_act(sp, 0, l, DEPTH, BC, BW), offs_c, offs_w, BW), ml, me,
+                                                   DOT)
+                dml += d_ml
+                dme += d_me
+                _st(_act(sp, 6, l, DEPTH, BC, BW), d_dd, offs_c, offs_w, BW)  # _GD
+                _st(_act(sp, 7, l, DEPTH, BC, BW), d_a, offs_c, offs_w, BW)  # _GA
+                tl.debug_barrier()  # every thread has read layer l's end gradients
+                _st(gw + l * TT, dec_l * g, offs_w, offs_w, BW)
+                _st(gs + l * TT, car_l * g + ee * gm, offs_w, offs_w, BW)
+            # (ii) the read, from the top layer down: y = z_{L-1}, h_{l+1} = silu(z_l), h_0 = q
+            ddec = tl.zeros([BC], dtype=tl.float32)
+            dcar = tl.zeros([BC], dtype=tl.float32)
+            dmix = tl.zeros([BC, BC], dtype=tl.float32)
+            dz = dy
+            dq = dy
+            for li in range(DEPTH):
+                l = DEPTH - 1 - li
+                tl.debug_barrier()
+                h = _ld(_act(sp, 4, l, DEPTH, BC, BW), offs_c, offs_w, BW)
+                w = _ld(wp + l * TT, offs_w, offs_w, BW)
+                st = _ld(mp + l * TT, offs_w, offs_w, BW)
+                a = _ld(_act(sp, 0, l, DEPTH, BC, BW), offs_c, offs_w, BW)
+                dd = _ld(_act(sp, 3, l, DEPTH, BC, BW), offs_c, offs_w, BW)
+                _, p, hw, hs = _read(h, w, st, a, dd, dec, car, mix, DOT)
+                dh, d_a, d_dd, dw, ds, ddec_, dcar_, dmix_ = _read_grads(dz, h, w, st, a, dd, p, hw, hs, dec, car,
+                                                                        mix, DOT)
+                ddec += ddec_
+                dcar += dcar_
+                dmix += dmix_
+                ga = _act(sp, 7, l, DEPTH, BC, BW)
+                gd = _act(sp, 6, l, DEPTH, BC, BW)
+                _acc(ga, d_a, offs_c, offs_w, BW)
+                _acc(gd, d_dd, offs_c, offs_w, BW)
+                _acc(gw + l * TT, dw, offs_w, offs_w, BW)
+                _acc(gs + l * TT, ds, offs_w, offs_w, BW)
+                dz = dh * _dsilu(_ld(_act(sp, 5, tl.maximum(l - 1, 0), DEPTH, BC, BW), offs_c, offs_w, BW))
+                dq = dh  # the last iteration (l = 0) leaves the gradient of q
+            # (iii) the per-token gradients at the chunk-start weights; first the delta recurrence upwards:
+            # delta_l = e_l * silu'(z_l), e_l = delta_{l+1} W_{l+1}
+            for l in range(DEPTH - 1):
+                tl.debug_barrier()
+                gdl = _ld(_act(sp, 6, l, DEPTH, BC, BW), offs_c, offs_w, BW)
+                z = _ld(_act(sp, 1, l, DEPTH, BC, BW), offs_c, offs_w, BW)
+                e = _ld(_act(sp, 2, l, DEPTH, BC, BW), offs_c, offs_w, BW)
+                sg = tl.sigmoid(z)
+                de = gdl * (sg + z * sg * (1.0 - sg))
+                _st(_act(sp, 8, l, DEPTH, BC, BW), gdl * e * sg * (1.0 - sg) * (2.0 + z * (1.0 - 2.0 * sg)), offs_c,
+                    offs_w, BW)  # _GZ: silu''(z_l)
+                w = _ld(wp + (l + 1) * TT, offs_w, offs_w, BW)
+                gd = _act(sp, 6, l + 1, DEPTH, BC, BW)
+                _acc(gd, _mm(de, tl.trans(w), DOT), offs_c, offs_w, BW)
+                dn = _ld(_act(sp, 3, l + 1, DEPTH, BC, BW), offs_c, offs_w, BW)
+                g = gw + (l + 1) * TT
+                _acc(g, _mm(tl.trans(dn), de, DOT), offs_w, offs_w, BW)
+            tl.debug_barrier()
+            # delta_{L-1} = 2 (z_{L-1} - v); then the key activations downwards: z_l = a_l W_l^T, a_l = silu(z_{l-1})
+            zt = 2.0 * _ld(_act(sp, 6, DEPTH - 1, DEPTH, BC, BW), offs_c, offs_w, BW)
+            dv = -zt
+            dk = zt
+            for li in range(DEPTH):
+                l = DEPTH - 1 - li
+                tl.debug_barrier()
+                a = _ld(_act(sp, 0, l, DEPTH, BC, BW), offs_c, offs_w, BW)
+                w = _ld(wp + l * TT, offs_w, offs_w, BW)
+                g = gw + l * TT
+                _acc(g, _mm(tl.trans(zt), a, DOT), offs_w, offs_w, BW)
+                da = _ld(_act(sp, 7, l, DEPTH, BC, BW), offs_c, offs_w, BW) + _mm(zt, w, DOT)
+                lp = tl.maximum(l - 1, 0)
+                zt = _ld(_act(sp, 8, lp, DEPTH, BC, BW), offs_c, offs_w, BW) + da * _dsilu(
+                    _ld(_act(sp, 1, lp, DEPTH, BC, BW), offs_c, offs_w, BW))
+                dk = da  # the last iteration (l = 0): the gradient of the keys
+            _store_chunk_grads(DQ, DK, DV, DDEC, DCAR, DMIX, DEEND, DMEND, dq, dk, dv, ddec, dcar, dmix, dee, dme,
+                               ddec_l, dcar_l, dml, n, c, NC, Tp, C, D, last, offs_c, offs_w)
+            if c == NC - 1:  # the last chunk's start weights are also an output (the state's chunk weights)
+                tl.debug_barrier()
+                for l in range(DEPTH):
+                    _acc(gw + l * TT, _ld(GWG + n * LT + l * TT, offs_w, offs_w, BW), offs_w, offs_w, BW)
+
+
+def _launch_shape(D: int, hidden: int, C: int) -> dict:
+    """Block sizes and launch options (``num_stages=1`` as for :mod:`.triton_kernels`: the per-layer tile loads
+    inside the loops are not software-pipelined)."""
+    BW = max(_block(D), _block(hidden))
+    return dict(BC=_block(C), BW=BW, num_warps=8 if BW >= 64 else 4, num_stages=1)
+
+
+def _pack(ts, BW: int) -> torch.Tensor:
+    """Per-layer ``[N, out, in]`` tensors as one zero-padded float32 ``[N, L, BW, BW]`` tensor."""
+    out = torch.zeros(ts[0].shape[0], len(ts), BW, BW, device=ts[0].device, dtype=torch.float32)
+    for l, t in enumerate(ts):
+        out[:, l, :t.shape[1], :t.shape[2]] = t
+    return out
+
+
+def _unpack(x: torch.Tensor, shapes) -> list[torch.Tensor]:
+    return [x[:, l, :o, :i].clone() for l, (o, i) in enumerate(shapes)]
+
+
+class _DeepScan(torch.autograd.Function):
+    """As :class:`.triton_kernels._ChunkScan` for any depth: inputs q, k, v ``[N, Tp, D]`` (padded), the chunk
+    coefficients, ``T``, ``C`` and the state (weights then momentum, one per layer); outputs ``y`` (float32),
+    the end weights, the end momentum and the last chunk's start weights."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, dec, car, mix, e_end, m_end, T: int, C: int, *state):
+        depth = len(state) // 2
+        N, Tp, D = q.shape
+        NC = Tp // C
+        shapes = [tuple(t.shape[1:]) for t in state[:depth]]
+        opts = _launch_shape(D, max(max(s) for s in shapes), C)
+        BW, BC = opts["BW"], opts["BC"]
+        R = max(1, math.ceil(math.sqrt(NC)))
+        nsave = -(-NC // R)
+        wc, sc = _pack(state[:depth], BW), _pack(state[depth:], BW)
+        y = tk._empty(N, Tp, D, device=q.device)
+        wg = tk._empty(N, depth, BW, BW, device=q.device)
+        sw, ss = (tk._empty(N, nsave, depth, BW, BW, device=q.device) for _ in range(2))
+        scratch = tk._empty(N, NBUF, depth, BC, BW, device=q.device)
+        _fwd_deep_kernel[(N,)](q, k, v, dec, car, mix, e_end, m_end, wc, sc, y, wg, sw, ss, scratch,
+                               NC, Tp, T - (NC - 1) * C, R, nsave, C, D, DEPTH=depth, DOT=_DOT[q.dtype], **opts)
+        ctx.save_for_backward(q, k, v, dec, car, mix, e_end, m_end, sw, ss)
+        ctx.meta = (T, C, depth, R, nsave, shapes)
+        return y, *_unpack(wc, shapes), *_unpack(sc, shapes), *_unpack(wg, shapes)
+
+    @staticmethod
+    def backward(ctx, dy, *grads):
+        q, k, v, dec, car, mix, e_end, m_end, sw, ss = ctx.saved_tensors
+        T, C, depth, R, nsave, shapes = ctx.meta
+        N, Tp, D = q.shape
+        NC = Tp // C
+        opts = _launch_shape(D, max(max(s) for s in shapes), C)
+        BW, BC = opts["BW"], opts["BC"]
+        gw = _pack([g.float() for g in grads[:depth]], BW)  # in/out: end-state gradients -> initial state's
+        gs = _pack([g.float() for g in grads[depth:2 * depth]], BW)
+        gwg = _pack([g.float() for g in grads[2 * depth:]], BW)
+        rw, rs = (tk._empty(N, R, depth, BW, BW, device=q.device) for _ in range(2))
+        scratch = tk._empty(N, NBUF, depth, BC, BW, device=q.device)
+        dq, dk, dv = (tk._empty(N, Tp, D, device=q.device) for _ in range(3))
+        ddec, dcar, dmix, dee, dme = (tk._empty(*t.shape, device=q.device) for t in (dec, car, mix, e_end, m_end))
+        _bwd_deep_kernel[(N,)](q, k, v, dy.contiguous().float(), dec, car, mix, e_end, m_end, sw, ss, rw, rs,
+                               gw, gs, gwg, scratch, dq, dk, dv, ddec, dcar, dmix, dee, dme,
+                               NC, Tp, T - (NC - 1) * C, R, nsave, C, D, DEPTH=depth, DOT=_DOT[q.dtype], **opts)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), ddec, dcar, dmix, dee, dme, None, None,
+                *_unpack(gw, shapes), *_unpack(gs, shapes))
+
+
+def chunk_scan(q, k, v, lr, log_eta, log_keep, w, s, chunk_size: int):
+    """The inner loop for a memory of any depth, as :func:`.triton_kernels.chunk_scan` (same arguments and
+    results; ``w``, ``s`` lists of ``[N, d_out, d_in]``)."""
+    return tk.chunk_scan(q, k, v, lr, log_eta, log_keep, w, s, chunk_size, scan_fn=_DeepScan)
+
+
+__all__ = ["chunk_scan"]
