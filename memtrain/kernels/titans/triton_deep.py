@@ -38,9 +38,11 @@ from memtrain.kernels.titans import triton_kernels as tk
 from memtrain.kernels.titans.triton_kernels import (_DOT, _advance, _block, _coefs, _end_grads, _mm, _read,
                                                     _read_grads, _rows, _store_chunk_grads, _store_rows)
 
-# the activation scratch: one [BC, BW] tile per (buffer, layer)
-_A, _Z, _E, _DL, _H, _ZQ, _GD, _GA, _GZ = range(9)
-NBUF = 9
+# The activation scratch: one [BC, BW] tile per (buffer, layer). Per chunk: the keys' layer inputs a_l,
+# pre-activations z_l, e_l and deltas delta_l; the read's inputs h_l and pre-activations; the gradients of
+# delta_l, a_l, and z_l's silu'' term.
+_A, _Z, _E, _DL, _H, _ZQ, _GD, _GA, _GZ = (tl.constexpr(i) for i in range(9))
+NBUF = tl.constexpr(9)
 
 
 @triton.jit
@@ -92,21 +94,21 @@ def _inner(k, v, wp, sp, offs_c, offs_w, DEPTH: tl.constexpr, BC: tl.constexpr, 
     a = k
     z = k
     for l in range(DEPTH):
-        _st(_act(sp, 0, l, DEPTH, BC, BW), a, offs_c, offs_w, BW)  # _A
+        _st(_act(sp, _A, l, DEPTH, BC, BW), a, offs_c, offs_w, BW)
         w = _ld(wp + l * BW * BW, offs_w, offs_w, BW)
         z = _mm(a, tl.trans(w), DOT)
-        _st(_act(sp, 1, l, DEPTH, BC, BW), z, offs_c, offs_w, BW)  # _Z
+        _st(_act(sp, _Z, l, DEPTH, BC, BW), z, offs_c, offs_w, BW)
         a = z * tl.sigmoid(z)
     d = 2.0 * (z - v)
-    _st(_act(sp, 3, DEPTH - 1, DEPTH, BC, BW), d, offs_c, offs_w, BW)  # _DL
+    _st(_act(sp, _DL, DEPTH - 1, DEPTH, BC, BW), d, offs_c, offs_w, BW)
     tl.debug_barrier()
     for li in range(DEPTH - 1):
         l = DEPTH - 2 - li
         w = _ld(wp + (l + 1) * BW * BW, offs_w, offs_w, BW)
         e = _mm(d, w, DOT)
-        d = e * _dsilu(_ld(_act(sp, 1, l, DEPTH, BC, BW), offs_c, offs_w, BW))
-        _st(_act(sp, 2, l, DEPTH, BC, BW), e, offs_c, offs_w, BW)  # _E
-        _st(_act(sp, 3, l, DEPTH, BC, BW), d, offs_c, offs_w, BW)  # _DL
+        d = e * _dsilu(_ld(_act(sp, _Z, l, DEPTH, BC, BW), offs_c, offs_w, BW))
+        _st(_act(sp, _E, l, DEPTH, BC, BW), e, offs_c, offs_w, BW)
+        _st(_act(sp, _DL, l, DEPTH, BC, BW), d, offs_c, offs_w, BW)
     tl.debug_barrier()
 
 
@@ -120,7 +122,7 @@ def _fwd_deep_kernel(Q, K, V, DEC, CAR, MIX, EEND, MEND, WC, SC, Y, WG, SW, SS, 
     LT = DEPTH * BW * BW
     wp = WC + n * LT  # the current weights and momentum, updated in place chunk by chunk
     mp = SC + n * LT
-    sp = SCR + n * 9 * DEPTH * BC * BW
+    sp = SCR + n * NBUF * DEPTH * BC * BW
     for c in range(NC):
         tl.debug_barrier()  # the previous chunk's state writes are visible
         if c % SAVE_EVERY == 0:  # the state at this chunk's start, for the backward
@@ -139,8 +141,8 @@ def _fwd_deep_kernel(Q, K, V, DEC, CAR, MIX, EEND, MEND, WC, SC, Y, WG, SW, SS, 
         for l in range(DEPTH):
             w = _ld(wp + l * BW * BW, offs_w, offs_w, BW)
             st = _ld(mp + l * BW * BW, offs_w, offs_w, BW)
-            a = _ld(_act(sp, 0, l, DEPTH, BC, BW), offs_c, offs_w, BW)
-            dd = _ld(_act(sp, 3, l, DEPTH, BC, BW), offs_c, offs_w, BW)
+            a = _ld(_act(sp, _A, l, DEPTH, BC, BW), offs_c, offs_w, BW)
+            dd = _ld(_act(sp, _DL, l, DEPTH, BC, BW), offs_c, offs_w, BW)
             z, p, hw, hs = _read(h, w, st, a, dd, dec, car, mix, DOT)
             h = tl.where(l < DEPTH - 1, z * tl.sigmoid(z), z)
             nw, ns = _advance(w, st, dd, a, ml, me, dec_l, car_l, ee, DOT)
@@ -162,7 +164,7 @@ def _bwd_deep_kernel(Q, K, V, DY, DEC, CAR, MIX, EEND, MEND, SW, SS, RW, RS, GW,
     LT = DEPTH * TT
     gw = GW + n * LT  # gradients of the weights / momentum at the current chunk's end, replaced in place by
     gs = GS + n * LT  # those at its start (at exit: the initial state's)
-    sp = SCR + n * 9 * DEPTH * BC * BW
+    sp = SCR + n * NBUF * DEPTH * BC * BW
     for gi in range(NSAVE):
         grp = NSAVE - 1 - gi
         c0 = grp * SAVE_EVERY
@@ -182,8 +184,8 @@ def _bwd_deep_kernel(Q, K, V, DY, DEC, CAR, MIX, EEND, MEND, SW, SS, RW, RS, GW,
             _inner(k, v, wp, sp, offs_c, offs_w, DEPTH, BC, BW, DOT)
             for l in range(DEPTH):
                 nw, ns = _advance(_ld(wp + l * TT, offs_w, offs_w, BW), _ld(mp + l * TT, offs_w, offs_w, BW),
-                                  _ld(_act(sp, 3, l, DEPTH, BC, BW), offs_c, offs_w, BW),
-                                  _ld(_act(sp, 0, l, DEPTH, BC, BW), offs_c, offs_w, BW),
+                                  _ld(_act(sp, _DL, l, DEPTH, BC, BW), offs_c, offs_w, BW),
+                                  _ld(_act(sp, _A, l, DEPTH, BC, BW), offs_c, offs_w, BW),
                                   ml, me, dec_l, car_l, ee, DOT)
                 _st(wp + LT + l * TT, nw, offs_w, offs_w, BW)  # the next chunk's start state
                 _st(mp + LT + l * TT, ns, offs_w, offs_w, BW)
@@ -202,11 +204,11 @@ def _bwd_deep_kernel(Q, K, V, DY, DEC, CAR, MIX, EEND, MEND, SW, SS, RW, RS, GW,
             _inner(k, v, wp, sp, offs_c, offs_w, DEPTH, BC, BW, DOT)
             h = q
             for l in range(DEPTH):
-                _st(_act(sp, 4, l, DEPTH, BC, BW), h, offs_c, offs_w, BW)  # _H
+                _st(_act(sp, _H, l, DEPTH, BC, BW), h, offs_c, offs_w, BW)
                 z, p, hw, hs = _read(h, _ld(wp + l * TT, offs_w, offs_w, BW), _ld(mp + l * TT, offs_w, offs_w, BW),
-                                     _ld(_act(sp, 0, l, DEPTH, BC, BW), offs_c, offs_w, BW),
-                                     _ld(_act(sp, 3, l, DEPTH, BC, BW), offs_c, offs_w, BW), dec, car, mix, DOT)
-                _st(_act(sp, 5, l, DEPTH, BC, BW), z, offs_c, offs_w, BW)  # _ZQ
+                                     _ld(_act(sp, _A, l, DEPTH, BC, BW), offs_c, offs_w, BW),
+                                     _ld(_act(sp, _DL, l, DEPTH, BC, BW), offs_c, offs_w, BW), dec, car, mix, DOT)
+                _st(_act(sp, _ZQ, l, DEPTH, BC, BW), z, offs_c, offs_w, BW)
                 h = z * tl.sigmoid(z)
             # (i) the chunk-end state W' = B_l W + f_l S - sum_i c_l,i d_i a_i^T, S' = E S - sum_i m_i d_i a_i^T
             ddec_l = 0.0
@@ -222,13 +224,13 @@ def _bwd_deep_kernel(Q, K, V, DY, DEC, CAR, MIX, EEND, MEND, SW, SS, RW, RS, GW,
                 ddec_l += tl.sum(tl.sum(g * w, axis=1), axis=0)
                 dcar_l += tl.sum(tl.sum(g * st, axis=1), axis=0)
                 dee += tl.sum(tl.sum(gm * st, axis=1), axis=0)
-                d_dd, d_a, d_ml, d_me = _end_grads(g, gm, _ld(_act(sp, 3, l, DEPTH, BC, BW), offs_c, offs_w, BW),
-                                                   _ld(_act(sp, 0, l, DEPTH, BC, BW), offs_c, offs_w, BW), ml, me,
+                d_dd, d_a, d_ml, d_me = _end_grads(g, gm, _ld(_act(sp, _DL, l, DEPTH, BC, BW), offs_c, offs_w, BW),
+                                                   _ld(_act(sp, _A, l, DEPTH, BC, BW), offs_c, offs_w, BW), ml, me,
                                                    DOT)
                 dml += d_ml
                 dme += d_me
-                _st(_act(sp, 6, l, DEPTH, BC, BW), d_dd, offs_c, offs_w, BW)  # _GD
-                _st(_act(sp, 7, l, DEPTH, BC, BW), d_a, offs_c, offs_w, BW)  # _GA
+                _st(_act(sp, _GD, l, DEPTH, BC, BW), d_dd, offs_c, offs_w, BW)
+                _st(_act(sp, _GA, l, DEPTH, BC, BW), d_a, offs_c, offs_w, BW)
                 tl.debug_barrier()  # every thread has read layer l's end gradients
                 _st(gw + l * TT, dec_l * g, offs_w, offs_w, BW)
                 _st(gs + l * TT, car_l * g + ee * gm, offs_w, offs_w, BW)
@@ -241,58 +243,58 @@ def _bwd_deep_kernel(Q, K, V, DY, DEC, CAR, MIX, EEND, MEND, SW, SS, RW, RS, GW,
             for li in range(DEPTH):
                 l = DEPTH - 1 - li
                 tl.debug_barrier()
-                h = _ld(_act(sp, 4, l, DEPTH, BC, BW), offs_c, offs_w, BW)
+                h = _ld(_act(sp, _H, l, DEPTH, BC, BW), offs_c, offs_w, BW)
                 w = _ld(wp + l * TT, offs_w, offs_w, BW)
                 st = _ld(mp + l * TT, offs_w, offs_w, BW)
-                a = _ld(_act(sp, 0, l, DEPTH, BC, BW), offs_c, offs_w, BW)
-                dd = _ld(_act(sp, 3, l, DEPTH, BC, BW), offs_c, offs_w, BW)
+                a = _ld(_act(sp, _A, l, DEPTH, BC, BW), offs_c, offs_w, BW)
+                dd = _ld(_act(sp, _DL, l, DEPTH, BC, BW), offs_c, offs_w, BW)
                 _, p, hw, hs = _read(h, w, st, a, dd, dec, car, mix, DOT)
                 dh, d_a, d_dd, dw, ds, ddec_, dcar_, dmix_ = _read_grads(dz, h, w, st, a, dd, p, hw, hs, dec, car,
                                                                         mix, DOT)
                 ddec += ddec_
                 dcar += dcar_
                 dmix += dmix_
-                ga = _act(sp, 7, l, DEPTH, BC, BW)
-                gd = _act(sp, 6, l, DEPTH, BC, BW)
+                ga = _act(sp, _GA, l, DEPTH, BC, BW)
+                gd = _act(sp, _GD, l, DEPTH, BC, BW)
                 _acc(ga, d_a, offs_c, offs_w, BW)
                 _acc(gd, d_dd, offs_c, offs_w, BW)
                 _acc(gw + l * TT, dw, offs_w, offs_w, BW)
                 _acc(gs + l * TT, ds, offs_w, offs_w, BW)
-                dz = dh * _dsilu(_ld(_act(sp, 5, tl.maximum(l - 1, 0), DEPTH, BC, BW), offs_c, offs_w, BW))
+                dz = dh * _dsilu(_ld(_act(sp, _ZQ, tl.maximum(l - 1, 0), DEPTH, BC, BW), offs_c, offs_w, BW))
                 dq = dh  # the last iteration (l = 0) leaves the gradient of q
             # (iii) the per-token gradients at the chunk-start weights; first the delta recurrence upwards:
             # delta_l = e_l * silu'(z_l), e_l = delta_{l+1} W_{l+1}
             for l in range(DEPTH - 1):
                 tl.debug_barrier()
-                gdl = _ld(_act(sp, 6, l, DEPTH, BC, BW), offs_c, offs_w, BW)
-                z = _ld(_act(sp, 1, l, DEPTH, BC, BW), offs_c, offs_w, BW)
-                e = _ld(_act(sp, 2, l, DEPTH, BC, BW), offs_c, offs_w, BW)
+                gdl = _ld(_act(sp, _GD, l, DEPTH, BC, BW), offs_c, offs_w, BW)
+                z = _ld(_act(sp, _Z, l, DEPTH, BC, BW), offs_c, offs_w, BW)
+                e = _ld(_act(sp, _E, l, DEPTH, BC, BW), offs_c, offs_w, BW)
                 sg = tl.sigmoid(z)
                 de = gdl * (sg + z * sg * (1.0 - sg))
-                _st(_act(sp, 8, l, DEPTH, BC, BW), gdl * e * sg * (1.0 - sg) * (2.0 + z * (1.0 - 2.0 * sg)), offs_c,
-                    offs_w, BW)  # _GZ: silu''(z_l)
+                _st(_act(sp, _GZ, l, DEPTH, BC, BW), gdl * e * sg * (1.0 - sg) * (2.0 + z * (1.0 - 2.0 * sg)), offs_c,
+                    offs_w, BW)  # silu''(z_l)
                 w = _ld(wp + (l + 1) * TT, offs_w, offs_w, BW)
-                gd = _act(sp, 6, l + 1, DEPTH, BC, BW)
+                gd = _act(sp, _GD, l + 1, DEPTH, BC, BW)
                 _acc(gd, _mm(de, tl.trans(w), DOT), offs_c, offs_w, BW)
-                dn = _ld(_act(sp, 3, l + 1, DEPTH, BC, BW), offs_c, offs_w, BW)
+                dn = _ld(_act(sp, _DL, l + 1, DEPTH, BC, BW), offs_c, offs_w, BW)
                 g = gw + (l + 1) * TT
                 _acc(g, _mm(tl.trans(dn), de, DOT), offs_w, offs_w, BW)
             tl.debug_barrier()
             # delta_{L-1} = 2 (z_{L-1} - v); then the key activations downwards: z_l = a_l W_l^T, a_l = silu(z_{l-1})
-            zt = 2.0 * _ld(_act(sp, 6, DEPTH - 1, DEPTH, BC, BW), offs_c, offs_w, BW)
+            zt = 2.0 * _ld(_act(sp, _GD, DEPTH - 1, DEPTH, BC, BW), offs_c, offs_w, BW)
             dv = -zt
             dk = zt
             for li in range(DEPTH):
                 l = DEPTH - 1 - li
                 tl.debug_barrier()
-                a = _ld(_act(sp, 0, l, DEPTH, BC, BW), offs_c, offs_w, BW)
+                a = _ld(_act(sp, _A, l, DEPTH, BC, BW), offs_c, offs_w, BW)
                 w = _ld(wp + l * TT, offs_w, offs_w, BW)
                 g = gw + l * TT
                 _acc(g, _mm(tl.trans(zt), a, DOT), offs_w, offs_w, BW)
-                da = _ld(_act(sp, 7, l, DEPTH, BC, BW), offs_c, offs_w, BW) + _mm(zt, w, DOT)
+                da = _ld(_act(sp, _GA, l, DEPTH, BC, BW), offs_c, offs_w, BW) + _mm(zt, w, DOT)
                 lp = tl.maximum(l - 1, 0)
-                zt = _ld(_act(sp, 8, lp, DEPTH, BC, BW), offs_c, offs_w, BW) + da * _dsilu(
-                    _ld(_act(sp, 1, lp, DEPTH, BC, BW), offs_c, offs_w, BW))
+                zt = _ld(_act(sp, _GZ, lp, DEPTH, BC, BW), offs_c, offs_w, BW) + da * _dsilu(
+                    _ld(_act(sp, _Z, lp, DEPTH, BC, BW), offs_c, offs_w, BW))
                 dk = da  # the last iteration (l = 0): the gradient of the keys
             _store_chunk_grads(DQ, DK, DV, DDEC, DCAR, DMIX, DEEND, DMEND, dq, dk, dv, ddec, dcar, dmix, dee, dme,
                                ddec_l, dcar_l, dml, n, c, NC, Tp, C, D, last, offs_c, offs_w)
@@ -340,7 +342,7 @@ class _DeepScan(torch.autograd.Function):
         y = tk._empty(N, Tp, D, device=q.device)
         wg = tk._empty(N, depth, BW, BW, device=q.device)
         sw, ss = (tk._empty(N, nsave, depth, BW, BW, device=q.device) for _ in range(2))
-        scratch = tk._empty(N, NBUF, depth, BC, BW, device=q.device)
+        scratch = tk._empty(N, NBUF.value, depth, BC, BW, device=q.device)
         _fwd_deep_kernel[(N,)](q, k, v, dec, car, mix, e_end, m_end, wc, sc, y, wg, sw, ss, scratch,
                                NC, Tp, T - (NC - 1) * C, R, nsave, C, D, DEPTH=depth, DOT=_DOT[q.dtype], **opts)
         ctx.save_for_backward(q, k, v, dec, car, mix, e_end, m_end, sw, ss)
@@ -359,7 +361,7 @@ class _DeepScan(torch.autograd.Function):
         gs = _pack([g.float() for g in grads[depth:2 * depth]], BW)
         gwg = _pack([g.float() for g in grads[2 * depth:]], BW)
         rw, rs = (tk._empty(N, R, depth, BW, BW, device=q.device) for _ in range(2))
-        scratch = tk._empty(N, NBUF, depth, BC, BW, device=q.device)
+        scratch = tk._empty(N, NBUF.value, depth, BC, BW, device=q.device)
         dq, dk, dv = (tk._empty(N, Tp, D, device=q.device) for _ in range(3))
         ddec, dcar, dmix, dee, dme = (tk._empty(*t.shape, device=q.device) for t in (dec, car, mix, e_end, m_end))
         _bwd_deep_kernel[(N,)](q, k, v, dy.contiguous().float(), dec, car, mix, e_end, m_end, sw, ss, rw, rs,
