@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from memtrain.kernels.titans import triton_kernels as tk
-from memtrain.kernels.titans.triton_kernels import (_DOT, _advance, _block, _coefs, _end_grads, _mm, _read,
+from memtrain.kernels.titans.triton_kernels import (_DOT, _advance, _block, _coefs, _end_grads, _mm, _qkv, _read,
                                                     _read_grads, _rows, _store_chunk_grads, _store_rows)
 
 # The activation scratch: one [BC, BW] tile per (buffer, layer). Per chunk: the keys' layer inputs a_l,
@@ -131,11 +131,9 @@ def _fwd_deep_kernel(Q, K, V, DEC, CAR, MIX, EEND, MEND, WC, SC, Y, WG, SW, SS, 
             _copy_state(mp, SS + (n * NSAVE + j) * LT, offs_w, DEPTH, BW)
         if c == NC - 1:  # the last chunk's start weights: the state's chunk weights when it is partial
             _copy_state(wp, WG + n * LT, offs_w, DEPTH, BW)
-        last = tl.where(c == NC - 1, N_LAST - 1, C - 1)
-        q = _rows(Q, n, c, Tp, C, D, offs_c, offs_w)
-        k = _rows(K, n, c, Tp, C, D, offs_c, offs_w)
-        v = _rows(V, n, c, Tp, C, D, offs_c, offs_w)
-        dec, car, mix, ee, me, ml, dec_l, car_l = _coefs(DEC, CAR, MIX, EEND, MEND, n, c, NC, C, last, offs_c)
+        q, k, v = _qkv(Q, K, V, n, c, Tp, C, D, offs_c, offs_w)
+        last, dec, car, mix, ee, me, ml, dec_l, car_l = _coefs(DEC, CAR, MIX, EEND, MEND, n, c, NC, C, N_LAST,
+                                                              offs_c)
         _inner(k, v, wp, sp, offs_c, offs_w, DEPTH, BC, BW, DOT)
         h = q
         for l in range(DEPTH):
@@ -179,8 +177,8 @@ def _bwd_deep_kernel(Q, K, V, DY, DEC, CAR, MIX, EEND, MEND, SW, SS, RW, RS, GW,
             mp = RS + (n * SAVE_EVERY + j) * LT
             k = _rows(K, n, c, Tp, C, D, offs_c, offs_w)
             v = _rows(V, n, c, Tp, C, D, offs_c, offs_w)
-            dec, car, mix, ee, me, ml, dec_l, car_l = _coefs(DEC, CAR, MIX, EEND, MEND, n, c, NC, C, C - 1,
-                                                             offs_c)
+            _, dec, car, mix, ee, me, ml, dec_l, car_l = _coefs(DEC, CAR, MIX, EEND, MEND, n, c, NC, C, N_LAST,
+                                                                offs_c)
             _inner(k, v, wp, sp, offs_c, offs_w, DEPTH, BC, BW, DOT)
             for l in range(DEPTH):
                 nw, ns = _advance(_ld(wp + l * TT, offs_w, offs_w, BW), _ld(mp + l * TT, offs_w, offs_w, BW),
@@ -194,12 +192,10 @@ def _bwd_deep_kernel(Q, K, V, DY, DEC, CAR, MIX, EEND, MEND, SW, SS, RW, RS, GW,
             j = c - c0
             wp = RW + (n * SAVE_EVERY + j) * LT
             mp = RS + (n * SAVE_EVERY + j) * LT
-            last = tl.where(c == NC - 1, N_LAST - 1, C - 1)
-            q = _rows(Q, n, c, Tp, C, D, offs_c, offs_w)
-            k = _rows(K, n, c, Tp, C, D, offs_c, offs_w)
-            v = _rows(V, n, c, Tp, C, D, offs_c, offs_w)
+            q, k, v = _qkv(Q, K, V, n, c, Tp, C, D, offs_c, offs_w)
             dy = _rows(DY, n, c, Tp, C, D, offs_c, offs_w)
-            dec, car, mix, ee, me, ml, dec_l, car_l = _coefs(DEC, CAR, MIX, EEND, MEND, n, c, NC, C, last, offs_c)
+            last, dec, car, mix, ee, me, ml, dec_l, car_l = _coefs(DEC, CAR, MIX, EEND, MEND, n, c, NC, C, N_LAST,
+                                                              offs_c)
             # recompute the chunk: the per-token gradients (scratch A, Z, E, DL), then the read (H, ZQ)
             _inner(k, v, wp, sp, offs_c, offs_w, DEPTH, BC, BW, DOT)
             h = q

@@ -85,8 +85,17 @@ def _store_rows(ptr, x, n, c, Tp, C, D, offs_c, offs_d):
 
 
 @triton.jit
-def _coefs(DEC, CAR, MIX, EEND, MEND, n, c, NC, C, last, offs_c):
-    """Chunk ``c``'s coefficients, and the rows of B, f and c that give its end state (row ``last``)."""
+def _qkv(Q, K, V, n, c, Tp, C, D, offs_c, offs_d):
+    """Chunk ``c``'s queries, keys and values as float32 ``[BC, BD]`` tiles."""
+    return (_rows(Q, n, c, Tp, C, D, offs_c, offs_d), _rows(K, n, c, Tp, C, D, offs_c, offs_d),
+            _rows(V, n, c, Tp, C, D, offs_c, offs_d))
+
+
+@triton.jit
+def _coefs(DEC, CAR, MIX, EEND, MEND, n, c, NC, C, N_LAST, offs_c):
+    """Chunk ``c``'s coefficients, the row ``last`` that gives its end state (``N_LAST - 1`` in the last chunk,
+    which may be partial), and the rows of B, f and c at ``last``."""
+    last = tl.where(c == NC - 1, N_LAST - 1, C - 1)
     mc = offs_c < C
     base = n * NC + c
     dec = tl.load(DEC + base * C + offs_c, mask=mc, other=0.0)
@@ -98,7 +107,7 @@ def _coefs(DEC, CAR, MIX, EEND, MEND, n, c, NC, C, last, offs_c):
     ml = tl.load(MIX + base * C * C + last * C + offs_c, mask=mc, other=0.0)
     dec_l = tl.load(DEC + base * C + last)
     car_l = tl.load(CAR + base * C + last)
-    return dec, car, mix, ee, me, ml, dec_l, car_l
+    return last, dec, car, mix, ee, me, ml, dec_l, car_l
 
 
 @triton.jit
@@ -215,11 +224,9 @@ def _fwd_kernel(Q, K, V, DEC, CAR, MIX, EEND, MEND, W1, S1, W2, S2,
             _store_mat(WG1 + n * sz, w1, H1, D, offs_h, offs_d)
             if DEPTH == 2:
                 _store_mat(WG2 + n * sz, w2, D, H1, offs_d, offs_h)
-        last = tl.where(c == NC - 1, N_LAST - 1, C - 1)
-        q = _rows(Q, n, c, Tp, C, D, offs_c, offs_d)
-        k = _rows(K, n, c, Tp, C, D, offs_c, offs_d)
-        v = _rows(V, n, c, Tp, C, D, offs_c, offs_d)
-        dec, car, mix, ee, me, ml, dec_l, car_l = _coefs(DEC, CAR, MIX, EEND, MEND, n, c, NC, C, last, offs_c)
+        q, k, v = _qkv(Q, K, V, n, c, Tp, C, D, offs_c, offs_d)
+        last, dec, car, mix, ee, me, ml, dec_l, car_l = _coefs(DEC, CAR, MIX, EEND, MEND, n, c, NC, C, N_LAST,
+                                                              offs_c)
         if DEPTH == 2:
             z1, a1, sg, dsilu, e1, d1, d2 = _inner2(k, v, w1, w2, DOT)
             h, p1, qw1, qs1 = _read(q, w1, s1, k, d1, dec, car, mix, DOT)
@@ -273,10 +280,10 @@ def _bwd_kernel(Q, K, V, DY, DEC, CAR, MIX, EEND, MEND, SW1, SS1, SW2, SS2, R1, 
             if DEPTH == 2:
                 _store_mat(R2 + (n * SAVE_EVERY + j) * sz, w2, D, H1, offs_d, offs_h)
                 _store_mat(RS2 + (n * SAVE_EVERY + j) * sz, s2, D, H1, offs_d, offs_h)
-            last = tl.where(c == NC - 1, N_LAST - 1, C - 1)
             k = _rows(K, n, c, Tp, C, D, offs_c, offs_d)
             v = _rows(V, n, c, Tp, C, D, offs_c, offs_d)
-            dec, car, mix, ee, me, ml, dec_l, car_l = _coefs(DEC, CAR, MIX, EEND, MEND, n, c, NC, C, last, offs_c)
+            last, dec, car, mix, ee, me, ml, dec_l, car_l = _coefs(DEC, CAR, MIX, EEND, MEND, n, c, NC, C, N_LAST,
+                                                              offs_c)
             if DEPTH == 2:
                 z1, a1, sg, dsilu, e1, d1, d2 = _inner2(k, v, w1, w2, DOT)
                 w2, s2 = _advance(w2, s2, d2, a1, ml, me, dec_l, car_l, ee, DOT)
@@ -291,12 +298,10 @@ def _bwd_kernel(Q, K, V, DY, DEC, CAR, MIX, EEND, MEND, SW1, SS1, SW2, SS2, R1, 
             s1 = _load_mat(RS1 + (n * SAVE_EVERY + j) * sz, H1, D, offs_h, offs_d)
             w2 = _load_mat(R2 + (n * SAVE_EVERY + j) * sz, D, H1, offs_d, offs_h)
             s2 = _load_mat(RS2 + (n * SAVE_EVERY + j) * sz, D, H1, offs_d, offs_h)
-            last = tl.where(c == NC - 1, N_LAST - 1, C - 1)
-            q = _rows(Q, n, c, Tp, C, D, offs_c, offs_d)
-            k = _rows(K, n, c, Tp, C, D, offs_c, offs_d)
-            v = _rows(V, n, c, Tp, C, D, offs_c, offs_d)
+            q, k, v = _qkv(Q, K, V, n, c, Tp, C, D, offs_c, offs_d)
             dy = _rows(DY, n, c, Tp, C, D, offs_c, offs_d)
-            dec, car, mix, ee, me, ml, dec_l, car_l = _coefs(DEC, CAR, MIX, EEND, MEND, n, c, NC, C, last, offs_c)
+            last, dec, car, mix, ee, me, ml, dec_l, car_l = _coefs(DEC, CAR, MIX, EEND, MEND, n, c, NC, C, N_LAST,
+                                                              offs_c)
             # the chunk-end state: W' = B_l W + f_l S - ..., S' = E S - ...
             ddec_l = tl.sum(tl.sum(g1 * w1, axis=1), axis=0)
             dcar_l = tl.sum(tl.sum(g1 * s1, axis=1), axis=0)
