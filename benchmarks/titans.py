@@ -205,13 +205,21 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--repeats", type=int, default=None, help="timed repeats of the chunked path")
     ap.add_argument("--seq-repeats", type=int, default=1, help="timed repeats of the sequential reference")
+    ap.add_argument("--configs", default=None,
+                    help="comma-separated indices into the configuration list (FULL, or QUICK with --quick)")
     ap.add_argument("--titans-pytorch-path", default=None,
                     help="folder to prepend to sys.path for titans_pytorch (e.g. a pip --target folder)")
     args = ap.parse_args()
     device = torch.device(args.device)
     repeats = args.repeats or (3 if args.quick else 5)
     tp_cls, tp_error = titans_pytorch_class(args.titans_pytorch_path)
-    for cfg in QUICK if args.quick else FULL:
+    configs = QUICK if args.quick else FULL
+    if args.configs:
+        try:
+            configs = [configs[int(i)] for i in args.configs.split(",")]
+        except (ValueError, IndexError):
+            ap.error(f"--configs takes indices 0-{len(configs) - 1} separated by commas, got {args.configs!r}")
+    for cfg in configs:
         print(json.dumps(run(cfg, device, repeats, args.seq_repeats, tp_cls, tp_error)), flush=True)
 
 

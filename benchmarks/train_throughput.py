@@ -21,7 +21,9 @@ How. One process, a world of one (memtrain's own ``dist.init``, gloo on CPU / NC
 so the document-masked attention path runs as in training), cluster ids uniform over the memory tree and
 the generic-memory draw of the trainer (``generic_mask``); no prepared data is needed. ``--data`` reads
 the recipe's prepared train split through memtrain's loader instead (``memtrain prepare`` first). The loss
-is the trainer's token-weighted ``token_loss_sum`` scaled to the global token mean. The banks are the
+is the trainer's token-weighted ``token_loss_sum`` scaled to the global token mean; ``loss_first``,
+``loss_last``, ``loss_max`` and ``loss_all_finite`` (with ``nonfinite_loss_steps``, the first ten) cover
+every step, warm-up included, so a run of 50+ steps doubles as a stability check. The banks are the
 trainer's (``memtrain.launcher.train.build_banks``) and so are the FLOPs per token
 (``memtrain.launcher.train.training_flops_per_token``: the anchor's formula, Titans' own count or ``6 N``
 for ``hf``, plus the fetched memory and the cross-attention memory layers); MFU = FLOPs/token x tokens/s / peak, the peak
@@ -348,6 +350,9 @@ def time_steps(runner, batches: Iterator[dict], device: torch.device, accum: int
                               for r in rows])
     out["step_s_all"] = [r["step_s"] for r in rows]
     out["loss_first"], out["loss_last"] = losses[0], losses[-1]
+    bad = [i for i, x in enumerate(losses) if not math.isfinite(x)]  # over warm-up and timed steps
+    out["loss_all_finite"], out["nonfinite_loss_steps"] = not bad, bad[:10]
+    out["loss_max"] = max((x for x in losses if math.isfinite(x)), default=None)
     mem, kind = peak_memory(device)
     out["peak_memory_gib"], out["peak_memory_kind"] = mem, kind
     return out

@@ -1,0 +1,136 @@
+"""tools/gpu_check.py: the prepared GPU session runs its phases in order within a budget, records each
+(ok / failed / timeout / skipped), rewrites its JSON after every phase, kills a phase that overruns
+together with its children, and its plan names only scripts, tests and recipes that exist."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from memtrain.config import load_recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+gc = _load("gpu_check", ROOT / "tools" / "gpu_check.py")
+
+
+def _py(code: str) -> list[str]:
+    return [sys.executable, "-c", code]
+
+
+def test_plan_runs_in_order_and_records_every_outcome(tmp_path):
+    out = tmp_path / "out"
+    seen = (f"import json; d = json.load(open({str(out / 'gpu_check.json')!r})); "
+            "print(json.dumps({'seen': [p['name'] for p in d['phases']]}))")
+    child = tmp_path / "child.pid"
+    # the overrunning phase starts a grandchild that must die with it (its process group is killed)
+    overrun = (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+               f"open({str(child)!r}, 'w').write(str(p.pid)); print('started', flush=True); time.sleep(60)")
+    phases = [
+        gc.Phase("bench", _py("import json; print('noise'); print(json.dumps({'tokens_per_s': 5.0, 'mfu': 0.1}))"), 30),
+        gc.Phase("reads_partial", _py(seen), 30),
+        gc.Phase("fails", _py("import sys; print('boom', file=sys.stderr); sys.exit(3)"), 30),
+        gc.Phase("overruns", _py(overrun), 2),
+        gc.Phase("tests", _py("print('..F'); print('=== 1 failed, 2 passed in 0.12s ===')"), 30, "pytest"),
+    ]
+    t0 = time.monotonic()
+    report = gc.run_plan(phases, out, budget_s=120, min_start_s=1)
+    assert time.monotonic() - t0 < 40  # the 60 s sleeps were killed
+    by = {r["name"]: r for r in report["phases"]}
+    assert [r["name"] for r in report["phases"]] == [p.name for p in phases]
+    assert by["bench"]["status"] == "ok" and by["bench"]["results"] == [{"tokens_per_s": 5.0, "mfu": 0.1}]
+    assert by["reads_partial"]["results"] == [{"seen": ["bench"]}]  # the file was written after phase 1
+    assert by["fails"]["status"] == "failed" and by["fails"]["rc"] == 3 and "boom" in by["fails"]["tail"]
+    assert by["overruns"]["status"] == "timeout" and "started" in by["overruns"]["tail"]
+    import os
+
+    pid = int(child.read_text())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail("the overrunning phase's child process outlived the phase")
+    assert by["tests"]["summary"] == "1 failed, 2 passed in 0.12s" and by["tests"]["status"] == "ok"
+    on_disk = json.loads((out / "gpu_check.json").read_text())
+    assert [r["status"] for r in on_disk["phases"]] == ["ok", "ok", "failed", "timeout", "ok"]
+    log = (out / "gpu_check.log").read_text()
+    assert "===== fails: failed (rc 3" in log and "boom" in log and "noise" in log
+    assert "overruns" in gc.phase_line(by["overruns"]) and "1 failed, 2 passed" in gc.phase_line(by["tests"])
+
+
+def test_budget_clips_the_running_phase_and_skips_the_rest(tmp_path):
+    phases = [gc.Phase("long", _py("import time; time.sleep(30)"), 300),
+              gc.Phase("never", _py("print('ran')"), 300)]
+    report = gc.run_plan(phases, tmp_path, budget_s=3, min_start_s=1)
+    first, second = report["phases"]
+    assert first["status"] == "timeout" and first["timeout_s"] <= 3 and first["seconds"] < 20
+    assert second["status"] == "skipped" and "budget left" in second["reason"]
+    assert "skipped" in gc.phase_line(second)
+
+
+def test_main_exit_status_and_unknown_phase(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(gc, "PLAN", [gc.Phase("a_one", _py("print('{\"x\": 1}')"), 30),
+                                     gc.Phase("b_two", _py("import sys; sys.exit(1)"), 30)])
+    assert gc.main(["--out", str(tmp_path), "--phases", "a_"]) == 0
+    assert "a_one" in capsys.readouterr().out
+    assert gc.main(["--out", str(tmp_path)]) == 1  # b_two failed
+    with pytest.raises(SystemExit, match="no phase named zzz; the phases are a_one, b_two"):
+        gc.main(["--out", str(tmp_path), "--phases", "zzz"])
+
+
+def test_pytest_summary_forms():
+    assert gc.pytest_summary("x\n2 passed, 1 skipped in 3.21s\n") == "2 passed, 1 skipped in 3.21s"
+    assert gc.pytest_summary("== 1 failed, 9 passed, 3 deselected in 61.00s (0:01:01) ==") == \
+        "1 failed, 9 passed, 3 deselected in 61.00s (0:01:01)"
+    assert gc.pytest_summary("Traceback ...\nImportError: x") is None
+
+
+def test_the_real_plan_names_existing_files_and_loadable_recipes(capsys):
+    assert gc.missing_paths(gc.PLAN) == []
+    assert gc.main(["--list"]) == 0
+    assert "recipe_400m_mag" in capsys.readouterr().out
+    names = [p.name for p in gc.PLAN]
+    assert len(set(names)) == len(names)
+    assert names[:3] == ["env", "titans_kernel_gpu", "titans_layer"]  # correctness and the target first
+    assert all(f"recipe_{r.removeprefix('titans-').replace('-', '_')}" in names for r in gc.TITANS_RECIPES)
+    for p in gc.PLAN:
+        if "benchmarks/train_throughput.py" in p.argv:
+            i = p.argv.index("benchmarks/train_throughput.py")
+            recipe, rest = p.argv[i + 1], p.argv[i + 2:]
+            overrides = [a for a in rest[: next((j for j, a in enumerate(rest) if a.startswith("--")), len(rest))]]
+            r = load_recipe(str(ROOT / recipe), overrides)  # a stale key or recipe fails here
+            if recipe.startswith("recipes/titans-"):
+                assert r.model.type == "titans" and r.steps(r.train.schedule.warmup) == 2
+        if "benchmarks/titans.py" in p.argv:
+            bench = _load("titans_bench", ROOT / "benchmarks" / "titans.py")
+            idx = [int(i) for i in p.argv[p.argv.index("--configs") + 1].split(",")]
+            assert max(idx) < len(bench.FULL)
+    assert gc.select(gc.PLAN, "recipe_")[0].name == "recipe_170m_mac"
+
+
+def test_env_phase_prints_one_json_line():
+    import subprocess
+
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--env"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    rec = json.loads(r.stdout)
+    assert rec["torch"] and "device" in rec and "nvidia_smi" in rec

@@ -1,0 +1,337 @@
+"""The GPU check: every measurement and compiled test a GPU session owes, as one prepared command.
+
+Why. GPU machines are lent to few sessions, for minutes (15 of device time, 10 per command). What a
+session must do there is fixed in advance -- run the compiled kernel tests, time the Titans layer,
+train each paper-scale Titans recipe 50+ steps -- so it is one script, in priority order, that
+writes its results as it goes and stops starting phases when its time budget runs out. The results
+of the phases that finished come back even when the command is killed.
+
+What. ``PLAN`` lists the phases, most important first (issue 11: the compiled Titans kernels at the
+recipes' shapes, the layer benchmark's target configuration, the four paper-scale Titans recipes for
+52 optimizer steps each at the recipes' learning rate after a 2-step warm-up -- the setting under
+which titans-400m-mag once diverged -- then the rest of the layer benchmark, the whole kernel test
+file compiled, the GPU tier, the routed-attention kernels and the anchor's throughput). Each phase is
+a subprocess in its own process group with its own timeout, clipped to what is left of ``--budget``;
+a phase that times out is killed (SIGTERM, then SIGKILL) and the next starts. After every phase
+``OUT/gpu_check.json`` is rewritten (atomically) with every phase so far: status (``ok``, ``failed``,
+``timeout``, ``skipped``), exit code, seconds, the JSON lines the phase printed (benchmarks), the
+pytest summary line (tests) and the last lines of its output; ``OUT/gpu_check.log`` holds each
+phase's full output. A short table is printed last. Exit status 0 when every phase ran and passed.
+
+How, on a lent GPU machine (see ``../shared/gpu/README.md``; here first: ``make install`` and
+``bash ../shared/gpu/make-bundle.sh --titans-pytorch``, then carry ``.gpu``)::
+
+    source .gpu/setup.sh && python3 tools/gpu_check.py --out $OUT --budget 540     # timeout_s 600
+    python3 tools/gpu_check.py --list                     # the plan, with its commands
+    python3 tools/gpu_check.py --out DIR --phases recipe_  # only phases whose name starts so
+
+Torch-free itself (it only starts processes), so it runs wherever Python does; ``--list`` checks that
+every script, test file and recipe the plan names exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+TAIL_CHARS = 4000  # of each phase's output, kept in the JSON
+LOG_CHARS = 400_000  # of each phase's output, kept in the log (the device returns files up to 16 MiB)
+
+
+@dataclasses.dataclass
+class Phase:
+    """One command of the plan. ``kind``: ``jsonl`` (a benchmark printing JSON lines on stdout) or
+    ``pytest`` (its summary line is read)."""
+
+    name: str
+    argv: list[str]
+    timeout_s: float
+    kind: str = "jsonl"
+    about: str = ""
+
+
+TITANS_RECIPES = ("titans-170m-mac", "titans-400m-mag", "titans-340m-mac", "titans-760m-mal")
+
+
+def _pytest(*args: str) -> list[str]:
+    return [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", *args]
+
+
+def _throughput(recipe: str, *overrides: str, steps: int = 50, warmup: int = 2, micro_batches: int = 1,
+                docs: int = 4, extra: tuple[str, ...] = ()) -> list[str]:
+    return [PY, "benchmarks/train_throughput.py", f"recipes/{recipe}.yaml", *overrides,
+            "--micro-batches", str(micro_batches), "--warmup", str(warmup), "--steps", str(steps),
+            "--docs", str(docs), *extra]
+
+
+def _recipe_phase(recipe: str, timeout_s: float) -> Phase:
+    return Phase(f"recipe_{recipe.removeprefix('titans-').replace('-', '_')}",
+                 _throughput(recipe, "train.schedule.warmup=2"), timeout_s,
+                 about=f"{recipe}: 52 optimizer steps of one micro-batch (4 x 4096 tokens, 4 documents each) "
+                       "at lr 4e-4 after a 2-step warm-up; tokens/s, MFU, peak memory, every loss finite")
+
+
+PLAN: list[Phase] = [
+    Phase("env", [PY, "tools/gpu_check.py", "--env"], 60, about="device, driver, torch / triton versions"),
+    Phase("titans_kernel_gpu", _pytest("-m", "gpu", "tests/test_titans_kernel.py"), 240, "pytest",
+          "the compiled Titans kernels at the recipes' shapes (depth 2 chunk 16 / 64, depth 3) against "
+          "the PyTorch form, bf16"),
+    Phase("titans_layer", [PY, "benchmarks/titans.py", "--configs", "0"], 150,
+          about="the layer target: B4 T2048 d512 8 heads depth 2 chunk 64, kernel vs torch chunked vs "
+                "sequential vs titans-pytorch (target: kernel >= 1M tokens/s, >= 10x titans-pytorch)"),
+    *[_recipe_phase(r, t) for r, t in zip(TITANS_RECIPES, (150, 150, 180, 240))],
+    Phase("titans_layer_rest", [PY, "benchmarks/titans.py", "--configs", "1,2,3,4"], 240,
+          about="the layer at T8192, at d768 chunk 16, and at depth 3 and 4 (the any-depth kernels)"),
+    Phase("titans_kernel_all", _pytest("tests/test_titans_kernel.py", "-m", "not gpu"), 300, "pytest",
+          "every Titans kernel test (odd shapes, depth 1-4) compiled"),
+    Phase("gpu_tier", _pytest("-m", "gpu", "tests/test_gpu.py"), 300, "pytest",
+          "the GPU tier: flex attention, bf16 steps of every memory family, compile vs eager"),
+    Phase("routed_attention", [PY, "benchmarks/routed_attention.py", "--quick"], 150,
+          about="the routed cross-attention kernels' TFLOP/s and memory"),
+    Phase("anchor_160m", _throughput("openlm-160m", steps=10, micro_batches=2, docs=1, extra=("--compare-hf",)),
+          240, about="the OpenLM-160M anchor against a compiled Hugging Face Llama of its shape"),
+]
+
+
+# -- running ----------------------------------------------------------------------------------------
+
+
+def _tail(text: str, n: int) -> str:
+    return text if len(text) <= n else "..." + text[-n:]
+
+
+def _json_lines(text: str) -> list:
+    rows = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+    return rows
+
+
+_PYTEST_SUMMARY = re.compile(r"^=*\s*(\d+ (passed|failed|skipped|errors?|deselected|xfailed|xpassed)\b.*? in "
+                             r"[\d.]+s.*?)\s*=*$")
+
+
+def pytest_summary(text: str) -> Optional[str]:
+    """The final ``N passed, M failed ... in Xs`` line of a pytest run, or None."""
+    found = None
+    for line in text.splitlines():
+        m = _PYTEST_SUMMARY.match(line.strip())
+        if m:
+            found = m.group(1)
+    return found
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run_phase(phase: Phase, timeout_s: float, log) -> dict:
+    """Run one phase in its own process group; returns its record (without writing anything else)."""
+    rec = {"name": phase.name, "about": phase.about, "argv": phase.argv, "timeout_s": round(timeout_s, 1)}
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        t0 = time.monotonic()
+        try:
+            proc = subprocess.Popen(phase.argv, cwd=ROOT, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)
+        except OSError as e:
+            rec.update(status="failed", rc=None, seconds=0.0, error=f"{type(e).__name__}: {e}")
+            return rec
+        try:
+            rc = proc.wait(timeout_s)
+            status = "ok" if rc == 0 else "failed"
+        except subprocess.TimeoutExpired:
+            _kill(proc)
+            rc, status = proc.returncode, "timeout"
+        rec["seconds"] = round(time.monotonic() - t0, 1)
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    rec.update(status=status, rc=rc)
+    if phase.kind == "pytest":
+        rec["summary"] = pytest_summary(stdout)
+    else:
+        rec["results"] = _json_lines(stdout)
+    rec["tail"] = _tail((stdout + ("\n--- stderr ---\n" + stderr if stderr.strip() else "")).strip(), TAIL_CHARS)
+    log.write(f"\n===== {phase.name}: {status} (rc {rc}, {rec['seconds']} s) : {' '.join(phase.argv)}\n")
+    log.write(_tail(stdout, LOG_CHARS))
+    if stderr.strip():
+        log.write("\n----- stderr -----\n" + _tail(stderr, LOG_CHARS))
+    log.flush()
+    return rec
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def _commit() -> Optional[str]:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def run_plan(phases: list[Phase], out_dir: Path, budget_s: float, min_start_s: float = 20.0) -> dict:
+    """Run ``phases`` in order within ``budget_s`` seconds; a phase starts only with ``min_start_s``
+    left and runs at most its own timeout or what is left. ``OUT/gpu_check.json`` is rewritten after
+    every phase; returns the final report."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "commit": _commit(), "budget_s": budget_s,
+              "phases": []}
+    path = out_dir / "gpu_check.json"
+    t0 = time.monotonic()
+    with open(out_dir / "gpu_check.log", "w") as log:
+        for phase in phases:
+            left = budget_s - (time.monotonic() - t0)
+            if left < min_start_s:
+                report["phases"].append({"name": phase.name, "about": phase.about, "argv": phase.argv,
+                                         "status": "skipped", "reason": f"{max(left, 0):.0f} s of the budget left"})
+            else:
+                report["phases"].append(run_phase(phase, min(phase.timeout_s, left), log))
+            report["elapsed_s"] = round(time.monotonic() - t0, 1)
+            _write_json(path, report)
+    return report
+
+
+# -- reading the results ----------------------------------------------------------------------------
+
+
+def _fmt(x, digits: int = 3) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.{digits}g}" if abs(x) < 1e4 else f"{x:,.0f}"
+    return str(x)
+
+
+def phase_line(rec: dict) -> str:
+    """One line of the closing table: the phase, its status and time, and its key numbers."""
+    head = f"{rec['name']:<22} {rec['status']:<8} {_fmt(rec.get('seconds')):>6} s  "
+    if rec["status"] == "skipped":
+        return head + rec.get("reason", "")
+    if "summary" in rec:
+        return head + (rec["summary"] or "no pytest summary (see the log)")
+    parts = []
+    for row in rec.get("results", []):
+        if "tokens_per_s" in row and "mfu" in row:  # train_throughput
+            parts.append(f"{row.get('kind', '')} {_fmt(row['tokens_per_s'])} tok/s, MFU {_fmt(row.get('mfu'))}, "
+                         f"{_fmt(row.get('peak_memory_gib'))} GiB, loss {_fmt(row.get('loss_first'))}->"
+                         f"{_fmt(row.get('loss_last'))}, all finite {row.get('loss_all_finite')}")
+        elif "chunked_tokens_per_s" in row:  # benchmarks/titans.py
+            parts.append(f"T{row['seq_len']} d{row['dim']} L{row['depth']} C{row['chunk_size']}: kernel "
+                         f"{_fmt(row.get('kernel_bf16_tokens_per_s'))} tok/s (err "
+                         f"{_fmt(row.get('kernel_max_rel_err_vs_torch'))}), torch {_fmt(row['chunked_tokens_per_s'])}")
+        elif "device" in row and "torch" in row:  # env
+            parts.append(f"{row['device']}, torch {row['torch']}, triton {row.get('triton')}")
+        else:
+            parts.append(", ".join(f"{k} {_fmt(v)}" for k, v in list(row.items())[:4]))
+    return head + ("; ".join(parts) if parts else f"rc {rec.get('rc')}")
+
+
+def env_record() -> dict:
+    """The device and library versions (run as the ``env`` phase, in its own process)."""
+    rec = {"python": sys.version.split()[0], "commit": _commit()}
+    try:
+        rec["nvidia_smi"] = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limit",
+             "--format=csv,noheader"], capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError) as e:
+        rec["nvidia_smi"] = f"unavailable: {type(e).__name__}"
+    import torch
+
+    rec["torch"] = torch.__version__
+    rec["cuda"] = torch.version.cuda
+    rec["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu (no CUDA)"
+    rec["capability"] = list(torch.cuda.get_device_capability(0)) if torch.cuda.is_available() else None
+    try:
+        import triton
+
+        rec["triton"] = triton.__version__
+    except ImportError:
+        rec["triton"] = None
+    return rec
+
+
+def select(phases: list[Phase], names: Optional[str]) -> list[Phase]:
+    """The phases whose name equals or starts with one of the comma-separated ``names`` (all if None)."""
+    if not names:
+        return list(phases)
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    chosen = [p for p in phases if any(p.name == w or p.name.startswith(w) for w in wanted)]
+    unknown = [w for w in wanted if not any(p.name == w or p.name.startswith(w) for p in phases)]
+    if unknown:
+        raise SystemExit(f"gpu_check: no phase named {', '.join(unknown)}; the phases are "
+                         f"{', '.join(p.name for p in phases)}")
+    return chosen
+
+
+def missing_paths(phases: list[Phase]) -> list[str]:
+    """Scripts, test files and recipes a plan names that do not exist (what ``--list`` checks)."""
+    missing = []
+    for p in phases:
+        for arg in p.argv[1:]:
+            if arg.endswith((".py", ".yaml")) and not arg.startswith("-") and not (ROOT / arg).exists():
+                missing.append(f"{p.name}: {arg}")
+    return missing
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=None, help="folder for gpu_check.json and gpu_check.log ($OUT on the device)")
+    ap.add_argument("--budget", type=float, default=540.0, help="seconds for the whole plan (default 540)")
+    ap.add_argument("--phases", default=None, help="comma-separated phase names or name prefixes (default: all)")
+    ap.add_argument("--list", action="store_true", help="print the plan and check its paths; run nothing")
+    ap.add_argument("--env", action="store_true", help=argparse.SUPPRESS)  # the env phase itself
+    args = ap.parse_args(argv)
+    if args.env:
+        print(json.dumps(env_record()), flush=True)
+        return 0
+    phases = select(PLAN, args.phases)
+    if args.list:
+        for p in phases:
+            print(f"{p.name:<22} {p.timeout_s:>4.0f} s  {' '.join(p.argv[1:])}\n{'':<30}{p.about}")
+        missing = missing_paths(phases)
+        for m in missing:
+            print(f"missing: {m}")
+        return 1 if missing else 0
+    if not args.out:
+        ap.error("--out DIR is required (or --list)")
+    report = run_plan(phases, Path(args.out), args.budget)
+    print(f"\ngpu_check: {len(report['phases'])} phase(s) in {report['elapsed_s']} s of a {args.budget:.0f} s budget; "
+          f"full results in {Path(args.out) / 'gpu_check.json'}")
+    for rec in report["phases"]:
+        print(phase_line(rec))
+    return 0 if all(r["status"] == "ok" for r in report["phases"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
