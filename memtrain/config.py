@@ -182,8 +182,10 @@ class ModelConfig:
     attention_window: Optional[int] = None
     reset_positions: bool = True  # RoPE positions restart at every document in a packed sequence
     init_std: Optional[float] = None  # default 1/sqrt(d_model)
-    # Regional torch.compile of the decoder blocks (model.type decoder): auto = on CUDA under ZeRO 0-2,
-    # off on CPU (no compile time for CPU runs and tests) and under ZeRO 3. Training-only: may change on resume.
+    # Regional torch.compile of the blocks: auto = the decoder's (model.type decoder) on CUDA under ZeRO 0-2,
+    # off on CPU (no compile time for CPU runs and tests) and under ZeRO 3; true also compiles Titans blocks
+    # (their inner loop stays eager; auto leaves them eager until measured on a GPU). Training-only: may
+    # change on resume.
     compile: Union[bool, Literal["auto"]] = "auto"
     # model.type titans only; None (the default, and what a decoder recipe keeps) means the defaults.
     titans: Optional[TitansConfig] = None
@@ -871,9 +873,9 @@ def validate(recipe: Recipe) -> Recipe:
     checkpoint_every(p.activation_checkpointing)  # RecipeError for anything else
     if t.loss_chunk_tokens < 0:
         raise RecipeError("train.loss_chunk_tokens", f"must be >= 0 (0: no fused loss), got {t.loss_chunk_tokens}")
-    if m.compile is True and m.type != "decoder":
-        raise RecipeError("model.compile", f"regional compilation covers model.type 'decoder' only (this is "
-                          f"{m.type!r}); set model.compile: auto or false")
+    if m.compile is True and m.type not in ("decoder", "titans"):
+        raise RecipeError("model.compile", f"regional compilation covers model.type 'decoder' and 'titans' only "
+                          f"(this is {m.type!r}); set model.compile: auto or false")
     if m.compile is True and p.zero_stage == 3:
         raise RecipeError("model.compile", "compiled blocks are not supported under ZeRO 3 (its parameter hooks run "
                           "inside each block); set model.compile: auto or false, or parallel.zero_stage 0-2")
@@ -1241,8 +1243,8 @@ def checkpoint_every(value: Any) -> int:
 
 
 def compile_enabled(recipe: Recipe, device_type: str) -> bool:
-    """Whether the trainer compiles the decoder blocks (``model.compile``; ``auto``: on CUDA for
-    ``model.type decoder`` under ZeRO 0-2)."""
+    """Whether the trainer compiles the model's blocks (``model.compile``; ``auto``: on CUDA for
+    ``model.type decoder`` under ZeRO 0-2; ``true``: decoder and Titans blocks)."""
     c = recipe.model.compile
     if c == "auto":
         return device_type == "cuda" and recipe.model.type == "decoder" and recipe.parallel.zero_stage < 3

@@ -1,7 +1,10 @@
-"""Regional compilation of the decoder blocks (model.compile): one Dynamo frame for every block of the
-anchor (no recompilation per block), and compiled = eager outputs and gradients through inductor on CPU
-(float64, document mask, grouped-query attention, a tied head, checkpointing every second block and the
-fused loss)."""
+"""Regional compilation of the blocks (model.compile): one Dynamo frame for every block of the anchor (no
+recompilation per block), and compiled = eager outputs and gradients through inductor on CPU (float64,
+document mask, grouped-query attention, a tied head, checkpointing every second block and the fused loss).
+Titans blocks likewise, with the memory's inner loop left eager (the only graph break): every variant
+traced with no other break and no frame per block, MAC and MAG through inductor equal to eager
+(outputs, gradients and the memory states returned), and the Triton kernel running inside a compiled
+block."""
 
 from __future__ import annotations
 
@@ -119,7 +122,124 @@ def test_model_compile_key():
 
     with pytest.raises(RecipeError, match=r"^recipe error: model\.compile: .*ZeRO 3"):
         recipe_from_dict({**_recipe().to_dict(), "parallel": {"zero_stage": 3}}, ["model.compile=true"])
-    with pytest.raises(RecipeError, match=r"^recipe error: model\.compile: .*'decoder' only"):
-        recipe_from_dict({**_recipe().to_dict()}, ["model.compile=true", "model.type=titans"])
+    titans = recipe_from_dict({**_recipe().to_dict()}, ["model.compile=true", "model.type=titans"])
+    assert compile_enabled(titans, "cpu") and not compile_enabled(_recipe(type="titans"), "cuda")  # auto: eager
+    with pytest.raises(RecipeError, match=r"^recipe error: model\.compile: .*'decoder' and 'titans' only"):
+        recipe_from_dict({**_recipe().to_dict()}, ["model.compile=true", "model.type=hf", "model.pretrained=x"])
     with pytest.raises(RecipeError, match=r"^recipe error: model\.compile: expected"):
         _recipe(compile="yes")
+
+
+# -- Titans ----------------------------------------------------------------------------------------
+
+
+def _titans(variant: str, n_layers: int = 2, **titans):
+    from memtrain.config import TitansConfig
+
+    t = dict(variant=variant, memory_heads=2, memory_chunk_size=4, segment_len=8, window=6, persistent_tokens=3,
+             memory_max_lr=0.1, memory_init_lr=0.02, kernel="torch")
+    t.update(titans)
+    torch.manual_seed(0)
+    return build(ModelConfig(type="titans", n_layers=n_layers, tie_embeddings=False, titans=TitansConfig(**t),
+                             **{**CFG, "max_seq_len": 32}))
+
+
+def _titans_batch(T: int = 21):  # 21 tokens: 2 full MAC segments and a partial one, a partial memory chunk
+    g = torch.Generator().manual_seed(5)
+    x = torch.randint(0, 64, (2, T), generator=g)
+    doc = torch.zeros(2, T, dtype=torch.long)
+    doc[0, 11:] = 1
+    return x, doc
+
+
+def _graph_breaks() -> dict:
+    from torch._dynamo.utils import counters
+
+    return dict(counters["graph_break"])
+
+
+@pytest.mark.parametrize("variant", ["mac", "mag", "mal", "lmm"])
+def test_titans_blocks_trace_with_the_inner_loop_as_the_only_graph_break(variant):
+    """Every variant: the only graph break is the memory's scan (run_scan under torch.compiler.disable);
+    the frames do not grow with the number of blocks nor on a second batch; the traced model computes the
+    eager function exactly (Dynamo's graphs run eagerly under the counting backend)."""
+    from torch._dynamo.testing import CompileCounter
+
+    frames, breaks = [], set()
+    for n_layers in (2, 4):
+        torch._dynamo.reset()
+        eager, traced = _titans(variant, n_layers).double(), _titans(variant, n_layers).double()
+        counter = CompileCounter()
+        assert traced.compile_blocks(backend=counter) == n_layers
+        x, doc = _titans_batch()
+        out_e, out_t = eager(x, doc_ids=doc), traced(x, doc_ids=doc)
+        torch.testing.assert_close(out_t.logits, out_e.logits, rtol=0, atol=1e-12)
+        out_t.logits.square().mean().backward()
+        out_e.logits.square().mean().backward()
+        for (name, p), q in zip(traced.named_parameters(), eager.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-12, msg=name)
+        first = counter.frame_count
+        traced(x.flip(0), doc_ids=doc.flip(0)).logits.sum().backward()
+        assert counter.frame_count == first, "a second batch of the same shape recompiled"
+        frames.append(first)
+        breaks |= set(_graph_breaks())
+    assert frames[0] == frames[1] > 0, f"frames grew with the blocks: {frames}"
+    assert breaks and all("compiler.disable" in b and "run_scan" in b for b in breaks), breaks
+
+
+@pytest.mark.parametrize("variant", ["mac", "mag"])
+def test_titans_compiled_blocks_match_eager_outputs_gradients_and_states(variant):
+    """Inductor on CPU, float64: logits, the loss, every gradient and the returned memory states of
+    compiled blocks (checkpointing every second block, the fused loss) equal the eager model's."""
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("inductor on CPU needs a C++ compiler (none on PATH)")
+    eager, compiled = _titans(variant, 3).double(), _titans(variant, 3).double()
+    compiled.set_activation_checkpointing(2)
+    compiled.set_fused_loss(7)
+    assert compiled.compile_blocks() == 3
+    x, doc = _titans_batch()
+    labels = x.roll(-1, 1)
+    results = []
+    for model in (eager, compiled):
+        out = model(x, doc_ids=doc, labels=labels)
+        out.loss_sum.backward()
+        states = [w.detach() for s in out.memory for w in (*s.weights, *s.momentum)]
+        results.append((out.loss_sum.detach(), {n: p.grad for n, p in model.named_parameters()}, states))
+    (loss_e, grads_e, states_e), (loss_c, grads_c, states_c) = results
+    torch.testing.assert_close(loss_c, loss_e, rtol=1e-12, atol=1e-12)
+    for name, g in grads_e.items():
+        torch.testing.assert_close(grads_c[name], g, rtol=1e-9, atol=1e-12, msg=name)
+    for a, b in zip(states_c, states_e):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_titans_compiled_block_runs_the_triton_kernel():
+    """kernel: triton inside compiled blocks (the interpreter on CPU, float32): the scan still reaches the
+    kernels through the graph break, and the model equals the eager PyTorch form."""
+    from torch._dynamo.testing import CompileCounter
+
+    from memtrain.kernels.titans import triton_kernels
+
+    calls = []
+    real = triton_kernels.chunk_scan
+
+    def counting(*args, **kw):
+        calls.append(1)
+        return real(*args, **kw)
+
+    torch_model, kernel_model = _titans("mac"), _titans("mac", kernel="triton")
+    kernel_model.compile_blocks(backend=CompileCounter())
+    x, doc = _titans_batch(16)
+    mp = pytest.MonkeyPatch()
+    mp.setattr(triton_kernels, "chunk_scan", counting)
+    try:
+        out_k = kernel_model(x, doc_ids=doc).logits
+    finally:
+        mp.undo()
+    out_t = torch_model(x, doc_ids=doc).logits
+    assert calls, "the compiled block never reached the Triton kernels"
+    torch.testing.assert_close(out_k, out_t, rtol=1e-4, atol=1e-5)
+    out_k.square().mean().backward()
+    out_t.square().mean().backward()
+    for (name, p), q in zip(kernel_model.named_parameters(), torch_model.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-6, msg=name)

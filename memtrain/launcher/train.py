@@ -81,7 +81,7 @@ def label_kwargs(model, batch: dict) -> dict:
 def configure_model(model, recipe: Recipe, device: torch.device) -> dict:
     """Apply the recipe's training options to ``model`` (before DeepSpeed): activation checkpointing
     (parallel.activation_checkpointing: none, every block or every n-th), the fused loss
-    (train.loss_chunk_tokens; decoder and Titans models) and regional compilation of the decoder blocks
+    (train.loss_chunk_tokens; decoder and Titans models) and regional compilation of the blocks
     (model.compile). Returns what was applied (``checkpoint_every``, ``loss_chunk_tokens``,
     ``compiled_blocks``) for :func:`training_options_line`."""
     from memtrain.config import checkpoint_every, compile_enabled
@@ -855,7 +855,7 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
             if compiled:
                 values["time/compile_s"] = compile_seconds() - compile_base  # this process's, so far
                 if step == first_step + 1:
-                    _log(f"compiled {options['compiled_blocks']} decoder block(s): {values['time/compile_s']:.1f} s "
+                    _log(f"compiled {options['compiled_blocks']} block(s): {values['time/compile_s']:.1f} s "
                          f"of step {step}'s {step_time:.1f} s", rank)
             if step % log_every == 0 or step == max_steps or "loss/val" in values or nonfinite:
                 writer.scalars(step, values)

@@ -79,17 +79,18 @@ def triton_available() -> bool:
 
 
 def use_triton(kernel: str, q: torch.Tensor, depth: int, algorithm: str = "chunked", head_dim: int = 64,
-               hidden: int = 128) -> bool:
-    """Whether ``kernel`` runs the Triton kernels for tensors like ``q`` and a memory of ``depth`` layers of
-    ``head_dim`` and ``hidden`` width (ValueError for an unknown ``kernel``; a ValueError / RuntimeError when
-    ``triton`` is asked for where it cannot run)."""
+               hidden: int = 128, dtype: torch.dtype | None = None) -> bool:
+    """Whether ``kernel`` runs the Triton kernels for tensors like ``q`` (in ``dtype``, default ``q``'s) and a
+    memory of ``depth`` layers of ``head_dim`` and ``hidden`` width (ValueError for an unknown ``kernel``; a
+    ValueError / RuntimeError when ``triton`` is asked for where it cannot run)."""
     if kernel not in KERNELS:
         raise ValueError(f"Titans memory kernel must be one of {KERNELS}, got {kernel!r}")
     if kernel == "torch":
         return False
     why = kernel_unsupported(depth, head_dim, hidden, algorithm)
     if kernel == "auto":  # half-precision inputs (bf16 training); float32 / float64 stay in PyTorch
-        return why is None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and triton_available()
+        half = (dtype or q.dtype) in (torch.bfloat16, torch.float16)
+        return why is None and q.is_cuda and half and triton_available()
     if why is not None:
         raise ValueError(f"Titans memory kernel 'triton': {why}; use kernel 'auto' or 'torch'")
     if not triton_available():

@@ -102,7 +102,7 @@ from memtrain.model.anchor import (
 )
 from memtrain.model.attention import AttentionMask
 from memtrain.model.titans.attention import PrefixAttention, segment_mask, sliding_window_mask
-from memtrain.model.titans.memory import NeuralMemory
+from memtrain.model.titans.memory import NeuralMemory, run_scan
 from memtrain.model.titans.state import MemoryState
 
 VARIANTS = ("lmm", "mac", "mag", "mal")
@@ -287,6 +287,19 @@ class TitansLM(TrainingOptions, nn.Module):
         for module in self.modules():
             if isinstance(module, (nn.LayerNorm, RMSNorm)):
                 module.reset_parameters()
+
+    def compile_blocks(self, **compile_kwargs: Any) -> int:
+        """Regional compilation (``model.compile: true``): ``torch.compile`` each block in place, as the
+        decoder does, except the memory's inner loop: every memory's ``scan`` becomes :func:`run_scan` under
+        ``torch.compiler.disable``, so Dynamo breaks the graph there and the Triton kernels (or the PyTorch
+        form's loop over chunks) run as they do eagerly; the projections, gates, convolution, norms,
+        attention, gating and FFN around them are compiled. The blocks share one class, so Dynamo compiles
+        each variant's code once for all blocks (tests/test_compile.py). Returns how many were compiled."""
+        eager_scan = torch.compiler.disable(run_scan)  # imports torch._dynamo: only when compiling
+        for block in self.blocks:
+            block.memory.scan = eager_scan
+            block.compile(**compile_kwargs)
+        return len(self.blocks)
 
     def _context(self, input_ids: torch.Tensor, doc_ids: Optional[torch.Tensor]) -> _Context:
         t, cfg = self.titans, self.cfg

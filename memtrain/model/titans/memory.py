@@ -83,6 +83,23 @@ from memtrain.model.titans.state import MemoryState
 GATE_MODES = ("token", "chunk")
 
 
+def run_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lr: torch.Tensor, log_eta: torch.Tensor,
+             log_keep: torch.Tensor, state: MemoryState, chunk_size: int, algorithm: str, kernel: str,
+             io_dtype: torch.dtype) -> tuple[torch.Tensor, MemoryState]:
+    """One call's inner loop (:func:`memory_scan`) outside autocast, ``q``, ``k``, ``v`` in the inner dtype.
+
+    When the Triton kernels run and ``io_dtype`` (the activations' dtype) is bf16 / fp16, they take ``q``,
+    ``k``, ``v`` in it (bf16 dot products, fp32 accumulation, gates and state); the PyTorch form runs in the
+    inner dtype. Plain eager code with a Python loop over chunks (PyTorch form) or Triton launches (kernels):
+    compiled Titans blocks call it through ``torch.compiler.disable`` (one graph break per call) rather than
+    trace it (:meth:`memtrain.model.titans.arch.TitansLM.compile_blocks`)."""
+    if io_dtype in (torch.bfloat16, torch.float16) and io_dtype != q.dtype and use_triton(
+            kernel, q, len(state.weights), algorithm, q.shape[-1], state.weights[0].shape[-2], dtype=io_dtype):
+        q, k, v = q.to(io_dtype), k.to(io_dtype), v.to(io_dtype)
+    with torch.autocast(device_type=q.device.type, enabled=False):
+        return memory_scan(q, k, v, lr, log_eta, log_keep, state, chunk_size, algorithm, kernel=kernel)
+
+
 class NeuralMemory(nn.Module):
     """Titans' neural long-term memory layer; see the module docstring for the math and the API.
 
@@ -180,6 +197,10 @@ class NeuralMemory(nn.Module):
     # ---------------------------------------------------------------------------------------------
     # Pieces
 
+    # The inner loop of a call; TitansLM.compile_blocks sets an instance's to run_scan wrapped in
+    # torch.compiler.disable, so compiled blocks leave it to run as it does eagerly.
+    scan = staticmethod(run_scan)
+
     @property
     def inner_dtype(self) -> torch.dtype:
         """The inner loop's dtype: float32, or float64 when the parameters are float64."""
@@ -193,9 +214,8 @@ class NeuralMemory(nn.Module):
         xp = torch.cat([cache.to(x.dtype), x], dim=1).transpose(1, 2)
         return F.conv1d(xp, self.conv.weight[channels], self.conv.bias[channels], groups=xp.shape[1]).transpose(1, 2)
 
-    def _queries(self, q: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        q = F.normalize(F.silu(self._heads(q)).to(self.inner_dtype), dim=-1)
-        return q if dtype is None else q.to(dtype)
+    def _queries(self, q: torch.Tensor) -> torch.Tensor:
+        return F.normalize(F.silu(self._heads(q)).to(self.inner_dtype), dim=-1)
 
     def _output(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """[B, H, T, d] retrievals -> per-head RMSNorm, sigmoid gate from x, output projection."""
@@ -242,16 +262,11 @@ class NeuralMemory(nn.Module):
         qkv = self._conv(qkv, state.conv_cache, slice(None))
         conv_cache = conv_in[:, conv_in.shape[1] - (self.conv_kernel - 1):]
         q, k, v = qkv.chunk(3, dim=-1)
-        # The Triton kernels take bf16 / fp16 q, k, v as they are (bf16 dot products, fp32 accumulation and
-        # state); the PyTorch form runs in the inner dtype.
-        fused = use_triton(self.kernel, qkv, self.depth, algorithm, self.head_dim, self.init_weights[0].shape[-2])
-        io_dtype = qkv.dtype if fused and qkv.dtype in (torch.bfloat16, torch.float16) else self.inner_dtype
-        q, k = self._queries(q, io_dtype), self._queries(k, io_dtype)
-        v = self._queries(v, io_dtype) if self.value_norm else F.silu(self._heads(v)).to(io_dtype)
+        q, k = self._queries(q), self._queries(k)
+        v = self._queries(v) if self.value_norm else F.silu(self._heads(v)).to(self.inner_dtype)
         lr, log_eta, log_keep, chunk_gates = self._gates(x, state)
-        with torch.autocast(device_type=x.device.type, enabled=False):
-            y, new_state = memory_scan(q, k, v, lr, log_eta, log_keep, state, self.chunk_size, algorithm,
-                                       kernel=self.kernel)
+        y, new_state = self.scan(q, k, v, lr, log_eta, log_keep, state, self.chunk_size, algorithm, self.kernel,
+                                 qkv.dtype)
         new_state = replace(new_state, chunk_gates=chunk_gates, conv_cache=conv_cache)
         return self._output(y, x), new_state
 
