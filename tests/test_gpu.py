@@ -5,7 +5,9 @@
 - a bf16 training step of a tiny anchor and of each memory family (hierarchical memories with their
   bank, Titans LMM / MAC / MAG / MAL, MemoryLlama): bf16 logits within bf16 rounding of fp32, finite
   gradients that reach the memory's parameters, and a loss that falls over a few steps;
-- ``torch.compile`` against eager: outputs and every parameter's gradient.
+- ``torch.compile`` against eager: outputs and every parameter's gradient; and Titans blocks compiled
+  regionally (``model.compile: true``, the Triton kernels eager inside) in bf16, as close to fp32 as
+  eager bf16 is.
 
 Every test is marked ``gpu``; on a machine without CUDA they are collected and skipped with their
 reason (tests/conftest.py), the only skips a CPU run may have. ``MEMTRAIN_GPU_TIER_ON_CPU=1`` runs the
@@ -225,3 +227,30 @@ def test_compiled_model_equals_eager_outputs_and_gradients(device, family):
     assert grads[0].keys() == grads[1].keys() and grads[0]
     for n in grads[0]:
         assert rel_err(grads[1][n], grads[0][n]) < 1e-4, n
+
+
+@pytest.mark.parametrize("family", ["titans-mac", "titans-mal"])
+def test_titans_compiled_blocks_in_bf16_equal_eager(device, family):
+    """``model.compile: true`` on Titans as bf16 training runs it: regional compilation of the blocks with the
+    memory's scan left eager (on a GPU the Triton kernels, ``kernel: auto``). Against an fp32 model with the
+    same weights, the compiled bf16 model's logits and gradients are as close as the eager bf16 model's (at
+    most twice its error, or 1e-2 / 3e-2), and reach the same parameters."""
+    ids = tokens(2, 49, 4, device, eots=(17,))
+    x = ids[:, :-1]
+    doc = document_ids(x, EOT)
+    eager = _Family(family, device, torch.bfloat16).model
+    compiled = _Family(family, device, torch.bfloat16).model
+    compiled.load_state_dict(eager.state_dict())
+    ref = _Family(family, device, torch.float32).model
+    ref.load_state_dict(eager.state_dict())  # the bf16 weights, held in fp32
+    assert compiled.compile_blocks() == len(compiled.blocks)
+    outs, grads = [], []
+    for model in (ref, eager, compiled):
+        logits = model(x, doc_ids=doc).logits
+        logits.float().square().mean().backward()
+        outs.append(logits.detach().float())
+        grads.append({n: p.grad.detach().float() for n, p in model.named_parameters() if p.grad is not None})
+    assert rel_err(outs[2], outs[0]) < max(2 * rel_err(outs[1], outs[0]), 1e-2)
+    assert grads[0].keys() == grads[1].keys() == grads[2].keys() and any("memory" in n for n in grads[0])
+    for n in grads[0]:
+        assert rel_err(grads[2][n], grads[0][n]) < max(2 * rel_err(grads[1][n], grads[0][n]), 3e-2), n
