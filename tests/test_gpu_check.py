@@ -134,3 +134,19 @@ def test_env_phase_prints_one_json_line():
     assert r.returncode == 0, r.stderr
     rec = json.loads(r.stdout)
     assert rec["torch"] and "device" in rec and "nvidia_smi" in rec
+
+
+def test_kernel_launch_sweep_benchmark_under_the_interpreter():
+    """benchmarks/titans_kernels.py (the plan's titans_kernel_tune) at its tiny CPU shape: one JSON line per
+    num_warps variant, the default marked, every variant computing what the default does."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "titans_kernels.py"), "--interpret", "--shapes",
+                        "layer", "--warps", "4,8"], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert [row["num_warps"] for row in rows] == [4, 8] and [row["default"] for row in rows] == [True, False]
+    for row in rows:
+        assert row["shape"] == "layer" and row["fwd_bwd_ms"] > 0 and row["max_rel_err_vs_default"] < 1e-6

@@ -10,7 +10,7 @@ What. ``PLAN`` lists the phases, most important first (issue 11: the compiled Ti
 recipes' shapes, the layer benchmark's target configuration, the four paper-scale Titans recipes for
 52 optimizer steps each at the recipes' learning rate after a 2-step warm-up -- the setting under
 which titans-400m-mag once diverged -- and titans-170m-mac again with its blocks compiled), then the
-rest of the layer benchmark, the whole kernel test
+kernels' launch sweep, the rest of the layer benchmark, the whole kernel test
 file compiled, the GPU tier, the routed-attention kernels and the anchor's throughput). Each phase is
 a subprocess in its own process group with its own timeout, clipped to what is left of ``--budget``;
 a phase that times out is killed (SIGTERM, then SIGKILL) and the next starts. After every phase
@@ -97,6 +97,9 @@ PLAN: list[Phase] = [
           _throughput("titans-170m-mac", "train.schedule.warmup=2", "model.compile=true", steps=20), 240,
           about="titans-170m-mac with model.compile: true (regional compile, the inner loop eager), beside "
                 "recipe_170m_mac: whether model.compile: auto should compile Titans blocks"),
+    Phase("titans_kernel_tune", [PY, "benchmarks/titans_kernels.py"], 240,
+          about="the scan kernels alone at the layer target and the recipes' shapes under num_warps 4 / 8 / 16: "
+                "time, registers, spills, error against the shipped launch"),
     Phase("titans_layer_rest", [PY, "benchmarks/titans.py", "--configs", "1,2,3,4"], 240,
           about="the layer at T8192, at d768 chunk 16, and at depth 3 and 4 (the any-depth kernels)"),
     Phase("titans_kernel_all", _pytest("tests/test_titans_kernel.py", "-m", "not gpu"), 300, "pytest",
