@@ -1,11 +1,14 @@
 """tools/gpu_check.py: the prepared GPU session runs its phases in order within a budget, records each
 (ok / failed / timeout / skipped), rewrites its JSON after every phase, kills a phase that overruns
-together with its children, and its plan names only scripts, tests and recipes that exist."""
+together with its children, and its plan names only scripts, tests and recipes that exist; on an image
+without pytest it installs the prepared wheels of what is missing and nothing else."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -150,3 +153,36 @@ def test_kernel_launch_sweep_benchmark_under_the_interpreter():
     assert [row["num_warps"] for row in rows] == [4, 8] and [row["default"] for row in rows] == [True, False]
     for row in rows:
         assert row["shape"] == "layer" and row["fwd_bwd_ms"] > 0 and row["max_rel_err_vs_default"] < 1e-6
+
+
+def test_test_tools_are_installed_only_where_missing(tmp_path, monkeypatch):
+    """On a GPU image without pytest, the wheels of --prepare are installed for the phases, and nothing the
+    interpreter already has is shadowed; here pytest exists, so a stand-in module plays the missing one."""
+    env = {"PYTHONPATH": "/somewhere"}
+    assert gc.ensure_test_tools(env, extra=tmp_path / "none") == "pytest present" and env == {"PYTHONPATH": "/somewhere"}
+    extra = tmp_path / "extra"
+    extra.mkdir()
+    wheel = extra / "memtrain_gpu_check_probe-1.0-py3-none-any.whl"
+    import zipfile
+
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("memtrain_gpu_check_probe/__init__.py", "VALUE = 7\n")
+        info = "memtrain_gpu_check_probe-1.0.dist-info/"
+        z.writestr(info + "METADATA", "Metadata-Version: 2.1\nName: memtrain-gpu-check-probe\nVersion: 1.0\n")
+        z.writestr(info + "WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(info + "RECORD", "")
+    # a wheel of something present (pytest itself) must not be installed over it
+    (extra / "pytest-0.0.0-py3-none-any.whl").write_bytes(b"not a wheel")
+    site = tmp_path / "site"
+    done = gc.ensure_test_tools(env, extra=extra, site=site)
+    assert done == f"installed memtrain_gpu_check_probe into {site}", done
+    assert env["PYTHONPATH"] == f"{site}{os.pathsep}/somewhere"
+    assert (site / "memtrain_gpu_check_probe" / "__init__.py").exists() and not (site / "pytest").exists()
+    r = subprocess.run([sys.executable, "-c", "import memtrain_gpu_check_probe as m; print(m.VALUE)"],
+                       capture_output=True, text=True, env={**os.environ, **env})
+    assert r.stdout.strip() == "7", r.stderr
+
+
+def test_prepare_pins_the_constraints_versions():
+    pins = gc._pins()
+    assert [p.split("==")[0] for p in pins] == ["pytest", "pytest-timeout"] and all("==" in p for p in pins)

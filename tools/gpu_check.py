@@ -19,8 +19,9 @@ a phase that times out is killed (SIGTERM, then SIGKILL) and the next starts. Af
 pytest summary line (tests) and the last lines of its output; ``OUT/gpu_check.log`` holds each
 phase's full output. A short table is printed last. Exit status 0 when every phase ran and passed.
 
-How, on a lent GPU machine (see ``../shared/gpu/README.md``; here first: ``make install`` and
-``bash ../shared/gpu/make-bundle.sh --titans-pytorch``, then carry ``.gpu``)::
+How, on a lent GPU machine (see ``../shared/gpu/README.md``; here first: ``make install``,
+``bash ../shared/gpu/make-bundle.sh --titans-pytorch`` and ``python3 tools/gpu_check.py --prepare``, which
+adds pytest's wheels to ``.gpu/extra`` for an image without pytest; then carry ``.gpu``)::
 
     source .gpu/setup.sh && python3 tools/gpu_check.py --out $OUT --budget 540     # timeout_s 600
     python3 tools/gpu_check.py --list                     # the plan, with its commands
@@ -47,6 +48,9 @@ from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
+EXTRA = ROOT / ".gpu" / "extra"  # pytest's wheels (--prepare), for a GPU image without pytest
+EXTRA_SITE = Path(tempfile.gettempdir()) / "memtrain-gpu-check-site"
+TEST_TOOLS = ("pytest", "pytest-timeout")  # pinned by constraints.txt; their dependencies come along
 TAIL_CHARS = 4000  # of each phase's output, kept in the JSON
 LOG_CHARS = 400_000  # of each phase's output, kept in the log (the device returns files up to 16 MiB)
 
@@ -159,14 +163,15 @@ def _kill(proc: subprocess.Popen) -> None:
             continue
 
 
-def run_phase(phase: Phase, timeout_s: float, log) -> dict:
-    """Run one phase in its own process group; returns its record (without writing anything else)."""
+def run_phase(phase: Phase, timeout_s: float, log, env: Optional[dict] = None) -> dict:
+    """Run one phase in its own process group (environment ``env``, default this process's); returns its
+    record (without writing anything else)."""
     rec = {"name": phase.name, "about": phase.about, "argv": phase.argv, "timeout_s": round(timeout_s, 1)}
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         t0 = time.monotonic()
         try:
             proc = subprocess.Popen(phase.argv, cwd=ROOT, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
-                                    start_new_session=True)
+                                    start_new_session=True, env=env)
         except OSError as e:
             rec.update(status="failed", rc=None, seconds=0.0, error=f"{type(e).__name__}: {e}")
             return rec
@@ -208,13 +213,14 @@ def _commit() -> Optional[str]:
         return None
 
 
-def run_plan(phases: list[Phase], out_dir: Path, budget_s: float, min_start_s: float = 20.0) -> dict:
+def run_plan(phases: list[Phase], out_dir: Path, budget_s: float, min_start_s: float = 20.0,
+             env: Optional[dict] = None, notes: Optional[dict] = None) -> dict:
     """Run ``phases`` in order within ``budget_s`` seconds; a phase starts only with ``min_start_s``
     left and runs at most its own timeout or what is left. ``OUT/gpu_check.json`` is rewritten after
-    every phase; returns the final report."""
+    every phase; returns the final report (``notes`` added to it)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     report = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "commit": _commit(), "budget_s": budget_s,
-              "phases": []}
+              **(notes or {}), "phases": []}
     path = out_dir / "gpu_check.json"
     t0 = time.monotonic()
     with open(out_dir / "gpu_check.log", "w") as log:
@@ -224,10 +230,59 @@ def run_plan(phases: list[Phase], out_dir: Path, budget_s: float, min_start_s: f
                 report["phases"].append({"name": phase.name, "about": phase.about, "argv": phase.argv,
                                          "status": "skipped", "reason": f"{max(left, 0):.0f} s of the budget left"})
             else:
-                report["phases"].append(run_phase(phase, min(phase.timeout_s, left), log))
+                report["phases"].append(run_phase(phase, min(phase.timeout_s, left), log, env))
             report["elapsed_s"] = round(time.monotonic() - t0, 1)
             _write_json(path, report)
     return report
+
+
+# -- pytest on a GPU image without it ----------------------------------------------------------------
+
+
+def _pins() -> list[str]:
+    """``TEST_TOOLS`` at the versions constraints.txt pins (unpinned where it names none)."""
+    pins = {}
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        name, sep, version = line.strip().partition("==")
+        if sep:
+            pins[name.lower()] = version
+    return [f"{t}=={pins[t]}" if t in pins else t for t in TEST_TOOLS]
+
+
+def prepare(dest: Path = EXTRA) -> int:
+    """Here, after ``make-bundle.sh``: download pytest, pytest-timeout and their dependencies as Python 3.12
+    wheels into ``.gpu/extra`` (the GPU image has no registry access and may lack pytest)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", "-q", "--only-binary=:all:", "--python-version", "3.12",
+           "--implementation", "cp", "--platform", "manylinux2014_x86_64", "-d", str(dest), *_pins()]
+    rc = subprocess.run(cmd).returncode
+    wheels = sorted(p.name for p in dest.glob("*.whl"))
+    print(f"gpu_check --prepare: {len(wheels)} wheel(s) in {dest}: {', '.join(wheels)}" if rc == 0 else
+          f"gpu_check --prepare: pip download failed (exit {rc}); the pytest phases need pytest on the GPU image")
+    return rc
+
+
+def ensure_test_tools(env: dict, extra: Path = EXTRA, site: Path = EXTRA_SITE) -> str:
+    """There: make pytest importable by the phases. Each wheel in ``extra`` whose module this interpreter lacks
+    (nothing it has is shadowed) is installed into ``site``, which goes first on the phases' PYTHONPATH
+    (``env`` is updated). Returns what was done, for the report."""
+    import importlib.util
+
+    wheels = {p.name.split("-")[0].lower(): p for p in sorted(extra.glob("*.whl"))} if extra.is_dir() else {}
+    missing = [m for m in ("pytest", "pytest_timeout", *wheels) if importlib.util.find_spec(m) is None]
+    missing = list(dict.fromkeys(missing))
+    if not missing:
+        return "pytest present"
+    lacking = [m for m in missing if m not in wheels]
+    if lacking:
+        return f"missing {', '.join(lacking)} and no wheel for it in {extra} (run --prepare here first)"
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--target",
+           str(site), *(str(wheels[m]) for m in missing)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        return f"pip install of {', '.join(missing)} failed: {r.stderr.strip()[-300:]}"
+    env["PYTHONPATH"] = os.pathsep.join([str(site), *filter(None, [env.get("PYTHONPATH")])])
+    return f"installed {', '.join(missing)} into {site}"
 
 
 # -- reading the results ----------------------------------------------------------------------------
@@ -318,11 +373,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--budget", type=float, default=540.0, help="seconds for the whole plan (default 540)")
     ap.add_argument("--phases", default=None, help="comma-separated phase names or name prefixes (default: all)")
     ap.add_argument("--list", action="store_true", help="print the plan and check its paths; run nothing")
+    ap.add_argument("--prepare", action="store_true",
+                    help="here, after make-bundle.sh: download pytest's wheels into .gpu/extra; run nothing else")
     ap.add_argument("--env", action="store_true", help=argparse.SUPPRESS)  # the env phase itself
     args = ap.parse_args(argv)
     if args.env:
         print(json.dumps(env_record()), flush=True)
         return 0
+    if args.prepare:
+        return prepare()
     phases = select(PLAN, args.phases)
     if args.list:
         for p in phases:
@@ -333,9 +392,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 1 if missing else 0
     if not args.out:
         ap.error("--out DIR is required (or --list)")
-    report = run_plan(phases, Path(args.out), args.budget)
+    env = dict(os.environ)
+    tools = ensure_test_tools(env) if any(p.kind == "pytest" for p in phases) else "not needed"
+    report = run_plan(phases, Path(args.out), args.budget, env=env, notes={"test_tools": tools})
     print(f"\ngpu_check: {len(report['phases'])} phase(s) in {report['elapsed_s']} s of a {args.budget:.0f} s budget; "
-          f"full results in {Path(args.out) / 'gpu_check.json'}")
+          f"full results in {Path(args.out) / 'gpu_check.json'}; test tools: {tools}")
     for rec in report["phases"]:
         print(phase_line(rec))
     return 0 if all(r["status"] == "ok" for r in report["phases"]) else 1
