@@ -310,7 +310,7 @@ def test_compiled_checkpointed_fused_loss_run_matches_the_reference(workdir, ref
         assert got[step] == pytest.approx(value, rel=1e-5, abs=1e-5), step
     assert "2 block(s) compiled (torch.compile, regional) | activation checkpointing 1 in 2 blocks (1 of 2) | " \
            "loss fused, chunks of 7 tokens" in out.stdout
-    assert re.search(r"memtrain: compiled 2 decoder block\(s\): \d+\.\d s of step 1's", out.stdout), out.stdout
+    assert re.search(r"memtrain: compiled 2 block\(s\): \d+\.\d s of step 1's", out.stdout), out.stdout
     rows = [json.loads(line) for line in (workdir / "runs" / "compiled" / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["time/compile_s"] > 0
     _console_lines_are_memtrains(out.stdout)
