@@ -35,6 +35,26 @@ def _py(code: str) -> list[str]:
     return [sys.executable, "-c", code]
 
 
+def _gone(pid: int, within_s: float = 10.0) -> bool:
+    """Whether process ``pid`` ends (or is only a zombie awaiting its reaper) within ``within_s`` seconds."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        except OSError:  # no /proc: ask the kernel
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return True
+            state = "?"
+        if state in ("Z", "X"):
+            return True
+        time.sleep(0.2)
+    return False
+
+
 def test_plan_runs_in_order_and_records_every_outcome(tmp_path):
     out = tmp_path / "out"
     seen = (f"import json; d = json.load(open({str(out / 'gpu_check.json')!r})); "
@@ -59,18 +79,7 @@ def test_plan_runs_in_order_and_records_every_outcome(tmp_path):
     assert by["reads_partial"]["results"] == [{"seen": ["bench"]}]  # the file was written after phase 1
     assert by["fails"]["status"] == "failed" and by["fails"]["rc"] == 3 and "boom" in by["fails"]["tail"]
     assert by["overruns"]["status"] == "timeout" and "started" in by["overruns"]["tail"]
-    import os
-
-    pid = int(child.read_text())
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.2)
-    else:
-        pytest.fail("the overrunning phase's child process outlived the phase")
+    assert _gone(int(child.read_text())), "the overrunning phase's child process outlived the phase"
     assert by["tests"]["summary"] == "1 failed, 2 passed in 0.12s" and by["tests"]["status"] == "ok"
     on_disk = json.loads((out / "gpu_check.json").read_text())
     assert [r["status"] for r in on_disk["phases"]] == ["ok", "ok", "failed", "timeout", "ok"]
@@ -97,6 +106,19 @@ def test_main_exit_status_and_unknown_phase(tmp_path, monkeypatch, capsys):
     assert gc.main(["--out", str(tmp_path)]) == 1  # b_two failed
     with pytest.raises(SystemExit, match="no phase named zzz; the phases are a_one, b_two"):
         gc.main(["--out", str(tmp_path), "--phases", "zzz"])
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit, match=r"cannot create --out .*file/sub: .*; pass a writable folder"):
+        gc.main(["--out", str(tmp_path / "file" / "sub")])
+
+
+def test_a_phase_that_finishes_takes_its_leftover_children_with_it(tmp_path):
+    """A phase that exits while a child it started still runs (a stuck worker): the child is killed."""
+    pid_file = tmp_path / "pid"
+    code = (f"import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+            f"open({str(pid_file)!r}, 'w').write(str(p.pid))")
+    report = gc.run_plan([gc.Phase("leaves_a_child", _py(code), 30)], tmp_path / "out", budget_s=60, min_start_s=1)
+    assert report["phases"][0]["status"] == "ok"
+    assert _gone(int(pid_file.read_text())), "the finished phase's child process outlived it"
 
 
 def test_pytest_summary_forms():

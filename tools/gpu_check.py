@@ -150,17 +150,23 @@ def pytest_summary(text: str) -> Optional[str]:
     return found
 
 
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 def _kill(proc: subprocess.Popen) -> None:
-    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+    """An overrunning phase: SIGTERM to its process group (the trainer checkpoints and exits on it), up to
+    10 s for the leader, then SIGKILL to whatever of the group is left."""
+    _signal_group(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        pass
+    _signal_group(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 def run_phase(phase: Phase, timeout_s: float, log, env: Optional[dict] = None) -> dict:
@@ -178,6 +184,7 @@ def run_phase(phase: Phase, timeout_s: float, log, env: Optional[dict] = None) -
         try:
             rc = proc.wait(timeout_s)
             status = "ok" if rc == 0 else "failed"
+            _signal_group(proc.pid, signal.SIGKILL)  # a child the phase left behind must not hold the GPU
         except subprocess.TimeoutExpired:
             _kill(proc)
             rc, status = proc.returncode, "timeout"
@@ -392,6 +399,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 1 if missing else 0
     if not args.out:
         ap.error("--out DIR is required (or --list)")
+    try:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SystemExit(f"gpu_check: cannot create --out {args.out}: {e.strerror}; pass a writable folder ($OUT)")
     env = dict(os.environ)
     tools = ensure_test_tools(env) if any(p.kind == "pytest" for p in phases) else "not needed"
     report = run_plan(phases, Path(args.out), args.budget, env=env, notes={"test_tools": tools})
