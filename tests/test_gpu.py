@@ -206,6 +206,15 @@ def test_a_bf16_training_step_of_each_family(device, family):
 # torch.compile against eager
 
 
+def _logits_and_grads(model, x: torch.Tensor, doc: torch.Tensor, module=None) -> tuple[torch.Tensor, dict]:
+    """One forward and backward of the mean squared logits: the logits and every gradient of ``module``'s
+    parameters (``module``: the eager module behind a ``torch.compile`` wrapper; default ``model``)."""
+    logits = model(x, doc_ids=doc).logits
+    logits.float().square().mean().backward()
+    grads = {n: p.grad.detach().float().clone() for n, p in (module or model).named_parameters() if p.grad is not None}
+    return logits.detach().float(), grads
+
+
 @pytest.mark.parametrize("family", ["anchor", "titans-mac", "titans-mag"])
 def test_compiled_model_equals_eager_outputs_and_gradients(device, family):
     """The whole model under torch.compile (what GPU training will use) against the same weights eager,
@@ -217,12 +226,8 @@ def test_compiled_model_equals_eager_outputs_and_gradients(device, family):
     compiled_src = _Family(family, device, torch.float32).model
     compiled_src.load_state_dict(eager.state_dict())
     compiled = torch.compile(compiled_src)
-    outs, grads = [], []
-    for model, module in ((eager, eager), (compiled, compiled_src)):
-        logits = model(x, doc_ids=doc).logits
-        (logits.float().square().mean()).backward()
-        outs.append(logits.detach())
-        grads.append({n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None})
+    outs, grads = zip(*(_logits_and_grads(m, x, doc, module) for m, module in ((eager, eager),
+                                                                              (compiled, compiled_src))))
     assert rel_err(outs[1], outs[0]) < 1e-4
     assert grads[0].keys() == grads[1].keys() and grads[0]
     for n in grads[0]:
@@ -244,12 +249,7 @@ def test_titans_compiled_blocks_in_bf16_equal_eager(device, family):
     ref = _Family(family, device, torch.float32).model
     ref.load_state_dict(eager.state_dict())  # the bf16 weights, held in fp32
     assert compiled.compile_blocks() == len(compiled.blocks)
-    outs, grads = [], []
-    for model in (ref, eager, compiled):
-        logits = model(x, doc_ids=doc).logits
-        logits.float().square().mean().backward()
-        outs.append(logits.detach().float())
-        grads.append({n: p.grad.detach().float() for n, p in model.named_parameters() if p.grad is not None})
+    outs, grads = zip(*(_logits_and_grads(m, x, doc) for m in (ref, eager, compiled)))
     assert rel_err(outs[2], outs[0]) < max(2 * rel_err(outs[1], outs[0]), 1e-2)
     assert grads[0].keys() == grads[1].keys() == grads[2].keys() and any("memory" in n for n in grads[0])
     for n in grads[0]:
