@@ -73,3 +73,42 @@ def test_weight_decay_only_on_matrices():
     assert len(no_decay["params"]) == 1 and no_decay["weight_decay"] == 0.0
     opt = build_optimizer(model, _recipe("train.optimizer.betas=[0.9, 0.95]"))
     assert opt.defaults["betas"] == (0.9, 0.95)
+
+
+_SHM = r"""
+import os, sys
+import torch, torch.distributed as dist
+from memtrain.config import recipe_from_dict
+from memtrain.model import build
+from memtrain.parallel import engine as eng
+import deepspeed.comm.comm as dscomm
+
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+dist.init_process_group("gloo", rank=0, world_size=1)
+recipe = recipe_from_dict({}, ["model.d_model=16", "model.n_layers=1", "model.n_heads=2", "model.ffn_dim=32",
+                               "model.vocab_size=64", "data.tokenizer.vocab_size=64", "model.max_seq_len=16", "data.seq_len=16",
+                               "train.global_batch_tokens=32", "train.micro_batch_size=2"])
+engine, *_ = eng.initialize(build(recipe.model), recipe, 1, "fp32")
+print("shm_comm_op", dscomm.cdb.shm_comm_op)
+"""
+
+
+def test_deepspeed_starts_without_building_its_inference_shm_op(tmp_path):
+    """On CPU, DeepSpeed's comm backend JIT-compiles ``deepspeed_shm_comm`` (26 s here) for its inference
+    engine's all-reduce unless memtrain marks it unavailable: with an empty ``TORCH_EXTENSIONS_DIR``,
+    ``initialize`` leaves it empty and the backend holds no shm op."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ext = tmp_path / "torch_extensions"
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(ext)}
+    run = subprocess.run([sys.executable, "-c", _SHM, str(port)], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "shm_comm_op None" in run.stdout, run.stdout[-2000:]
+    assert not ext.exists() or not any(ext.iterdir()), sorted(p.name for p in ext.rglob("*"))

@@ -272,11 +272,32 @@ def build_scheduler(optimizer: torch.optim.Optimizer, recipe: Recipe) -> torch.o
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)
 
 
+# DeepSpeed's op builder name of its shared-memory all-reduce (deepspeed/ops/op_builder/cpu/comm.py).
+SHM_COMM_OP = "deepspeed_shm_comm"
+
+
+def skip_inference_shm_op() -> None:
+    """Keep DeepSpeed from JIT-compiling its shared-memory all-reduce when its communication backend starts.
+
+    On the CPU accelerator ``deepspeed.comm.torch.TorchBackend`` builds ``deepspeed_shm_comm`` (two C++
+    files against torch's headers: 26 s, 46 CPU-seconds on 2 cores) into ``TORCH_EXTENSIONS_DIR`` at start-up,
+    for ``inference_all_reduce`` only: DeepSpeed's inference engine, which memtrain never runs (training
+    reduces through ``torch.distributed``). The Slurm template gives each job its own extensions folder,
+    so every CPU job and every requeue paid that build again. Marking the op incompatible takes DeepSpeed's
+    own "op not available" path (``build_shm_op`` returns None). No-op where DeepSpeed lacks the table."""
+    import deepspeed.ops
+
+    compatible = getattr(deepspeed.ops, "__compatible_ops__", None)
+    if isinstance(compatible, dict):
+        compatible[SHM_COMM_OP] = False
+
+
 def initialize(model: nn.Module, recipe: Recipe, world_size: int, precision_name: str,
                load_universal: bool = False):
     """``deepspeed.initialize`` with memtrain's optimizer, schedule and generated config."""
     import deepspeed
 
+    skip_inference_shm_op()
     optimizer = build_optimizer(model, recipe)
     scheduler = build_scheduler(optimizer, recipe)
     engine, optimizer, _, scheduler = deepspeed.initialize(
