@@ -311,14 +311,15 @@ def test_kernel_refuses_memories_too_wide_for_its_tiles():
 
 
 _AOT = r"""
-import json, sys
+import json, multiprocessing
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from memtrain.kernels.titans import triton_deep as td, triton_kernels as tk
 
-out = []
-for which, C, depth in (("fwd", 64, 2), ("bwd", 64, 2), ("bwd", 16, 2), ("fwd", 64, 4), ("bwd", 64, 4)):
+
+def compile_one(spec):
+    which, C, depth = spec
     mod = tk if depth <= 2 else td
     fn = getattr(mod, ("_fwd" if which == "fwd" else "_bwd") + ("_kernel" if depth <= 2 else "_deep_kernel"))
     opts = mod._launch_shape(64, 128, C)
@@ -329,8 +330,13 @@ for which, C, depth in (("fwd", 64, 2), ("bwd", 64, 2), ("bwd", 16, 2), ("fwd", 
            for n in fn.arg_names}
     src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=launch)
-    out.append([which, C, depth, k.metadata.shared])
-print(json.dumps(out))
+    return [which, C, depth, k.metadata.shared]
+
+
+# The backward kernels first (ptxas takes 10-30 s each, the forwards a few): two at a time on two cores.
+specs = [("bwd", 64, 2), ("bwd", 64, 4), ("bwd", 16, 2), ("fwd", 64, 2), ("fwd", 64, 4)]
+with multiprocessing.get_context("fork").Pool(2) as pool:
+    print(json.dumps(pool.map(compile_one, specs, chunksize=1)))
 """
 
 
