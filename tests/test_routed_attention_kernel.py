@@ -190,7 +190,10 @@ def test_kernel_recipe_key_forcing_triton_where_it_cannot_run_is_one_recipe_erro
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["sequence", "token"])
 def test_kernel_bf16_on_gpu_is_within_bf16_rounding_of_float64(mode):
-    """bf16 inputs, fp32 accumulation: outputs and gradients within bf16 tolerance of the float64 reference."""
+    """bf16 inputs, fp32 accumulation: outputs and gradients within bf16 tolerance of the float64 reference.
+    With ``MEMTRAIN_GPU_TIER_ON_CPU=1`` the inputs are float16: the interpreter's bf16 dot products are wrong
+    (outputs ~1e9 in Triton 3.8; 3.6 fails the same way), and float16 takes the same low-precision path."""
+    half = torch.bfloat16 if DEVICE.type == "cuda" else torch.float16
     if mode == "sequence":
         B, T, H, D, U, Nc = 2, 200, 4, 64, 8, 300
         slots = torch.tensor([[0, 3, 5, 7], [3, 1, 2, 6]], device=DEVICE)
@@ -200,7 +203,7 @@ def test_kernel_bf16_on_gpu_is_within_bf16_rounding_of_float64(mode):
         N, H, D, U, Nc = 300, 4, 64, 8, 300
         slots, shapes, n = token_slots(N, 4, U, seed=3), [(N, H, D), (U, Nc, H, D), (U, Nc, H, D)], N
         kernel, reference = tk.token_routed_attention, ref.token_routed_attention
-    inputs = [*leaves(shapes, seed=1, dtype=torch.bfloat16), log_weights(n, 4, seed=2)]
+    inputs = [*leaves(shapes, seed=1, dtype=half), log_weights(n, 4, seed=2)]
     out, grads = run(kernel, inputs, slots)
     want, want_grads = run(reference, [x.detach().double().requires_grad_() for x in inputs], slots)
     assert rel_err(out, want) < 2e-2
