@@ -177,6 +177,30 @@ def test_kernel_launch_sweep_benchmark_under_the_interpreter():
         assert row["shape"] == "layer" and row["fwd_bwd_ms"] > 0 and row["max_rel_err_vs_default"] < 1e-6
 
 
+def _op_count(*overrides: str) -> dict:
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "op_count.py"), "recipes/titans-cpu-mac.yaml",
+                        "model.titans.kernel=triton", *overrides], capture_output=True, text=True, timeout=300,
+                       cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_op_count_counts_the_structure_not_the_widths():
+    """benchmarks/op_count.py on titans-cpu-mac (4 blocks, 4 MAC segments of 32 tokens): one forward and one
+    backward kernel launch per block and segment, and the same op counts at two widths -- the count depends on
+    layers and segments, so small widths give a paper recipe's count."""
+    a = _op_count()
+    assert a["triton_launches"] == {"_fwd_kernel": 16, "_bwd_kernel": 16}
+    assert a["ops_forward"] > 0 and a["ops_backward"] > 0
+    assert a["ops_total"] == a["ops_forward"] + a["ops_backward"]
+    assert a["ops_per_token"] == round(a["ops_total"] / (16 * 128), 3)
+    assert a["forward_by_module"]["chunk_coefficients"] > 0 and a["forward_by_module"]["PrefixAttention"] > 0
+    b = _op_count("model.d_model=64", "model.ffn_dim=96")
+    assert {k: b[k] for k in ("ops_forward", "ops_backward")} == {k: a[k] for k in ("ops_forward", "ops_backward")}
+    c = _op_count("model.n_layers=2")
+    assert c["triton_launches"] == {"_fwd_kernel": 8, "_bwd_kernel": 8} and c["ops_total"] < a["ops_total"]
+
+
 def test_test_tools_are_installed_only_where_missing(tmp_path, monkeypatch):
     """On a GPU image without pytest, the wheels of --prepare are installed for the phases, and nothing the
     interpreter already has is shadowed; here pytest exists, so a stand-in module plays the missing one."""

@@ -1,0 +1,150 @@
+"""Device operations per training micro-batch of a recipe's model: how launch-bound eager execution is.
+
+What. Builds the model of ``RECIPE [key=value ...]`` (``memtrain.model.build``, ``model.type`` decoder or
+titans, with the recipe's fused loss), runs one forward and backward on one synthetic sequence of
+``data.seq_len`` tokens in ``--dtype`` (bf16 by default, as GPU training runs) and counts, with a
+``TorchDispatchMode``, every ATen op that runs a kernel on a GPU: views, ``detach``, ``empty`` /
+``_unsafe_view`` (allocations and metadata) and ``promote_types`` (host-side) are left out. Triton launches of
+the Titans kernels are counted too. Prints one JSON line: ``ops_forward``, ``ops_backward``, ``ops_total``,
+``triton_launches``, the forward's ops per module class (``forward_by_module``, with the memory layer's
+pieces and the kernels' coefficient set-up named), the most frequent ops, and ``ops_per_token`` at the
+recipe's micro-batch (the count does not depend on the batch size).
+
+Why. Each eager op costs the host a few microseconds of dispatch and launch whatever its size; a model
+whose step issues more ops than the GPU can absorb in that time is launch-bound, not FLOP-bound. The count
+depends on the model's structure (layers, MAC segments, memory chunks per call), not on its widths, so
+``model.d_model=128 ...`` overrides give the paper recipes' counts on a CPU in seconds. No GPU figure is
+derived here: multiply by a host's measured per-op cost to bound its tokens/s.
+
+How the Titans kernels are handled. With ``model.titans.kernel: triton`` the kernel launches are stubbed
+(counted, not run; their outputs are left unwritten, so values are meaningless) and the PyTorch code around
+them (coefficients, padding, casts) runs and is counted as it would on a GPU. With ``torch`` the PyTorch
+chunked form runs and its per-chunk loop is counted.
+
+    python benchmarks/op_count.py recipes/titans-170m-mac.yaml model.d_model=128 model.n_heads=2 \\
+        model.titans.memory_heads=2 model.ffn_dim=256 model.vocab_size=1024 data.tokenizer.vocab_size=1024 \\
+        model.titans.kernel=triton
+
+Not part of the test suite (a smoke test runs it at a tiny size).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # kernel: triton passes its checks on a CPU; launches are stubbed
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+HOST_ONLY = {"detach", "empty", "_unsafe_view", "promote_types"}
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+class _StubLaunch:
+    """Stands in for a ``@triton.jit`` kernel: ``kernel[grid](...)`` counts a launch and runs nothing."""
+
+    def __init__(self, name: str, launches: collections.Counter):
+        self.name, self.launches = name, launches
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches[self.name] += 1
+        return launch
+
+
+class _Counter(TorchDispatchMode):
+    def __init__(self, where: list[str]):
+        super().__init__()
+        self.where, self.ops, self.by_module = where, collections.Counter(), collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if not func.is_view and name not in HOST_ONLY:
+            self.ops[name] += 1
+            self.by_module[self.where[-1]] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _label_calls(owner, attr: str, label: str, where: list[str]) -> None:
+    fn = getattr(owner, attr)
+
+    def labelled(*args, **kwargs):
+        where.append(label)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            where.pop()
+    setattr(owner, attr, labelled)
+
+
+def count(recipe, dtype: torch.dtype) -> dict:
+    from memtrain.kernels.titans import triton_deep, triton_kernels
+    from memtrain.model import build
+    from memtrain.model.titans import memory
+
+    launches: collections.Counter = collections.Counter()
+    for mod, names in ((triton_kernels, ("_fwd_kernel", "_bwd_kernel")),
+                       (triton_deep, ("_fwd_deep_kernel", "_bwd_deep_kernel"))):
+        for name in names:
+            setattr(mod, name, _StubLaunch(name, launches))
+    where = ["model"]
+    for attr in ("retrieve", "_gates", "_output", "_queries", "_conv"):
+        _label_calls(memory.NeuralMemory, attr, f"NeuralMemory.{attr}", where)
+    _label_calls(triton_kernels, "chunk_coefficients", "chunk_coefficients", where)
+    _label_calls(triton_kernels, "chunk_scan", "chunk_scan", where)
+
+    torch.manual_seed(0)
+    model = build(recipe.model).to(dtype)
+    if recipe.train.loss_chunk_tokens and hasattr(model, "set_fused_loss"):
+        model.set_fused_loss(recipe.train.loss_chunk_tokens)
+    for module in model.modules():
+        module.register_forward_pre_hook(lambda m, a, label=type(module).__name__: where.append(label))
+        module.register_forward_hook(lambda m, a, out: where.pop() and None)
+    T = recipe.data.seq_len
+    x = torch.randint(0, recipe.model.vocab_size, (1, T))
+    counter = _Counter(where)
+    with counter:
+        out = model(x, labels=x.roll(-1, 1))
+        forward, forward_launches = sum(counter.ops.values()), sum(launches.values())
+        by_module = dict(counter.by_module.most_common())
+        out.loss_sum.float().backward()
+    total = sum(counter.ops.values())
+    micro = recipe.train.micro_batch_size
+    return {"model_type": recipe.model.type, "seq_len": T, "micro_batch_size": micro, "dtype": str(dtype),
+            "ops_forward": forward + forward_launches, "ops_backward": total - forward + sum(launches.values())
+            - forward_launches, "ops_total": total + sum(launches.values()), "triton_launches": dict(launches),
+            "ops_per_token": round((total + sum(launches.values())) / (micro * T), 3),
+            "forward_by_module": by_module, "top_ops": counter.ops.most_common(12)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("recipe", help="recipe YAML")
+    ap.add_argument("overrides", nargs="*", help="key=value overrides, as for `memtrain train`")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="model dtype (default bf16)")
+    args = ap.parse_args()
+    from memtrain.config import load_recipe
+    from memtrain.errors import MemtrainError
+
+    try:
+        recipe = load_recipe(args.recipe, args.overrides)
+    except MemtrainError as e:
+        print(f"op_count: {e}", file=sys.stderr)
+        return 2
+    if recipe.model.type not in ("decoder", "titans"):
+        print(f"op_count: model.type {recipe.model.type!r} is not counted (decoder and titans are)", file=sys.stderr)
+        return 2
+    print(json.dumps({"recipe": args.recipe, "overrides": args.overrides, **count(recipe, DTYPES[args.dtype])}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
