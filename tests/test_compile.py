@@ -192,8 +192,8 @@ def test_titans_compiled_blocks_match_eager_outputs_gradients_and_states(variant
     """Float64: logits, the loss, every gradient and the returned memory states of compiled blocks
     (checkpointing every second block, the fused loss) equal the eager model's. MAG through inductor on CPU
     (its generated C++ included); MAC, whose segment loop splits each block into one graph per segment plus
-    resume functions (at 16 tokens 10 graphs, 40 s of C++ compiles on 2 cores), through ``aot_eager``: the same Dynamo
-    graphs, graph breaks and AOTAutograd joint graphs, partitioned and run eagerly."""
+    resume functions (at 16 tokens 10 graphs, 40 s of C++ compiles on 2 cores), through ``aot_eager``: the
+    same Dynamo graphs, graph breaks and AOTAutograd joint graphs, partitioned and run eagerly."""
     if backend == "inductor" and shutil.which("c++") is None and shutil.which("g++") is None:
         pytest.skip("inductor on CPU needs a C++ compiler (none on PATH)")
     eager, compiled = _titans(variant, 3).double(), _titans(variant, 3).double()

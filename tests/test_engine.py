@@ -86,8 +86,8 @@ import deepspeed.comm.comm as dscomm
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 dist.init_process_group("gloo", rank=0, world_size=1)
 recipe = recipe_from_dict({}, ["model.d_model=16", "model.n_layers=1", "model.n_heads=2", "model.ffn_dim=32",
-                               "model.vocab_size=64", "data.tokenizer.vocab_size=64", "model.max_seq_len=16", "data.seq_len=16",
-                               "train.global_batch_tokens=32", "train.micro_batch_size=2"])
+                               "model.vocab_size=64", "data.tokenizer.vocab_size=64", "model.max_seq_len=16",
+                               "data.seq_len=16", "train.global_batch_tokens=32", "train.micro_batch_size=2"])
 engine, *_ = eng.initialize(build(recipe.model), recipe, 1, "fp32")
 print("shm_comm_op", dscomm.cdb.shm_comm_op)
 """

@@ -196,7 +196,8 @@ def test_op_count_counts_the_structure_not_the_widths():
     assert a["ops_per_token"] == round(a["ops_total"] / (16 * 128), 3)
     assert a["forward_by_module"]["chunk_coefficients"] > 0 and a["forward_by_module"]["PrefixAttention"] > 0
     b = _op_count("model.d_model=64", "model.ffn_dim=96")
-    assert {k: b[k] for k in ("ops_forward", "ops_backward")} == {k: a[k] for k in ("ops_forward", "ops_backward")}
+    counts = ("ops_forward", "ops_backward")
+    assert {k: b[k] for k in counts} == {k: a[k] for k in counts}
     c = _op_count("model.n_layers=2")
     assert c["triton_launches"] == {"_fwd_kernel": 8, "_bwd_kernel": 8} and c["ops_total"] < a["ops_total"]
 
