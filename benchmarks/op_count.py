@@ -107,7 +107,7 @@ def count(recipe, dtype: torch.dtype) -> dict:
         model.set_fused_loss(recipe.train.loss_chunk_tokens)
     for module in model.modules():
         module.register_forward_pre_hook(lambda m, a, label=type(module).__name__: where.append(label))
-        module.register_forward_hook(lambda m, a, out: where.pop() and None)
+        module.register_forward_hook(lambda m, a, out: (where.pop(), None)[1])  # None: output kept
     T = recipe.data.seq_len
     x = torch.randint(0, recipe.model.vocab_size, (1, T))
     counter = _Counter(where)
