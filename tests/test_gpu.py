@@ -215,16 +215,21 @@ def _logits_and_grads(model, x: torch.Tensor, doc: torch.Tensor, module=None) ->
     return logits.detach().float(), grads
 
 
+def _batch_and_twin(family: str, device, dtype: torch.dtype, seed: int, eot: int):
+    """A batch (inputs and document ids) and two ``family`` models in ``dtype`` with the same weights."""
+    ids = tokens(2, 49, seed, device, eots=(eot,))
+    x = ids[:, :-1]
+    a = _Family(family, device, dtype).model
+    b = _Family(family, device, dtype).model
+    b.load_state_dict(a.state_dict())
+    return x, document_ids(x, EOT), a, b
+
+
 @pytest.mark.parametrize("family", ["anchor", "titans-mac", "titans-mag"])
 def test_compiled_model_equals_eager_outputs_and_gradients(device, family):
     """The whole model under torch.compile (what GPU training will use) against the same weights eager,
     fp32: logits and every parameter's gradient to 1e-4 relative (kernel fusion reorders sums)."""
-    ids = tokens(2, 49, 3, device, eots=(11,))
-    x = ids[:, :-1]
-    doc = document_ids(x, EOT)
-    eager = _Family(family, device, torch.float32).model
-    compiled_src = _Family(family, device, torch.float32).model
-    compiled_src.load_state_dict(eager.state_dict())
+    x, doc, eager, compiled_src = _batch_and_twin(family, device, torch.float32, seed=3, eot=11)
     compiled = torch.compile(compiled_src)
     outs, grads = zip(*(_logits_and_grads(m, x, doc, module) for m, module in ((eager, eager),
                                                                               (compiled, compiled_src))))
@@ -240,12 +245,7 @@ def test_titans_compiled_blocks_in_bf16_equal_eager(device, family):
     memory's scan left eager (on a GPU the Triton kernels, ``kernel: auto``). Against an fp32 model with the
     same weights, the compiled bf16 model's logits and gradients are as close as the eager bf16 model's (at
     most twice its error, or 1e-2 / 3e-2), and reach the same parameters."""
-    ids = tokens(2, 49, 4, device, eots=(17,))
-    x = ids[:, :-1]
-    doc = document_ids(x, EOT)
-    eager = _Family(family, device, torch.bfloat16).model
-    compiled = _Family(family, device, torch.bfloat16).model
-    compiled.load_state_dict(eager.state_dict())
+    x, doc, eager, compiled = _batch_and_twin(family, device, torch.bfloat16, seed=4, eot=17)
     ref = _Family(family, device, torch.float32).model
     ref.load_state_dict(eager.state_dict())  # the bf16 weights, held in fp32
     assert compiled.compile_blocks() == len(compiled.blocks)
