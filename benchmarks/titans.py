@@ -9,7 +9,8 @@ on CUDA the kernel columns (``kernel="triton"`` under bf16 autocast, as bf16 tra
 ``kernel_first_call_s`` (compilation) and ``kernel_max_rel_err_vs_torch``, the largest relative error of
 output and input gradient against the PyTorch form on the first 1024 tokens; ``kernel_impl`` names the kernel
 pair: ``triton_kernels`` for depth 1-2, ``triton_deep`` for depth 3+; at depth 1-2 the ``kernel_any_depth_*``
-columns time ``triton_deep`` as well, to show what holding the state in registers buys); and
+columns time ``triton_deep`` as well, to show what holding the state in registers buys, unless
+``--no-any-depth``); and
 ``titans_pytorch`` (tokens/s of titans-pytorch's layer at the closest settings, or
 ``"not installed"``). Each timing is the median over repeats after a short warm-up; the loss is the
 mean square of the layer output. Not part of the test suite.
@@ -111,7 +112,8 @@ def titans_pytorch_class(path: str | None):
         return None, f"{type(e).__name__}: {e}"
 
 
-def run(cfg, device: torch.device, repeats: int, seq_repeats: int, tp_cls, tp_error: str | None) -> dict:
+def run(cfg, device: torch.device, repeats: int, seq_repeats: int, tp_cls, tp_error: str | None,
+        any_depth: bool = True) -> dict:
     B, T, dim, H, depth, C = cfg
     torch.manual_seed(0)
     mem = NeuralMemory(dim, heads=H, depth=depth, chunk_size=C).to(device)
@@ -128,7 +130,7 @@ def run(cfg, device: torch.device, repeats: int, seq_repeats: int, tp_cls, tp_er
         out[f"{algorithm}_s"] = round(secs[algorithm], 4)
     out["speedup_chunked_vs_sequential"] = round(secs["sequential"] / secs["chunked"], 2)
     if device.type == "cuda" and triton_available():
-        out.update(kernel_columns(mem, x, warm, repeats, secs))
+        out.update(kernel_columns(mem, x, warm, repeats, secs, any_depth))
     else:
         out["kernel"] = "skipped: the Triton kernels are timed on CUDA only"
     if tp_cls is None:
@@ -152,7 +154,8 @@ def run(cfg, device: torch.device, repeats: int, seq_repeats: int, tp_cls, tp_er
     return out
 
 
-def kernel_columns(mem: NeuralMemory, x: torch.Tensor, warm: torch.Tensor, repeats: int, secs: dict) -> dict:
+def kernel_columns(mem: NeuralMemory, x: torch.Tensor, warm: torch.Tensor, repeats: int, secs: dict,
+                   any_depth: bool = True) -> dict:
     """The fused Triton kernels (``kernel="triton"``) as bf16 training runs them (bf16 autocast: bf16 q/k/v and
     dot products, fp32 gates, state and accumulation): forward+backward tokens/s, the first call's wall time
     (Triton compiles the two kernels), and the largest relative error of the output and the input gradient
@@ -190,7 +193,8 @@ def kernel_columns(mem: NeuralMemory, x: torch.Tensor, warm: torch.Tensor, repea
     deep_from = titans_kernels.DEEP_KERNEL_MIN_DEPTH
     out["kernel_impl"] = "triton_deep" if mem.depth >= deep_from else "triton_kernels"
     columns("kernel")
-    if mem.depth < deep_from and titans_kernels.kernel_fits(mem.head_dim, mem.init_weights[0].shape[-2], deep_from):
+    hidden = mem.init_weights[0].shape[-2]
+    if any_depth and mem.depth < deep_from and titans_kernels.kernel_fits(mem.head_dim, hidden, deep_from):
         titans_kernels.DEEP_KERNEL_MIN_DEPTH = 1  # the any-depth kernels at this depth too
         try:
             columns("kernel_any_depth")
@@ -209,6 +213,8 @@ def main() -> None:
                     help="comma-separated indices into the configuration list (FULL, or QUICK with --quick)")
     ap.add_argument("--titans-pytorch-path", default=None,
                     help="folder to prepend to sys.path for titans_pytorch (e.g. a pip --target folder)")
+    ap.add_argument("--no-any-depth", dest="any_depth", action="store_false",
+                    help="at depth 1-2, skip the any-depth kernels' columns (two more kernels to compile)")
     args = ap.parse_args()
     device = torch.device(args.device)
     repeats = args.repeats or (3 if args.quick else 5)
@@ -220,7 +226,7 @@ def main() -> None:
         except (ValueError, IndexError):
             ap.error(f"--configs takes indices 0-{len(configs) - 1} separated by commas, got {args.configs!r}")
     for cfg in configs:
-        print(json.dumps(run(cfg, device, repeats, args.seq_repeats, tp_cls, tp_error)), flush=True)
+        print(json.dumps(run(cfg, device, repeats, args.seq_repeats, tp_cls, tp_error, args.any_depth)), flush=True)
 
 
 if __name__ == "__main__":

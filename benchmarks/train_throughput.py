@@ -321,12 +321,17 @@ def peak_memory(device: torch.device) -> tuple[float, str]:
 
 
 def time_steps(runner, batches: Iterator[dict], device: torch.device, accum: int, warmup: int, steps: int,
-               tokens_per_step: int) -> dict:
-    """``warmup`` untimed then ``steps`` timed optimizer steps of ``runner``; medians of the split."""
+               tokens_per_step: int, deadline: Optional[float] = None, label: str = "memtrain") -> dict:
+    """``warmup`` untimed then ``steps`` timed optimizer steps of ``runner``; medians of the split.
+
+    ``deadline`` (``time.monotonic()``): no step starts after it once one timed step is done, so a time-capped
+    run still reports (``steps_done`` says how many were timed). Each step prints one progress line on stderr."""
     first = None
     rows = []
     losses = []
     for i in range(warmup + steps):
+        if deadline is not None and rows and time.monotonic() >= deadline:
+            break
         if i == warmup and device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         _sync(device)
@@ -341,6 +346,8 @@ def time_steps(runner, batches: Iterator[dict], device: torch.device, accum: int
             first = step_s
         if i >= warmup:
             rows.append({"step_s": step_s, "data_s": data_s, **{f"{k}_s": v for k, v in clock.seconds.items()}})
+        print(f"{label} step {i + 1}/{warmup + steps}{' (warm-up)' if i < warmup else ''}: {step_s:.3f} s, "
+              f"loss {losses[-1]:.4f}", file=sys.stderr, flush=True)
     step_s = _median([r["step_s"] for r in rows])
     out = {"first_step_s": first if warmup else None, "step_s": step_s,
            "tokens_per_s": tokens_per_step / step_s if step_s else None}
@@ -349,6 +356,7 @@ def time_steps(runner, batches: Iterator[dict], device: torch.device, accum: int
     out["other_s"] = _median([r["step_s"] - r["data_s"] - r["forward_s"] - r["backward_s"] - r["optimizer_s"]
                               for r in rows])
     out["step_s_all"] = [r["step_s"] for r in rows]
+    out["steps_done"] = len(rows)
     out["loss_first"], out["loss_last"] = losses[0], losses[-1]
     bad = [i for i, x in enumerate(losses) if not math.isfinite(x)]  # over warm-up and timed steps
     out["loss_all_finite"], out["nonfinite_loss_steps"] = not bad, bad[:10]
@@ -356,6 +364,37 @@ def time_steps(runner, batches: Iterator[dict], device: torch.device, accum: int
     mem, kind = peak_memory(device)
     out["peak_memory_gib"], out["peak_memory_kind"] = mem, kind
     return out
+
+
+def profile_step(runner, batches: Iterator[dict], device: torch.device, accum: int, step: int, top: int) -> dict:
+    """One more optimizer step under ``torch.profiler``: where its time goes. ``profile_step_s`` is its wall time,
+    ``profile_device_busy_s`` the summed time of the device's kernels and copies (on CPU: every op's self time),
+    so busy / step near 1 means device-bound and well below 1 host-bound (launch overhead, Python); the
+    ``top`` ops by self device time, with their launch counts. The profiler adds host overhead to the step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    micro = [to_device(next(batches), device) for _ in range(accum)]
+    _sync(device)
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        runner.step(micro, step, StepClock(device, sync=True))
+        _sync(device)
+        step_s = time.perf_counter() - t0
+    from torch.autograd import DeviceType
+
+    # On a GPU the device's own events (kernels, copies): an ATen op's row repeats its kernels' time.
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = [e for e in prof.key_averages() if getattr(e, key, 0) > 0
+              and (not cuda or e.device_type == DeviceType.CUDA)]
+    events.sort(key=lambda e: getattr(e, key), reverse=True)
+    busy = sum(getattr(e, key) for e in events) / 1e6
+    return {"profile_step_s": step_s, "profile_device_busy_s": busy,
+            "profile_busy_fraction": busy / step_s if step_s else None,
+            "profile_launches": sum(e.count for e in events) if cuda else None,
+            "profile_top": [{"name": e.key[:120], "self_s": _round(getattr(e, key) / 1e6), "count": e.count}
+                            for e in events[:top]]}
 
 
 def _rounded(rec: dict) -> dict:
@@ -381,9 +420,19 @@ def main() -> int:
     ap.add_argument("--no-compile-hf", action="store_true", help="with --compare-hf: no torch.compile")
     ap.add_argument("--seed", type=int, default=0, help="seed of the synthetic tokens")
     ap.add_argument("--out", default=None, help="also write the JSON lines to this file")
+    ap.add_argument("--profile", type=int, default=0, metavar="K",
+                    help="after the timed steps, profile one more step: its device-busy fraction and top K ops")
+    ap.add_argument("--max-seconds", type=float, default=None,
+                    help="wall-time cap from start: no further step starts after it once one timed step is done "
+                         "(the JSON's steps_done says how many ran; with --compare-hf each model gets half)")
     args = ap.parse_intermixed_args()
     if args.steps < 1 or args.warmup < 0:
         ap.error("--steps must be >= 1 and --warmup >= 0")
+    if args.max_seconds is not None and args.max_seconds <= 0:
+        ap.error("--max-seconds must be > 0")
+    if args.profile < 0:
+        ap.error("--profile must be >= 0")
+    args.started = time.monotonic()
 
     out = open(args.out, "w") if args.out else None
     stdout = sys.stdout  # the JSON lines only: anything else printed (DeepSpeed's op builds) goes to stderr
@@ -436,8 +485,13 @@ def _run(args, emit) -> int:
     build_s = time.perf_counter() - t0
     batches = prepared_batches(recipe) if args.data else synthetic_batches(
         recipe, runner.vocab, args.docs, runner.layout, args.seed)
-    res = time_steps(runner, batches, device, accum, args.warmup, args.steps, tokens_per_step)
+    deadline = None
+    if args.max_seconds is not None:
+        deadline = args.started + (args.max_seconds / 2 if args.compare_hf else args.max_seconds)
+    res = time_steps(runner, batches, device, accum, args.warmup, args.steps, tokens_per_step, deadline)
     mfu = runner.fpt * res["tokens_per_s"] / runner.peak if runner.peak and res["tokens_per_s"] else None
+    if args.profile:
+        res.update(profile_step(runner, batches, device, accum, args.warmup + args.steps, args.profile))
     from memtrain.parallel.memory_estimate import estimate_peak_memory
 
     estimate = estimate_peak_memory(recipe, 1, prec, runner.model).total / 2**30  # `memtrain recipe show`'s
@@ -478,7 +532,8 @@ def _run(args, emit) -> int:
         hf_build_s = time.perf_counter() - t0
         batches = prepared_batches(recipe) if args.data else synthetic_batches(
             recipe, recipe.model.vocab_size, args.docs, None, args.seed)
-        hres = time_steps(hf, batches, device, accum, args.warmup, args.steps, tokens_per_step)
+        hres = time_steps(hf, batches, device, accum, args.warmup, args.steps, tokens_per_step,
+                          None if args.max_seconds is None else args.started + args.max_seconds, label="hf")
         fpt = flops_per_token(recipe.model, recipe.data.seq_len)
         peak = rec["peak_flops"]
         emit({"kind": "hf", **env, "model": "transformers.LlamaForCausalLM", "transformers": _version("transformers"),

@@ -194,6 +194,62 @@ def test_kernel_neural_memory_layer_matches_torch(depth, gate_mode):
         assert _rel(a, b) < 1e-4, name
 
 
+def _unspecialised(kernel) -> set:
+    """The argument names a ``@triton.jit`` kernel leaves unspecialised (compiled, or under the interpreter)."""
+    if hasattr(kernel, "params"):
+        return {p.name for p in kernel.params if p.do_not_specialize}
+    return set(kernel.kwargs["do_not_specialize"] or ())
+
+
+def test_kernel_lengths_share_one_compiled_binary(monkeypatch):
+    """Triton compiles one binary per specialisation of a kernel's integer arguments (equal to 1, divisible by
+    16) and per constexpr value. Calls of a model differ in length (a MAC segment, a whole MAG sequence, a
+    benchmark's warm-up), so every argument that changes with the length must be left unspecialised and every
+    constexpr must not change with it; else each new length costs another 10-30 s compile of each kernel (the
+    layer benchmark ran out of time on an H200 recompiling). Launches are recorded, not run."""
+    import inspect
+
+    from memtrain.kernels.titans import triton_deep
+
+    calls: dict = {}
+
+    class Record:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                calls.setdefault(self.name, []).append((args, kwargs))
+            return launch
+
+    kernels = {(triton_kernels, "_fwd_kernel"), (triton_kernels, "_bwd_kernel"),
+               (triton_deep, "_fwd_deep_kernel"), (triton_deep, "_bwd_deep_kernel")}
+    unspecialised = {name: _unspecialised(getattr(mod, name)) for mod, name in kernels}
+    arg_names = {name: list(inspect.signature(getattr(mod, name).fn).parameters) for mod, name in kernels}
+    for mod, name in kernels:
+        monkeypatch.setattr(mod, name, Record(name))
+    gen = torch.Generator().manual_seed(0)
+    C, D, hidden = 16, 8, 16
+    for depth in (2, 3):
+        for T in (3 * C, 3 * C + 5, 16 * C, 17 * C - 1, 1):  # NC 3, 4, 16, 17, 1; last chunk full or not
+            q, k, v, lr, log_eta, log_keep, *state = _inputs(gen, 2, T, D, hidden, depth, torch.float32)
+            q.requires_grad_(True)
+            y, *_ = titans_kernels.scan(q, k, v, lr, log_eta, log_keep, state[:depth], state[depth:],
+                                        state[:depth], 0, C, kernel="triton")
+            y.sum().backward()
+    assert set(calls) == {name for _, name in kernels}
+    for name, launches in calls.items():
+        assert len(launches) == 5, name
+        first_args, first_kwargs = launches[0]
+        positional = [n for n in arg_names[name] if n not in first_kwargs]
+        varying = {positional[i] for i, a in enumerate(first_args)
+                   if isinstance(a, int) and any(args[i] != a for args, _ in launches[1:])}
+        assert {"NC", "N_LAST"} <= varying, (name, varying)  # the lengths above do vary them
+        assert varying <= unspecialised[name], (name, varying - unspecialised[name])
+        assert all(kw == first_kwargs for _, kw in launches[1:]), name  # constexprs and launch options
+        assert not {"C", "D"} & unspecialised[name], name  # widths stay specialised (aligned loads)
+
+
 def test_kernel_dispatch():
     q = torch.zeros(1, 4, 8, device=DEVICE)
     assert titans_kernels.use_triton("auto", q.bfloat16(), 2) == q.is_cuda  # CPU tensors: the PyTorch form

@@ -6,14 +6,15 @@ train each paper-scale Titans recipe 50+ steps -- so it is one script, in priori
 writes its results as it goes and stops starting phases when its time budget runs out. The results
 of the phases that finished come back even when the command is killed.
 
-What. ``PLAN`` lists the phases, most important first (issue 11: the compiled Titans kernels at the
-recipes' shapes, the layer benchmark's target configuration, the four paper-scale Titans recipes for
-52 optimizer steps each at the recipes' learning rate after a 2-step warm-up -- the setting under
-which titans-400m-mag once diverged -- and titans-170m-mac again with its blocks compiled), then the
-kernels' launch sweep, the rest of the layer benchmark, the whole kernel test
+What. ``PLAN`` lists the phases, most important first (issue 11: the layer benchmark's target
+configuration, the four paper-scale Titans recipes for 52 optimizer steps each at the recipes' learning
+rate after a 2-step warm-up -- the setting under which titans-400m-mag once diverged -- each with one
+profiled step, titans-170m-mac again with its blocks compiled, the compiled Titans kernels at the recipes'
+shapes), then the kernels' launch sweep, the rest of the layer benchmark, the whole kernel test
 file compiled, the GPU tier, the routed-attention kernels and the anchor's throughput). Each phase is
 a subprocess in its own process group with its own timeout, clipped to what is left of ``--budget``;
-a phase that times out is killed (SIGTERM, then SIGKILL) and the next starts. After every phase
+a phase that times out is killed (SIGTERM, then SIGKILL) and the next starts. The training phases get
+``--max-seconds`` (their timeout less ``CAP_MARGIN_S``) so they stop early and still report. After every phase
 ``OUT/gpu_check.json`` is rewritten (atomically) with every phase so far: status (``ok``, ``failed``,
 ``timeout``, ``skipped``), exit code, seconds, the JSON lines the phase printed (benchmarks), the
 pytest summary line (tests) and the last lines of its output; ``OUT/gpu_check.log`` holds each
@@ -65,9 +66,15 @@ class Phase:
     timeout_s: float
     kind: str = "jsonl"
     about: str = ""
+    capped: bool = False  # takes ``--max-seconds`` (train_throughput.py): given its timeout less CAP_MARGIN_S
+    env: dict = dataclasses.field(default_factory=dict)  # set for this phase's process only
 
 
-TITANS_RECIPES = ("titans-170m-mac", "titans-400m-mag", "titans-340m-mac", "titans-760m-mal")
+CAP_MARGIN_S = 30.0  # a capped phase's process start (imports) and last step after its cap, before its timeout
+
+
+# The two that one H200 session (2026-11-26) could not take to 52 steps within its time come first.
+TITANS_RECIPES = ("titans-400m-mag", "titans-340m-mac", "titans-170m-mac", "titans-760m-mal")
 
 
 def _pytest(*args: str) -> list[str]:
@@ -83,24 +90,37 @@ def _throughput(recipe: str, *overrides: str, steps: int = 50, warmup: int = 2, 
 
 def _recipe_phase(recipe: str, timeout_s: float) -> Phase:
     return Phase(f"recipe_{recipe.removeprefix('titans-').replace('-', '_')}",
-                 _throughput(recipe, "train.schedule.warmup=2"), timeout_s,
+                 _throughput(recipe, "train.schedule.warmup=2", extra=("--profile", "25")), timeout_s, capped=True,
                  about=f"{recipe}: 52 optimizer steps of one micro-batch (4 x 4096 tokens, 4 documents each) "
-                       "at lr 4e-4 after a 2-step warm-up; tokens/s, MFU, peak memory, every loss finite")
+                       "at lr 4e-4 after a 2-step warm-up; tokens/s, MFU, peak memory, every loss finite; then one "
+                       "profiled step (device-busy fraction, top 25 kernels)")
+
+
+def phase_argv(phase: Phase, timeout_s: float) -> list[str]:
+    """The command run for ``phase`` under ``timeout_s``: a capped phase stops starting steps ``CAP_MARGIN_S``
+    before it, so it reports (``steps_done``) rather than being killed."""
+    if not phase.capped:
+        return list(phase.argv)
+    return [*phase.argv, "--max-seconds", f"{max(timeout_s - CAP_MARGIN_S, 1.0):.0f}"]
 
 
 PLAN: list[Phase] = [
     Phase("env", [PY, "tools/gpu_check.py", "--env"], 60, about="device, driver, torch / triton versions"),
-    Phase("titans_kernel_gpu", _pytest("-m", "gpu", "tests/test_titans_kernel.py"), 240, "pytest",
-          "the compiled Titans kernels at the recipes' shapes (depth 2 chunk 16 / 64, depth 3) against "
-          "the PyTorch form, bf16"),
-    Phase("titans_layer", [PY, "benchmarks/titans.py", "--configs", "0"], 150,
+    Phase("titans_layer", [PY, "benchmarks/titans.py", "--configs", "0", "--no-any-depth"], 180,
           about="the layer target: B4 T2048 d512 8 heads depth 2 chunk 64, kernel vs torch chunked vs "
                 "sequential vs titans-pytorch (target: kernel >= 1M tokens/s, >= 10x titans-pytorch)"),
-    *[_recipe_phase(r, t) for r, t in zip(TITANS_RECIPES, (150, 150, 180, 240))],
+    # Measured on an H200 (2026-11-26): 400m-mag's first step 62 s then 0.83 s/step; 340m-mac 1.4 s/step.
+    *[_recipe_phase(r, t) for r, t in zip(TITANS_RECIPES, (170, 150, 130, 130))],
     Phase("recipe_170m_mac_compiled",
-          _throughput("titans-170m-mac", "train.schedule.warmup=2", "model.compile=true", steps=20), 240,
+          _throughput("titans-170m-mac", "train.schedule.warmup=2", "model.compile=true", steps=20), 180,
+          capped=True, env={"CUDA_LAUNCH_BLOCKING": "1"},
           about="titans-170m-mac with model.compile: true (regional compile, the inner loop eager), beside "
-                "recipe_170m_mac: whether model.compile: auto should compile Titans blocks"),
+                "recipe_170m_mac: whether model.compile: auto should compile Titans blocks. On an H200 with "
+                "torch 2.11 it failed with 'CUDA error: misaligned address' in the first step; launches are "
+                "synchronous here so the traceback names the failing kernel"),
+    Phase("titans_kernel_gpu", _pytest("-m", "gpu", "tests/test_titans_kernel.py"), 150, "pytest",
+          "the compiled Titans kernels at the recipes' shapes (depth 2 chunk 16 / 64, depth 3) against "
+          "the PyTorch form, bf16 (passed on an H200, 2026-11-26)"),
     Phase("titans_kernel_tune", [PY, "benchmarks/titans_kernels.py"], 240,
           about="the scan kernels alone at the layer target and the recipes' shapes under num_warps 4 / 8 / 16: "
                 "time, registers, spills, error against the shipped launch"),
@@ -113,7 +133,7 @@ PLAN: list[Phase] = [
     Phase("routed_attention", [PY, "benchmarks/routed_attention.py", "--quick"], 150,
           about="the routed cross-attention kernels' TFLOP/s and memory"),
     Phase("anchor_160m", _throughput("openlm-160m", steps=10, micro_batches=2, docs=1, extra=("--compare-hf",)),
-          240, about="the OpenLM-160M anchor against a compiled Hugging Face Llama of its shape"),
+          240, capped=True, about="the OpenLM-160M anchor against a compiled Hugging Face Llama of its shape"),
 ]
 
 
@@ -172,11 +192,14 @@ def _kill(proc: subprocess.Popen) -> None:
 def run_phase(phase: Phase, timeout_s: float, log, env: Optional[dict] = None) -> dict:
     """Run one phase in its own process group (environment ``env``, default this process's); returns its
     record (without writing anything else)."""
-    rec = {"name": phase.name, "about": phase.about, "argv": phase.argv, "timeout_s": round(timeout_s, 1)}
+    argv = phase_argv(phase, timeout_s)
+    rec = {"name": phase.name, "about": phase.about, "argv": argv, "timeout_s": round(timeout_s, 1)}
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         t0 = time.monotonic()
         try:
-            proc = subprocess.Popen(phase.argv, cwd=ROOT, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+            if phase.env:
+                env = {**(os.environ if env is None else env), **phase.env}
+            proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
                                     start_new_session=True, env=env)
         except OSError as e:
             rec.update(status="failed", rc=None, seconds=0.0, error=f"{type(e).__name__}: {e}")
@@ -198,7 +221,7 @@ def run_phase(phase: Phase, timeout_s: float, log, env: Optional[dict] = None) -
     else:
         rec["results"] = _json_lines(stdout)
     rec["tail"] = _tail((stdout + ("\n--- stderr ---\n" + stderr if stderr.strip() else "")).strip(), TAIL_CHARS)
-    log.write(f"\n===== {phase.name}: {status} (rc {rc}, {rec['seconds']} s) : {' '.join(phase.argv)}\n")
+    log.write(f"\n===== {phase.name}: {status} (rc {rc}, {rec['seconds']} s) : {' '.join(argv)}\n")
     log.write(_tail(stdout, LOG_CHARS))
     if stderr.strip():
         log.write("\n----- stderr -----\n" + _tail(stderr, LOG_CHARS))
@@ -315,7 +338,10 @@ def phase_line(rec: dict) -> str:
         if "tokens_per_s" in row and "mfu" in row:  # train_throughput
             parts.append(f"{row.get('kind', '')} {_fmt(row['tokens_per_s'])} tok/s, MFU {_fmt(row.get('mfu'))}, "
                          f"{_fmt(row.get('peak_memory_gib'))} GiB, loss {_fmt(row.get('loss_first'))}->"
-                         f"{_fmt(row.get('loss_last'))}, all finite {row.get('loss_all_finite')}")
+                         f"{_fmt(row.get('loss_last'))}, all finite {row.get('loss_all_finite')}, "
+                         f"{row.get('steps_done')} timed steps"
+                         + (f", device busy {_fmt(row['profile_busy_fraction'])}" if "profile_busy_fraction" in row
+                            else ""))
         elif "chunked_tokens_per_s" in row:  # benchmarks/titans.py
             parts.append(f"T{row['seq_len']} d{row['dim']} L{row['depth']} C{row['chunk_size']}: kernel "
                          f"{_fmt(row.get('kernel_bf16_tokens_per_s'))} tok/s (err "

@@ -35,8 +35,8 @@ import triton
 import triton.language as tl
 
 from memtrain.kernels.titans import triton_kernels as tk
-from memtrain.kernels.titans.triton_kernels import (_DOT, _advance, _block, _coefs, _end_grads, _mm, _qkv, _read,
-                                                    _read_grads, _rows, _store_chunk_grads, _store_rows)
+from memtrain.kernels.titans.triton_kernels import (_DOT, _RUNTIME_INTS, _advance, _block, _coefs, _end_grads, _mm,
+                                                    _qkv, _read, _read_grads, _rows, _store_chunk_grads, _store_rows)
 
 # The activation scratch: one [BC, BW] tile per (buffer, layer). Per chunk: the keys' layer inputs a_l,
 # pre-activations z_l, e_l and deltas delta_l; the read's inputs h_l and pre-activations; the gradients of
@@ -112,7 +112,7 @@ def _inner(k, v, wp, sp, offs_c, offs_w, DEPTH: tl.constexpr, BC: tl.constexpr, 
     tl.debug_barrier()
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_RUNTIME_INTS)
 def _fwd_deep_kernel(Q, K, V, DEC, CAR, MIX, EEND, MEND, WC, SC, Y, WG, SW, SS, SCR,
                      NC, Tp, N_LAST, SAVE_EVERY, NSAVE, C, D,
                      DEPTH: tl.constexpr, BC: tl.constexpr, BW: tl.constexpr, DOT: tl.constexpr):
@@ -150,7 +150,7 @@ def _fwd_deep_kernel(Q, K, V, DEC, CAR, MIX, EEND, MEND, WC, SC, Y, WG, SW, SS, 
         _store_rows(Y, h, n, c, Tp, C, D, offs_c, offs_w)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_RUNTIME_INTS)
 def _bwd_deep_kernel(Q, K, V, DY, DEC, CAR, MIX, EEND, MEND, SW, SS, RW, RS, GW, GS, GWG, SCR,
                      DQ, DK, DV, DDEC, DCAR, DMIX, DEEND, DMEND,
                      NC, Tp, N_LAST, SAVE_EVERY, NSAVE, C, D,

@@ -44,6 +44,13 @@ import triton.language as tl
 
 from memtrain.kernels.titans.reference import chunk_coefficients
 
+# The kernels' integer arguments that vary with a call's length (chunks, padded length, the last chunk's tokens,
+# the backward's checkpoint spacing and count). Triton specialises integer arguments by default (equal to 1,
+# divisible by 16) and compiles one binary per combination, so every new sequence length could cost another
+# 10-30 s compile of each kernel (one GPU session timed a layer benchmark out that way). The widths (C, D, H1)
+# stay specialised: they are fixed per model and their divisibility by 16 gives aligned, vectorised loads.
+_RUNTIME_INTS = ["NC", "Tp", "N_LAST", "SAVE_EVERY", "NSAVE"]
+
 
 @triton.jit
 def _mm(a, b, DOT: tl.constexpr):
@@ -198,7 +205,7 @@ def _store_chunk_grads(DQ, DK, DV, DDEC, DCAR, DMIX, DEEND, DMEND, dq, dk, dv, d
     _store_rows(DV, dv, n, c, Tp, C, D, offs_c, offs_d)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_RUNTIME_INTS)
 def _fwd_kernel(Q, K, V, DEC, CAR, MIX, EEND, MEND, W1, S1, W2, S2,
                 Y, W1o, S1o, W2o, S2o, WG1, WG2, SW1, SS1, SW2, SS2,
                 NC, Tp, N_LAST, SAVE_EVERY, NSAVE, C, D, H1,
@@ -245,7 +252,7 @@ def _fwd_kernel(Q, K, V, DEC, CAR, MIX, EEND, MEND, W1, S1, W2, S2,
         _store_mat(S2o + n * sz, s2, D, H1, offs_d, offs_h)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_RUNTIME_INTS)
 def _bwd_kernel(Q, K, V, DY, DEC, CAR, MIX, EEND, MEND, SW1, SS1, SW2, SS2, R1, RS1, R2, RS2,
                 DW1o, DS1o, DW2o, DS2o, DWG1, DWG2,
                 DQ, DK, DV, DDEC, DCAR, DMIX, DEEND, DMEND, DW1, DS1, DW2, DS2,
