@@ -111,6 +111,12 @@ PLAN: list[Phase] = [
                 "sequential vs titans-pytorch (target: kernel >= 1M tokens/s, >= 10x titans-pytorch)"),
     # Measured on an H200 (2026-11-26): 400m-mag's first step 62 s then 0.83 s/step; 340m-mac 1.4 s/step.
     *[_recipe_phase(r, t) for r, t in zip(TITANS_RECIPES, (170, 150, 130, 130))],
+    Phase("recipe_170m_mac_mb8",
+          _throughput("titans-170m-mac", "train.schedule.warmup=2", "train.micro_batch_size=8", steps=20,
+                      extra=("--profile", "25")), 130, capped=True,
+          about="titans-170m-mac at micro-batch 8 (twice the recipe's): eager MAC issues the same ops per "
+                "micro-batch whatever its size, so if the host's dispatch bounds it (step times varied "
+                "1.0-1.9 s on an H200) tokens/s nearly doubles; peak memory says whether 8 fits an H100"),
     Phase("recipe_170m_mac_compiled",
           _throughput("titans-170m-mac", "train.schedule.warmup=2", "model.compile=true", steps=20), 180,
           capped=True, env={"CUDA_LAUNCH_BLOCKING": "1"},
