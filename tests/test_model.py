@@ -247,6 +247,40 @@ def test_rmsnorm_and_no_qk_norm():
     assert isinstance(out, ModelOutput) and out.aux_loss is None and torch.isfinite(out.logits).all()
 
 
+def _llama_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's formula (HF ``LlamaRMSNorm``): in fp32, rounded to the input's dtype, then times the gain."""
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x) * weight
+
+
+def test_rmsnorm_is_llamas_formula_through_torchs_fused_op():
+    """RMSNorm runs ``F.rms_norm`` (one fused kernel each way on CUDA) where input and gain share a dtype:
+    bitwise Llama's formula in fp32 and float64, output and both gradients; within one bf16 rounding in bf16
+    (the gain is applied before rounding); mixed dtypes (bf16 input, fp32 gain) keep the formula exactly."""
+    from memtrain.model.anchor import RMSNorm
+
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        norm = RMSNorm(48, eps=1e-5).to(dtype)
+        with torch.no_grad():
+            norm.weight.copy_(1 + 0.1 * torch.randn(48, generator=gen))
+        x = (3 * torch.randn(2, 5, 48, generator=gen)).to(dtype).requires_grad_(True)
+        y, ref = norm(x), _llama_rmsnorm(x, norm.weight, 1e-5)
+        g = torch.randn(y.shape, generator=gen).to(dtype)
+        grads = torch.autograd.grad(y, (x, norm.weight), g)
+        ref_grads = torch.autograd.grad(ref, (x, norm.weight), g)
+        if dtype == torch.bfloat16:
+            torch.testing.assert_close(y, ref, rtol=2 ** -7, atol=0)
+            torch.testing.assert_close(grads[0], ref_grads[0], rtol=2 ** -6, atol=2 ** -6)
+        else:
+            assert torch.equal(y, ref)
+            assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
+    mixed = RMSNorm(48)
+    x = torch.randn(3, 48, generator=gen).to(torch.bfloat16)
+    out = mixed(x)
+    assert out.dtype == torch.float32 and torch.equal(out, _llama_rmsnorm(x, mixed.weight, mixed.eps))
+
+
 def test_memory_argument_and_bad_shapes_are_rejected():
     model = seeded(tiny(max_seq_len=16))
     with pytest.raises(ValueError, match="memory"):
