@@ -73,11 +73,10 @@ def mlp_grads(weights: Weights, k: torch.Tensor, v: torch.Tensor) -> tuple[list[
 def _segsum(x: torch.Tensor) -> torch.Tensor:
     """``out[..., t, s] = sum_{s < j <= t} x[..., j]`` for ``s <= t``, ``-inf`` above the diagonal."""
     n = x.shape[-1]
-    keep_below = torch.ones(n, n, dtype=torch.bool, device=x.device).tril(-1)
-    xs = x.unsqueeze(-1).expand(*x.shape, n).masked_fill(~keep_below, 0.0)  # [.., j, s] = x_j if j > s
+    ones = torch.ones(n, n, dtype=torch.bool, device=x.device)
+    xs = x.unsqueeze(-1).expand(*x.shape, n).masked_fill(ones.triu(), 0.0)  # [.., j, s] = x_j if j > s
     out = xs.cumsum(-2)
-    causal = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
-    return out.masked_fill(~causal, float("-inf"))
+    return out.masked_fill(ones.triu(1), float("-inf"))
 
 
 class Coefficients(NamedTuple):

@@ -474,6 +474,12 @@ class _ChunkScan(torch.autograd.Function):
                 *state_grads)
 
 
+def _pad(x: torch.Tensor, pad: tuple[int, ...]) -> torch.Tensor:
+    """``F.pad`` that is no op (and no copy, forward or backward) when nothing is padded: a call that ends on a
+    chunk boundary, as every MAC segment and MAG / MAL sequence of the recipes does."""
+    return F.pad(x, pad) if any(pad) else x
+
+
 def chunk_scan(q, k, v, lr, log_eta, log_keep, w, s, chunk_size: int, scan_fn=None):
     """The inner loop over ``q``, ``k``, ``v`` ``[N, T, D]`` starting at a chunk boundary, with gates ``[N, T]``
     and the state ``w``, ``s`` (lists of ``[N, d_out, d_in]``, depth 1 or 2); returns ``(y, w, s, wg)`` like
@@ -484,10 +490,10 @@ def chunk_scan(q, k, v, lr, log_eta, log_keep, w, s, chunk_size: int, scan_fn=No
     C = chunk_size
     NC = -(-T // C)
     pad = NC * C - T
-    gates = [F.pad(g.float(), (0, pad)).view(N, NC, C) for g in (lr, log_eta, log_keep)]
+    gates = [_pad(g.float(), (0, pad)).reshape(N, NC, C) for g in (lr, log_eta, log_keep)]
     coef = chunk_coefficients(*gates)
     dt = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.float32
-    q, k, v = (F.pad(x.to(dt), (0, 0, 0, pad)).contiguous() for x in (q, k, v))
+    q, k, v = (_pad(x.to(dt), (0, 0, 0, pad)).contiguous() for x in (q, k, v))
     state = [x.float().contiguous() for x in (*w, *s)]
     out = (scan_fn or _ChunkScan).apply(q, k, v, *(c.contiguous() for c in coef), T, C, *state)
     depth = len(w)
