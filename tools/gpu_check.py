@@ -117,6 +117,12 @@ PLAN: list[Phase] = [
           about="titans-170m-mac at micro-batch 8 (twice the recipe's): eager MAC issues the same ops per "
                 "micro-batch whatever its size, so if the host's dispatch bounds it (step times varied "
                 "1.0-1.9 s on an H200) tokens/s nearly doubles; peak memory says whether 8 fits an H100"),
+    Phase("recipe_400m_mag_mb8",
+          _throughput("titans-400m-mag", "train.schedule.warmup=2", "train.micro_batch_size=8", steps=15,
+                      extra=("--profile", "25")), 150, capped=True,
+          about="titans-400m-mag at micro-batch 8: the memory kernels run one program per (sequence, head), 64 "
+                "at micro-batch 4 on 132 SMs; at 8 they fill the GPU, so a kernel-bound MAG gains nearly 2x "
+                "(about 90 GiB: an H200, not an H100)"),
     Phase("recipe_170m_mac_compiled",
           _throughput("titans-170m-mac", "train.schedule.warmup=2", "model.compile=true", steps=20), 180,
           capped=True, env={"CUDA_LAUNCH_BLOCKING": "1"},
