@@ -37,6 +37,11 @@ accumulation for speed: the DeepSpeed config is then generated for a global batc
 (``accumulation`` vs ``recipe_accumulation`` in the output); tokens/s is per step's actual tokens. The
 GPU recipes accumulate 16-64 micro-batches per step: on a time-limited GPU ``--micro-batches 2``-``4``
 keeps a run to a minute or two (accumulation changes only the optimizer's share of a step).
+``--max-seconds S`` stops starting steps S seconds after start (after one timed step at least) and still
+prints the JSON (``steps_done``: the timed steps that ran); each step prints a progress line on stderr.
+``--profile K`` profiles one more step with ``torch.profiler``: ``profile_busy_fraction`` (the device's kernel
+and copy time over the step's wall time: near 1 device-bound, well below 1 host-bound) and the top K kernels
+(``profile_top``, with launch counts).
 
 ``--compare-hf`` then times the same shape as ``transformers.LlamaForCausalLM`` (d_model, layers, heads,
 kv heads, head_dim, ffn, vocab, tied embeddings, rope_theta; plain causal SDPA, no document mask) in the
