@@ -96,6 +96,13 @@ def _recipe_phase(recipe: str, timeout_s: float) -> Phase:
                        "profiled step (device-busy fraction, top 25 kernels)")
 
 
+def _micro_batch_phase(recipe: str, micro_batch: int, steps: int, timeout_s: float, why: str) -> Phase:
+    return Phase(f"recipe_{recipe.removeprefix('titans-').replace('-', '_')}_mb{micro_batch}",
+                 _throughput(recipe, "train.schedule.warmup=2", f"train.micro_batch_size={micro_batch}",
+                             steps=steps, extra=("--profile", "25")), timeout_s, capped=True,
+                 about=f"{recipe} at micro-batch {micro_batch}: {why}")
+
+
 def phase_argv(phase: Phase, timeout_s: float) -> list[str]:
     """The command run for ``phase`` under ``timeout_s``: a capped phase stops starting steps ``CAP_MARGIN_S``
     before it, so it reports (``steps_done``) rather than being killed."""
@@ -111,18 +118,14 @@ PLAN: list[Phase] = [
                 "sequential vs titans-pytorch (target: kernel >= 1M tokens/s, >= 10x titans-pytorch)"),
     # Measured on an H200 (2026-11-26): 400m-mag's first step 62 s then 0.83 s/step; 340m-mac 1.4 s/step.
     *[_recipe_phase(r, t) for r, t in zip(TITANS_RECIPES, (170, 150, 130, 130))],
-    Phase("recipe_170m_mac_mb8",
-          _throughput("titans-170m-mac", "train.schedule.warmup=2", "train.micro_batch_size=8", steps=20,
-                      extra=("--profile", "25")), 130, capped=True,
-          about="titans-170m-mac at micro-batch 8 (twice the recipe's): eager MAC issues the same ops per "
-                "micro-batch whatever its size, so if the host's dispatch bounds it (step times varied "
-                "1.0-1.9 s on an H200) tokens/s nearly doubles; peak memory says whether 8 fits an H100"),
-    Phase("recipe_400m_mag_mb8",
-          _throughput("titans-400m-mag", "train.schedule.warmup=2", "train.micro_batch_size=8", steps=15,
-                      extra=("--profile", "25")), 150, capped=True,
-          about="titans-400m-mag at micro-batch 8: the memory kernels run one program per (sequence, head), 64 "
-                "at micro-batch 4 on 132 SMs; at 8 they fill the GPU, so a kernel-bound MAG gains nearly 2x "
-                "(about 90 GiB: an H200, not an H100)"),
+    _micro_batch_phase("titans-170m-mac", 8, 20, 130,
+                       "eager MAC issues the same ops per micro-batch whatever its size, so if the host's "
+                       "dispatch bounds it (step times varied 1.0-1.9 s on an H200) tokens/s nearly doubles; "
+                       "peak memory says whether 8 fits an H100"),
+    _micro_batch_phase("titans-400m-mag", 8, 15, 150,
+                       "the memory kernels run one program per (sequence, head), 64 at micro-batch 4 on 132 SMs; "
+                       "at 8 they fill the GPU, so a kernel-bound MAG gains nearly 2x (about 90 GiB: an H200, "
+                       "not an H100)"),
     Phase("recipe_170m_mac_compiled",
           _throughput("titans-170m-mac", "train.schedule.warmup=2", "model.compile=true", steps=20), 180,
           capped=True, env={"CUDA_LAUNCH_BLOCKING": "1"},
