@@ -112,3 +112,102 @@ def test_deepspeed_starts_without_building_its_inference_shm_op(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     assert "shm_comm_op None" in run.stdout, run.stdout[-2000:]
     assert not ext.exists() or not any(ext.iterdir()), sorted(p.name for p in ext.rglob("*"))
+
+
+def test_groups_are_cut_after_each_parameter_off_the_alignment():
+    """split_for_alignment cuts a group after every parameter whose size is not a multiple of 8 elements,
+    keeping the group's settings and the parameters' order; groups without one come back as they were."""
+    from memtrain.parallel.engine import split_for_alignment
+
+    a, b, c, d, e = (torch.nn.Parameter(torch.zeros(n)) for n in (16, 9, 24, 3, 8))
+    groups = [{"params": [a, b, c, d, e], "weight_decay": 0.0, "role": "anchor"},
+              {"params": [a, c], "weight_decay": 0.1, "role": "memory"}]
+    out = split_for_alignment(groups)
+    assert [[id(p) for p in g["params"]] for g in out] == [[id(a), id(b)], [id(c), id(d)], [id(e)], [id(a), id(c)]]
+    assert [(g["weight_decay"], g["role"]) for g in out] == [(0.0, "anchor")] * 3 + [(0.1, "memory")]
+    tail = split_for_alignment([{"params": [a, b], "role": "anchor"}])  # no empty group after a last odd one
+    assert len(tail) == 1 and tail[0]["params"] == [a, b]
+    assert split_for_alignment([{"params": [a, c, e], "role": "anchor"}]) == [{"params": [a, c, e], "role": "anchor"}]
+
+
+_ALIGN = r"""
+import json, os, sys
+import torch, torch.distributed as dist
+from memtrain.config import recipe_from_dict
+from memtrain.model import build
+from memtrain.parallel import engine as eng
+
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+dist.init_process_group("gloo", rank=0, world_size=1)
+result = {}
+for stage, prec in ((1, "bf16"), (2, "fp32")):
+    # 2 blocks with a 3-head memory: each gate bias has 9 elements and shifts everything after it
+    recipe = recipe_from_dict({}, ["model.type=titans", "model.titans.variant=mag", "model.d_model=48",
+                                   "model.n_layers=2", "model.n_heads=2", "model.titans.memory_heads=3",
+                                   "model.ffn_dim=64", "model.vocab_size=64", "data.tokenizer.vocab_size=64",
+                                   "model.max_seq_len=16", "data.seq_len=16", "train.global_batch_tokens=32",
+                                   "train.micro_batch_size=2", f"parallel.zero_stage={stage}"])
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    for align in (True, False):
+        torch.manual_seed(0)
+        engine, *_ = eng.initialize(build(recipe.model), recipe, 1, prec, align=align)
+        losses = []
+        for _ in range(3):
+            with torch.autocast("cpu", torch.bfloat16, enabled=prec == "bf16"):
+                logits = engine(ids).logits
+            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), ids.flatten())
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        result[f"{stage}-{prec}-{align}"] = {
+            "optimizer": type(engine.optimizer).__name__, "groups": len(eng.base_optimizer(engine).param_groups),
+            "misaligned": eng.misaligned_parameters(engine.module), "losses": losses}
+print("RESULT", json.dumps(result))
+"""
+
+
+@pytest.mark.slow
+def test_parameters_start_aligned_in_deepspeeds_flat_buffers(tmp_path):
+    """DeepSpeed's ZeRO-1 bf16 (BF16_Optimizer) and ZeRO-2 optimizers make every parameter a view into one flat
+    buffer per group. With the groups cut (the default), no parameter of a Titans model whose memory gate bias
+    has 9 elements starts off a 16-byte boundary; uncut, the parameters after the first bias do (what made
+    compiled Titans blocks fault with 'misaligned address' on the GPU). Training is the same either way."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run = subprocess.run([sys.executable, "-c", _ALIGN, str(port)], capture_output=True, text=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.split("RESULT ", 1)[1])
+    for key in ("1-bf16", "2-fp32"):
+        cut, uncut = result[f"{key}-True"], result[f"{key}-False"]
+        assert cut["misaligned"] == [], (key, cut["misaligned"])
+        names = [name for name, _ in uncut["misaligned"]]
+        assert "blocks.0.norm2.weight" in names and "blocks.1.memory.to_gates.bias" in names, (key, names)
+        assert cut["groups"] == uncut["groups"] + 2  # the no-decay group cut after each block's gate bias
+        assert cut["losses"] == pytest.approx(uncut["losses"], rel=1e-6), key  # equal here, bitwise
+    assert result["1-bf16-True"]["optimizer"] == "BF16_Optimizer"
+    assert result["2-fp32-True"]["optimizer"] == "DeepSpeedZeroOptimizer"
+
+
+def test_compiled_blocks_refuse_a_parameter_off_the_alignment():
+    """The trainer's check before compiled blocks run on CUDA: one line naming the parameter, how far off it
+    is and the way out (model.compile=false); nothing when every parameter starts aligned."""
+    from memtrain.launcher.train import check_compiled_alignment
+
+    flat = torch.zeros(64)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 1), torch.nn.Linear(4, 4, bias=False))
+    model[0].weight.data, model[0].bias.data = flat[:3].view(1, 3), flat[4:5]  # views, as DeepSpeed's
+    model[1].weight.data = flat[8:24].view(4, 4)
+    check_compiled_alignment(model, None)  # offsets 0, 16 and 32 bytes
+    model[0].bias.data = flat[3:4]  # 12 bytes
+    model[1].weight.data = flat[5:21].view(4, 4)  # 20 bytes: 4 off
+    with pytest.raises(LaunchError, match=r"^model.compile: 2 parameter\(s\) do not start 16-byte aligned "
+                                          r"\(0.bias is 12 bytes off; .*set model.compile=false for this run$"):
+        check_compiled_alignment(model, None)

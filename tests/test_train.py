@@ -144,6 +144,45 @@ def test_stop_and_resume_reproduces_the_uninterrupted_losses(workdir, reference)
     assert "run already complete at step 8" in out.stdout
 
 
+# A Titans model whose 1-head memory has a 3-element gate bias per block: under ZeRO 1 its no-decay group is cut
+# after each (memtrain.parallel.engine.split_for_alignment).
+TITANS_ODD = ("model.type=titans", "model.titans.variant=mag", "model.titans.memory_heads=1", "parallel.zero_stage=1")
+
+# What memtrain did before it cut the groups: uncut groups, and no param_groups_aligned in the trainer state.
+UNCUT_PRELUDE = textwrap.dedent("""
+    import memtrain.parallel.checkpoint as ckpt
+    import memtrain.parallel.engine as eng
+    eng.split_for_alignment = lambda groups, multiple=8: groups
+    ckpt.ALIGNED_KEY = "written_by_an_older_memtrain"
+""")
+
+
+def test_checkpoints_record_the_group_layout_and_older_ones_resume_in_theirs(workdir):
+    """A new run cuts its groups and says so in its checkpoints (``param_groups_aligned``). A checkpoint written
+    before memtrain cut them (simulated: uncut groups, no key) resumes with its own uncut groups, since ZeRO's
+    per-group flat state loads only into the same groups, and continues that run exactly; the run's new
+    checkpoints keep the layout. Cut or not, the run trains the same."""
+    import shutil
+
+    train(workdir, "cut", *TITANS_ODD)
+    state = json.loads((workdir / "runs" / "cut" / "checkpoints" / "global_step8" / "trainer_state.json").read_text())
+    assert state["param_groups_aligned"] is True
+    train(workdir, "uncut", *TITANS_ODD, prelude=UNCUT_PRELUDE)
+    old = workdir / "runs" / "uncut" / "checkpoints" / "global_step4" / "trainer_state.json"
+    assert "param_groups_aligned" not in json.loads(old.read_text())
+    want = losses(workdir, "uncut")
+    assert losses(workdir, "cut") == pytest.approx(want, rel=1e-6)
+    shutil.copytree(workdir / "runs" / "uncut", workdir / "runs" / "uncut-resumed")
+    shutil.rmtree(workdir / "runs" / "uncut-resumed" / "checkpoints" / "global_step8")
+    out = train(workdir, "uncut-resumed", *TITANS_ODD)
+    assert "global_step4 (step 4" in out.stdout
+    got = losses(workdir, "uncut-resumed")
+    for step in range(5, 9):
+        assert got[step] == pytest.approx(want[step], rel=0, abs=1e-6), step
+    final = workdir / "runs" / "uncut-resumed" / "checkpoints" / "global_step8" / "trainer_state.json"
+    assert json.loads(final.read_text())["param_groups_aligned"] is False
+
+
 def test_incomplete_checkpoint_is_ignored(workdir, reference):
     train(workdir, "partial")
     tag8 = workdir / "runs" / "partial" / "checkpoints" / "global_step8"

@@ -480,6 +480,24 @@ class Banks(NamedTuple):
         return self.bank if self.bank is not None else self.chapter_bank
 
 
+def check_compiled_alignment(module, latest) -> None:
+    """Refuse to run compiled blocks over a parameter that does not start 16 bytes aligned: the blocks share
+    one compiled graph whose kernels assume the alignment the first block's parameters had, and a block
+    whose parameter sits off it faults with "CUDA error: misaligned address" in its first step
+    (:func:`memtrain.parallel.engine.split_for_alignment`). New runs are aligned; a run resumed from a
+    checkpoint written before memtrain aligned its parameter groups keeps that checkpoint's layout."""
+    from memtrain.parallel.engine import ALIGN_BYTES, misaligned_parameters
+
+    bad = misaligned_parameters(module)
+    if bad:
+        name, offset = bad[0]
+        cause = (f"checkpoint {latest.path} was written with its optimizer groups uncut (before memtrain aligned "
+                 "them) and this run keeps that layout" if latest is not None else "DeepSpeed's flat buffer put it there")
+        raise LaunchError(f"model.compile: {len(bad)} parameter(s) do not start {ALIGN_BYTES}-byte aligned ({name} is "
+                          f"{offset} bytes off; {cause}), and compiled blocks would fault on them with 'CUDA error: "
+                          "misaligned address'; set model.compile=false for this run")
+
+
 def build_banks(model, recipe: Recipe, device: torch.device, prec: str, world: int) -> Banks:
     """The recipe's banks for ``model``, as the trainer builds them; call on every rank before
     ``model.to(device)`` and before DeepSpeed (a sharded cross-attention bank replaces the model's banks by
@@ -552,7 +570,7 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
     from memtrain.data.loader import LoaderIterator, ValidationSet, build_loader
     from memtrain.model import build, count_parameters, peak_flops
     from memtrain.parallel import checkpoint as ckpt
-    from memtrain.parallel.engine import global_grad_norm, initialize, lr_at, skipped_step
+    from memtrain.parallel.engine import flattens, global_grad_norm, initialize, lr_at, skipped_step
 
     rank, world = dist_env.rank, dist_env.world_size
     run_dir = recipe.run_dir
@@ -607,8 +625,10 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
     step_bank = banks.stepped  # the bank the loop reduces, steps and saves
 
     universal = False
+    aligned = True  # a new run cuts its parameter groups for aligned flat buffers (memtrain.parallel.engine)
     if latest is not None:
         saved = ckpt.read_trainer_state(latest)
+        aligned = ckpt.param_groups_aligned(saved)  # the layout the checkpoint's optimizer state was written in
         ckpt.check_compatible(latest, saved, recipe, world)
         ckpt.verify(latest, rank, world)  # the files against COMPLETE.json's checksums, before anything reads them
         if ckpt.needs_universal(latest, saved, recipe, world):
@@ -621,7 +641,10 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
             universal = True
 
     with library_output(verbose):  # DeepSpeed's optimizer prints its memory (MA ... Max_MA ...) here
-        engine, optimizer, scheduler = initialize(model, recipe, world, prec, load_universal=universal)
+        aligned = aligned and flattens(recipe, prec)  # ZeRO 0 in fp32: torch's AdamW, nothing flattened or cut
+        engine, optimizer, scheduler = initialize(model, recipe, world, prec, load_universal=universal, align=aligned)
+    if options["compiled_blocks"] and device.type == "cuda":
+        check_compiled_alignment(engine.module, latest)
     joint_norm = None
     if step_bank is not None and joint and recipe.parallel.zero_stage > 0:
         from memtrain.parallel.engine import JointNorm
@@ -706,7 +729,7 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
             path = ckpt.save(engine, recipe, step=at_step, rank=rank, world_size=world,
                              trainer_state={"step": at_step, "tokens_seen": tokens_seen, "loader": loader_state,
                                             "world_size": world, "nonfinite_steps": nonfinite_total,
-                                            "nonfinite_run": nonfinite_run},
+                                            "nonfinite_run": nonfinite_run, ckpt.ALIGNED_KEY: aligned},
                              rank_extra={"loader": loader_state}, write_extra=write_bank)
         dist.set_timeout(recipe.parallel.timeout_minutes)
         _log(f"saved checkpoint {path}", rank)

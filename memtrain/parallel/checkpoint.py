@@ -4,7 +4,8 @@ folder, checksummed, and renamed into place.
 Layout under ``<run.dir>/checkpoints/global_step<N>/``:
 
 - DeepSpeed's files (model states, ZeRO-partitioned optimizer states, the LR scheduler);
-- ``trainer_state.json`` (rank 0): step, tokens seen, data-loader position, the resolved recipe;
+- ``trainer_state.json`` (rank 0): step, tokens seen, data-loader position, the resolved recipe, whether the
+  optimizer groups were cut for aligned flat buffers (``param_groups_aligned``);
 - ``rank_state_<rank>.pt`` (every rank): that rank's torch / numpy / Python RNG states and its
   data-loader position (ranks differ under cluster-affine placement), loaded with ``weights_only=True``;
 - ``memory_bank/`` (with memories, through ``save``'s ``write_extra``);
@@ -171,6 +172,18 @@ def check_compatible(info: CheckpointInfo, state: dict, recipe: Recipe, world_si
             "the optimizer state of ZeRO stage 0 (one torch optimizer per rank) and of ZeRO stages 1-3 "
             f"(partitioned) do not convert into each other. Set parallel.zero_stage={saved_stage}"
             + (" (or any stage 1-3)" if saved_stage > 0 else ""))
+
+
+# Trainer-state key: whether the run cut its optimizer groups for aligned flat buffers
+# (memtrain.parallel.engine.split_for_alignment). Absent in checkpoints written before memtrain did.
+ALIGNED_KEY = "param_groups_aligned"
+
+
+def param_groups_aligned(state: dict) -> bool:
+    """Whether a checkpoint's optimizer state was written with the parameter groups cut for alignment; a run
+    resumed from it builds its groups the same way, since DeepSpeed's ZeRO and bf16 states are per-group flat
+    buffers that load only into the same groups. False for checkpoints that predate the key."""
+    return bool(state.get(ALIGNED_KEY, False))
 
 
 def needs_universal(info: CheckpointInfo, state: dict, recipe: Recipe, world_size: int) -> bool:

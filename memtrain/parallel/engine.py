@@ -1,7 +1,7 @@
 """DeepSpeed engine set-up from a recipe.
 
 The DeepSpeed JSON config is generated here from the recipe and never written by hand
-(:func:`deepspeed_config`); ``memtrain recipe show`` prints it. The optimizer is torch's AdamW with two
+(:func:`deepspeed_config`); ``memtrain recipe show`` prints it. The optimizer is torch's AdamW over
 parameter groups (weight decay on matrices and embeddings, none on norm gains), handed to DeepSpeed
 as a client optimizer so that ZeRO shards its state; the learning-rate schedule is a client
 ``LambdaLR`` that DeepSpeed steps once per optimizer step and saves in its checkpoints.
@@ -14,6 +14,20 @@ is frozen and the groups are the memory blocks (role ``memory``, memory.memory_l
 the LoRA adapters (role ``lora``, memory.memory_llama.lora_lr), each split into decayed matrices and
 undecayed vectors (and the identity-initialised W_x); gradient clipping is DeepSpeed's
 (train.grad_clip) over all of them together.
+
+Aligned parameters (:func:`split_for_alignment`). Where DeepSpeed flattens (ZeRO 1-2, and its bf16
+optimizer) it concatenates each group's parameters into one buffer and makes every parameter a view at
+its running offset, so one parameter whose size is not a multiple of 8 elements (titans-170m-mac's
+12-head memory gate bias: 36) shifts every later one off the 16-byte boundary. Compiled blocks share one
+compiled graph, whose Triton kernels assume the alignment the first block's parameters had (Inductor
+treats parameters as static inputs and does not re-check their alignment at run time); a later block
+whose parameters sit 8 bytes off then faults with "CUDA error: misaligned address". So a group is cut
+after every such parameter: each piece is flattened into its own buffer, and every parameter starts
+16-byte aligned (:func:`misaligned_parameters` checks). Groups of models without such parameters are
+unchanged; a resumed run keeps the layout its checkpoint was written with (``param_groups_aligned`` in
+the trainer state). DeepSpeed 0.19's ``zero_optimization.parameter_alignment`` pads between parameters
+in its ZeRO 1-2 optimizer but not in the ``BF16_Optimizer`` it picks for ZeRO 1 with bf16 parameters and
+fp32 gradient accumulation (the paper recipes' setting); cutting the groups aligns both.
 """
 
 from __future__ import annotations
@@ -176,7 +190,44 @@ def param_groups(model: nn.Module, weight_decay: float, memory: Optional[list] =
     return groups
 
 
-def build_optimizer(model: nn.Module, recipe: Recipe) -> torch.optim.Optimizer:
+# DeepSpeed's flat buffers: a parameter is 16-byte aligned when the elements before it in its group are a
+# multiple of this (16 bytes of bf16 / fp16; 32 of fp32).
+FLAT_ALIGN_ELEMENTS = 8
+ALIGN_BYTES = 16  # what Inductor's generated kernels assume of an aligned input (GPU_ALIGN_BYTES)
+
+
+def split_for_alignment(groups: list[dict], multiple: int = FLAT_ALIGN_ELEMENTS) -> list[dict]:
+    """Cut every group after each parameter whose size is not a multiple of ``multiple`` elements; the
+    pieces keep the group's settings and the parameters their order. Flattened one buffer per group, every
+    parameter then starts ``multiple`` elements past an aligned start (see the module docstring)."""
+    out = []
+    for group in groups:
+        piece: list = []
+        for p in group["params"]:
+            piece.append(p)
+            if p.numel() % multiple:
+                out.append({**group, "params": piece})
+                piece = []
+        if piece:
+            out.append({**group, "params": piece})
+    return out
+
+
+def flattens(recipe: Recipe, precision_name: str) -> bool:
+    """Whether DeepSpeed flattens the parameter groups into buffers (ZeRO 1-3, or bf16 / fp16): then
+    :func:`split_for_alignment` applies. ZeRO 0 in fp32 steps torch's AdamW on the parameters themselves."""
+    return recipe.parallel.zero_stage > 0 or precision_name != "fp32"
+
+
+def misaligned_parameters(module: nn.Module, align: int = ALIGN_BYTES) -> list[tuple[str, int]]:
+    """``(name, address modulo align)`` of every parameter of ``module`` that does not start on an ``align``-byte
+    boundary (a view at an odd offset of a flat buffer)."""
+    return [(name, p.data_ptr() % align) for name, p in module.named_parameters() if p.data_ptr() % align]
+
+
+def build_optimizer(model: nn.Module, recipe: Recipe, align: bool = False) -> torch.optim.Optimizer:
+    """AdamW over :func:`param_groups` (or MemoryLlama's), each group at its role's peak lr; ``align``: groups
+    cut by :func:`split_for_alignment`."""
     o = recipe.train.optimizer
     if recipe.memory.is_memory_llama:
         # Frozen base: only the memory blocks (role memory) and the LoRA adapters (role lora) train.
@@ -187,6 +238,8 @@ def build_optimizer(model: nn.Module, recipe: Recipe) -> torch.optim.Optimizer:
         bank = model.bank_parameters() if hasattr(model, "bank_parameters") else []
         lora = model.lora_parameters() if recipe.memory.is_crossattn and hasattr(model, "lora_parameters") else []
         groups = param_groups(model, o.weight_decay, memory, recipe.memory.optimizer.weight_decay, bank, lora)
+    if align:
+        groups = split_for_alignment(groups)
     for g in groups:
         g["lr"] = peak_lr(recipe, g["role"])[0]
     if not groups:
@@ -293,12 +346,14 @@ def skip_inference_shm_op() -> None:
 
 
 def initialize(model: nn.Module, recipe: Recipe, world_size: int, precision_name: str,
-               load_universal: bool = False):
-    """``deepspeed.initialize`` with memtrain's optimizer, schedule and generated config."""
+               load_universal: bool = False, align: bool = True):
+    """``deepspeed.initialize`` with memtrain's optimizer, schedule and generated config. ``align``: cut the
+    parameter groups for aligned flat buffers (:func:`split_for_alignment`) where DeepSpeed flattens; False
+    keeps the groups uncut (the layout of checkpoints written before memtrain aligned them)."""
     import deepspeed
 
     skip_inference_shm_op()
-    optimizer = build_optimizer(model, recipe)
+    optimizer = build_optimizer(model, recipe, align=align and flattens(recipe, precision_name))
     scheduler = build_scheduler(optimizer, recipe)
     engine, optimizer, _, scheduler = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler,
