@@ -88,7 +88,7 @@ def _label_calls(owner, attr: str, label: str, where: list[str]) -> None:
 def count(recipe, dtype: torch.dtype) -> dict:
     from memtrain.kernels.titans import triton_deep, triton_kernels
     from memtrain.model import build
-    from memtrain.model.titans import memory
+    from memtrain.model.titans import attention, memory
 
     launches: collections.Counter = collections.Counter()
     for mod, names in ((triton_kernels, ("_fwd_kernel", "_bwd_kernel")),
@@ -96,8 +96,10 @@ def count(recipe, dtype: torch.dtype) -> dict:
         for name in names:
             setattr(mod, name, _StubLaunch(name, launches))
     where = ["model"]
-    for attr in ("retrieve", "_gates", "_output", "_queries", "_conv"):
+    for attr in ("segment_queries", "read", "write", "_gates", "gated_output", "_queries", "_qkv_heads", "_conv"):
         _label_calls(memory.NeuralMemory, attr, f"NeuralMemory.{attr}", where)
+    for attr in ("queries", "keys_values", "attend_heads"):  # MAC calls them directly (not through forward)
+        _label_calls(attention.PrefixAttention, attr, f"PrefixAttention.{attr}", where)
     _label_calls(triton_kernels, "chunk_coefficients", "chunk_coefficients", where)
     _label_calls(triton_kernels, "chunk_scan", "chunk_scan", where)
 

@@ -439,13 +439,21 @@ def test_titans_stream_decoding_across_call_boundaries(variant):
         assert (fresh - out.logits).abs().max() > 1e-3
 
         # The memory states carried across the boundaries, against the update equations.
+        # (every variant writes through NeuralMemory.write: MAG / MAL / LMM via the memory's forward)
         streams: list[list[torch.Tensor]] = [[] for _ in long.blocks]
-        hooks = [b.memory.register_forward_pre_hook(lambda m, args, i=i: streams[i].append(args[0].double()))
-                 for i, b in enumerate(long.blocks)]
+
+        def recording(i, write):
+            def record(x, *args, **kwargs):
+                streams[i].append(x.double())
+                return write(x, *args, **kwargs)
+            return record
+
+        for i, b in enumerate(long.blocks):
+            b.memory.write = recording(i, b.memory.write)
         end = max(b for a, b, carries in schedule if carries)
         long(full[:, :end], per_call_documents(end, end, call))
-        for h in hooks:
-            h.remove()
+        for b in long.blocks:
+            del b.memory.write
     refs = [RefMemory(b.memory, 2) for b in short.blocks]
     written = [torch.cat(s, 1) for s in streams]
     states = [out.memory for (a, b, carries), (_, _, out) in zip(schedule, calls) if carries]

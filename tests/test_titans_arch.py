@@ -243,39 +243,98 @@ def test_memory_is_not_reset_at_document_boundaries():
 def test_mac_retrieves_with_the_memory_before_each_segment():
     m = exact("mac")
     mem = m.blocks[0].memory
-    retrieve, forward = mem.retrieve, mem.forward
+    read, write = mem.read, mem.write
     reads, writes = [], []
 
-    def spy_retrieve(x, state=None):
-        out = retrieve(x, state)
-        reads.append((x, state, out))
+    def spy_read(q, state=None):
+        out = read(q, state)
+        reads.append((q, state, out))
         return out
 
-    def spy_forward(x, state=None, algorithm="chunked"):
-        out, new = forward(x, state, algorithm)
+    def spy_write(x, state=None, algorithm="chunked"):
+        out, new = write(x, state, algorithm)
         writes.append((x, state, new))
         return out, new
 
-    mem.retrieve, mem.forward = spy_retrieve, spy_forward
+    mem.read, mem.write = spy_read, spy_write
     ids = tokens(T=37)
     with torch.no_grad():
         m(ids)
         n = len(segment_bounds(37, SEG))
         assert len(reads) == len(writes) == n == 5
         # Segment 0 reads the initial memory (the learned initial weights).
-        x0, s0, h0 = reads[0]
+        q0, s0, h0 = reads[0]
         assert s0 is None
-        torch.testing.assert_close(h0, retrieve(x0, mem.init_state(2)), **TIGHT)
+        torch.testing.assert_close(h0, read(q0, mem.init_state(2)), **TIGHT)
         for t in range(1, n):
-            x, state, h = reads[t]
+            q, state, h = reads[t]
             # ...segment t reads the memory after segment t-1's write, i.e. before its own write.
             assert state is writes[t - 1][2] and writes[t][1] is state
             assert state.pos == sum(b - a for a, b in segment_bounds(37, SEG)[:t])
-            torch.testing.assert_close(h, retrieve(x, state), **TIGHT)
-            assert not torch.allclose(h, retrieve(x, None), rtol=0, atol=1e-6)  # the memory did learn
+            assert not torch.allclose(h, read(q, None), rtol=0, atol=1e-6)  # the memory did learn
+        # Segment t's queries are its own tokens' (the convolution restarts at the segment start).
+        u = m.blocks[0].norm1(m.embed(ids))
+        for (a, b), (q, _, _) in zip(segment_bounds(37, SEG), reads):
+            torch.testing.assert_close(q, mem.segment_queries(u[:, a:b], b - a), **TIGHT)
         # The memory is written with the attention outputs (d_model rows, one per segment token).
         assert [w[0].shape[1] for w in writes] == [b - a for a, b in segment_bounds(37, SEG)]
         assert writes[0][1] is None
+
+
+def _mac_per_segment(block, x, ctx, state):
+    """MAC as the module docstring writes it, one segment at a time through the public calls
+    (``retrieve``, the memory's forward, ``PrefixAttention.forward``): the reference for the block's
+    hoisted form."""
+    p = block._prefix(x)
+    u = block.norm1(x)
+    pn = None if p is None else block.norm1(p)
+    ys, ms = [], []
+    for (a, b), mask in zip(ctx.segments, ctx.segment_masks):
+        s = u[:, a:b]
+        h = block.memory.retrieve(s, state)
+        kv = torch.cat([h, s], dim=1) if pn is None else torch.cat([pn, h, s], dim=1)
+        cos, sin = ctx.cos[:, a:b], ctx.sin[:, a:b]
+        y = block.attn(s, kv, cos, sin, torch.cat([cos, cos], 1), torch.cat([sin, sin], 1), block.n_persistent, mask)
+        m, state = block.memory(y, state)
+        ys.append(y)
+        ms.append(m)
+    return x + block.gate(torch.cat(ys, dim=1), torch.cat(ms, dim=1)), state
+
+
+@pytest.mark.parametrize("T, np_, docs, carried", [(37, NP, False, False), (40, 0, True, False), (21, NP, True, True)])
+def test_mac_block_is_the_per_segment_computation(T, np_, docs, carried):
+    """The MAC block computes the memory's queries and output gate, the attention's queries and the segments'
+    own keys and values once for all segments, and the write's output stage once after them: outputs, the
+    carried state and every gradient equal the per-segment reference in float64 (full segments and a short
+    last one, with and without persistent tokens and documents, from a fresh and from a carried state)."""
+    m = exact("mac", titans={"persistent_tokens": np_})
+    ids = tokens(T=T, eots=(5, 17) if docs else ())
+    doc_ids = document_ids(ids, EOT) if docs else None
+    block, ctx = m.blocks[0], m._context(ids, doc_ids)
+    state = None
+    if carried:
+        with torch.no_grad():
+            _, state = block(m.embed(tokens(T=16, seed=5)), m._context(tokens(T=16, seed=5), None), None)
+    x = m.embed(ids).detach().requires_grad_(True)
+    params = [p for p in block.parameters()]
+    results = []
+    for run in (lambda: block._mac(x, ctx, state), lambda: _mac_per_segment(block, x, ctx, state)):
+        out, new = run()
+        loss = (out * torch.linspace(-1, 1, out.shape[-1], dtype=out.dtype)).square().sum() + \
+            sum(w.square().sum() for w in new.weights) + sum(s.sum() for s in new.momentum)
+        grads = torch.autograd.grad(loss, [x, *params], allow_unused=True)
+        results.append((out, new, grads))
+    (out, new, grads), (ref, ref_new, ref_grads) = results
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    assert new.pos == ref_new.pos
+    for a, b in zip([*new.weights, *new.momentum, new.conv_cache], [*ref_new.weights, *ref_new.momentum,
+                                                                    ref_new.conv_cache]):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    names = ["x", *(n for n, _ in block.named_parameters())]
+    for name, g, r in zip(names, grads, ref_grads):
+        assert (g is None) == (r is None), name
+        if g is not None:
+            torch.testing.assert_close(g, r, rtol=1e-9, atol=1e-11, msg=name)
 
 
 @pytest.mark.parametrize("variant, split", [("mac", 16), ("mac", 24), ("lmm", 13)])

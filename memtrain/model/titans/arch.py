@@ -124,6 +124,7 @@ class _Context:
     mask: Optional[AttentionMask] = None  # MAG / MAL
     segments: Sequence[tuple[int, int]] = ()  # MAC: (start, end)
     segment_masks: Sequence[AttentionMask] = ()
+    segment_rope: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()  # MAC: each segment's (cos, sin)
 
 
 def make_memory(cfg: ModelConfig, t: TitansConfig) -> NeuralMemory:
@@ -207,22 +208,36 @@ class TitansBlock(nn.Module):
         return x + self.attn(u, kv, ctx.cos, ctx.sin, ctx.cos, ctx.sin, self.n_persistent, ctx.mask), state
 
     def _mac(self, x, ctx, state):
+        # What depends on u alone is computed once for all segments and split (one split's backward
+        # concatenates the segments' gradients): the memory's retrieval queries and output gate, the
+        # attention's queries and the segments' own keys and values, the persistent tokens' keys and values.
+        # Per segment remain the retrieval from the memory before it, its keys and values, attention and the
+        # write. The write's output stage (norm, gate, projection) runs once after the loop. Every piece
+        # acts row by row, so this is the per-segment computation of the module docstring (tests check it).
         p = self._prefix(x)
         u = self.norm1(x)
-        pn = None if p is None else self.norm1(p)
+        mem, attn = self.memory, self.attn
+        sizes = [b - a for a, b in ctx.segments]
+        queries = attn.queries(u, ctx.cos, ctx.sin).split(sizes, dim=1)
+        keys, values = (t.split(sizes, dim=1) for t in attn.keys_values(u, ctx.cos, ctx.sin))
+        retrieval_q = mem.segment_queries(u, sizes[0]).split(sizes, dim=2)
+        retrieval_gate = mem.output_gate(u).split(sizes, dim=1)
+        prefix_k = prefix_v = None
+        if p is not None:  # keys [P (unrotated) | h_t | S_t]; h_t[j] at token j's position
+            prefix_k, prefix_v = attn.keys_values(self.norm1(p))
         ys, ms = [], []
-        for (a, b), mask in zip(ctx.segments, ctx.segment_masks):
-            s = u[:, a:b]
-            h = self.memory.retrieve(s, state)  # M*_{t-1}(q_t): the memory before this segment
-            kv = torch.cat([h, s], dim=1) if pn is None else torch.cat([pn, h, s], dim=1)
-            cos, sin = ctx.cos[:, a:b], ctx.sin[:, a:b]
-            # h_t[j] at token j's position: keys [P (unrotated) | h_t | S_t]
-            y = self.attn(s, kv, cos, sin, torch.cat([cos, cos], 1), torch.cat([sin, sin], 1),
-                          self.n_persistent, mask)
-            m, state = self.memory(y, state)  # M_t = M_{t-1}(y_t); m[i] = M_{t,i}(q(y_t[i]))
+        for i, (mask, (cos, sin)) in enumerate(zip(ctx.segment_masks, ctx.segment_rope)):
+            h = mem.gated_output(mem.read(retrieval_q[i], state), retrieval_gate[i], u.dtype)  # M*_{t-1}(q_t)
+            h_k, h_v = attn.keys_values(h, cos, sin)
+            k, v = [h_k, keys[i]], [h_v, values[i]]
+            if prefix_k is not None:
+                k, v = [prefix_k, *k], [prefix_v, *v]
+            y = attn.attend_heads(queries[i], torch.cat(k, dim=1), torch.cat(v, dim=1), mask)
+            m, state = mem.write(y, state)  # M_t = M_{t-1}(y_t); m[i] = M_{t,i}(q(y_t[i])) before the output stage
             ys.append(y)
             ms.append(m)
-        y, m = torch.cat(ys, dim=1), torch.cat(ms, dim=1)
+        y = torch.cat(ys, dim=1)
+        m = mem.gated_output(torch.cat(ms, dim=2), mem.output_gate(y), y.dtype)
         return x + self.gate(y, m), state
 
 
@@ -323,7 +338,8 @@ class TitansLM(TrainingOptions, nn.Module):
                     masks.append(cache[b - a])
                 else:
                     masks.append(segment_mask(doc_ids[:, a:b], b - a, t.persistent_tokens, device))
-            return _Context(cos, sin, segments=segments, segment_masks=masks)
+            rope = [(cos[:, a:b], sin[:, a:b]) for a, b in segments]
+            return _Context(cos, sin, segments=segments, segment_masks=masks, segment_rope=rope)
         if doc_ids is not None and cfg.reset_positions:
             positions = position_ids_from_doc_ids(doc_ids)
         else:

@@ -121,15 +121,34 @@ class PrefixAttention(Attention):
 
     def forward(self, x_q: torch.Tensor, x_kv: torch.Tensor, cos_q: torch.Tensor, sin_q: torch.Tensor,
                 cos_kv: torch.Tensor, sin_kv: torch.Tensor, n_unrotated: int, mask: AttentionMask) -> torch.Tensor:
-        B, Tq, _ = x_q.shape
-        Tk = x_kv.shape[1]
-        q = self.q_norm(self.wq(x_q)).view(B, Tq, self.n_heads, self.head_dim)
-        k = self.k_norm(self.wk(x_kv)).view(B, Tk, self.n_kv_heads, self.head_dim)
-        v = self.wv(x_kv).view(B, Tk, self.n_kv_heads, self.head_dim)
-        q = apply_rope(q, cos_q, sin_q).to(v.dtype)
+        q = self.queries(x_q, cos_q, sin_q)
+        k, v = self.keys_values(x_kv)
         rotated = apply_rope(k[:, n_unrotated:], cos_kv, sin_kv)
-        k = torch.cat([k[:, :n_unrotated], rotated], dim=1).to(v.dtype) if n_unrotated else rotated.to(v.dtype)
-        out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
+        k = torch.cat([k[:, :n_unrotated], rotated], dim=1) if n_unrotated else rotated
+        return self.attend_heads(q, k, v, mask)
+
+    # The pieces of forward, for callers that project rows once and attend over them several times (MAC's
+    # segments: the queries and the segment's own keys for all segments at once, per segment only the
+    # retrieved rows'). Projections, norms and RoPE act row by row, so the pieces give forward's result.
+
+    def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Normalised, RoPE-rotated queries ``[B, T, H, hd]`` of ``x`` ``[B, T, d]``."""
+        B, T, _ = x.shape
+        return apply_rope(self.q_norm(self.wq(x)).view(B, T, self.n_heads, self.head_dim), cos, sin)
+
+    def keys_values(self, x: torch.Tensor, cos: Optional[torch.Tensor] = None,
+                    sin: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Normalised keys and values ``[B, T, KV, hd]`` of ``x``; the keys rotated by ``cos``/``sin`` if given."""
+        B, T, _ = x.shape
+        k = self.k_norm(self.wk(x)).view(B, T, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
+        return (k if cos is None else apply_rope(k, cos, sin)), v
+
+    def attend_heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
+        """Attention of ``q`` over ``k``, ``v`` (``[B, T, heads, hd]``) under ``mask``, then ``wo``: ``[B, Tq, d]``.
+        Under autocast the norms return fp32 while ``v`` is bf16; attention runs in ``v``'s dtype."""
+        B, Tq = q.shape[:2]
+        out = attend(q.to(v.dtype).transpose(1, 2), k.to(v.dtype).transpose(1, 2), v.transpose(1, 2), mask)
         return self.wo(out.transpose(1, 2).reshape(B, Tq, self.n_heads * self.head_dim))
 
 

@@ -209,19 +209,42 @@ class NeuralMemory(nn.Module):
     def _heads(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, H*d] -> [B, H, T, d]
         return x.unflatten(-1, (self.heads, self.head_dim)).transpose(1, 2)
 
-    def _conv(self, x: torch.Tensor, cache: torch.Tensor, channels: slice) -> torch.Tensor:
-        """Causal depthwise convolution of ``x`` [B, T, C] with ``cache`` [B, kernel-1, C] on the left."""
-        xp = torch.cat([cache.to(x.dtype), x], dim=1).transpose(1, 2)
+    def _conv(self, xp: torch.Tensor, channels: slice) -> torch.Tensor:
+        """Causal depthwise convolution of ``xp`` [B, kernel-1+T, C], the input after its left context (the
+        state's cache, or zeros): [B, T, C]."""
+        xp = xp.transpose(1, 2)
         return F.conv1d(xp, self.conv.weight[channels], self.conv.bias[channels], groups=xp.shape[1]).transpose(1, 2)
 
     def _queries(self, q: torch.Tensor) -> torch.Tensor:
         return F.normalize(F.silu(self._heads(q)).to(self.inner_dtype), dim=-1)
 
+    def _qkv_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``q, k, v`` ``[B, H, T, head_dim]`` from the convolved ``[B, T, 3*inner]`` in one pass over all three:
+        SiLU, the inner dtype, L2 norm per head (q, k; v too with ``value_norm``), as :meth:`_queries` per part;
+        one copy lays them out contiguously per head for the inner loop."""
+        B, T, _ = qkv.shape
+        a = F.silu(qkv).to(self.inner_dtype).view(B, T, 3, self.heads, self.head_dim)
+        if self.value_norm:
+            a = F.normalize(a, dim=-1)
+        else:
+            a = torch.cat([F.normalize(a[:, :, :2], dim=-1), a[:, :, 2:]], dim=2)
+        q, k, v = a.permute(2, 0, 3, 1, 4).contiguous()
+        return q, k, v
+
+    def output_gate(self, x: torch.Tensor) -> torch.Tensor:
+        """The output's sigmoid gate from ``x`` ``[B, T, dim]``: ``sigmoid(x W_G)`` ``[B, T, H*d]``."""
+        return torch.sigmoid(self.to_out_gate(x))
+
+    def gated_output(self, y: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """[B, H, T, d] retrievals -> per-head RMSNorm, times ``gate`` (:meth:`output_gate`) in ``dtype`` (the
+        gating input's), output projection: ``[B, T, dim]``. Row by row, so it may run once over several calls'
+        rows (MAC's segments)."""
+        y = F.rms_norm(y.transpose(1, 2), (self.head_dim,)) * self.out_norm.to(y.dtype)
+        return self.to_out(y.flatten(2).to(dtype) * gate)
+
     def _output(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """[B, H, T, d] retrievals -> per-head RMSNorm, sigmoid gate from x, output projection."""
-        y = F.rms_norm(y.transpose(1, 2), (self.head_dim,)) * self.out_norm.to(y.dtype)
-        y = y.flatten(2).to(x.dtype) * torch.sigmoid(self.to_out_gate(x))
-        return self.to_out(y)
+        return self.gated_output(y, self.output_gate(x), x.dtype)
 
     def _gates(self, x: torch.Tensor, state: MemoryState):
         """Per-token ``(lr, log_eta, log_keep)`` ``[B, H, T]`` and the state's new ``chunk_gates``."""
@@ -252,6 +275,13 @@ class NeuralMemory(nn.Module):
 
         Returns ``(y [B, T, dim], new_state)``; ``state=None`` starts from the initial weights.
         """
+        y, new_state = self.write(x, state, algorithm)
+        return self._output(y, x), new_state
+
+    def write(self, x: torch.Tensor, state: Optional[MemoryState] = None,
+              algorithm: str = "chunked") -> tuple[torch.Tensor, MemoryState]:
+        """:meth:`forward` before its output stage: ``(y [B, H, T, head_dim], new_state)``, the retrievals
+        ``M_t(q_t)`` that :meth:`gated_output` turns into ``forward``'s output."""
         if algorithm not in ALGORITHMS:
             raise ValueError(f"unknown algorithm {algorithm!r}; expected one of {', '.join(ALGORITHMS)}")
         B, T, _ = x.shape
@@ -259,16 +289,12 @@ class NeuralMemory(nn.Module):
             state = self.init_state(B, x.device)
         qkv = self.to_qkv(x)
         conv_in = torch.cat([state.conv_cache.to(qkv.dtype), qkv], dim=1)
-        qkv = self._conv(qkv, state.conv_cache, slice(None))
         conv_cache = conv_in[:, conv_in.shape[1] - (self.conv_kernel - 1):]
-        q, k, v = qkv.chunk(3, dim=-1)
-        q, k = self._queries(q), self._queries(k)
-        v = self._queries(v) if self.value_norm else F.silu(self._heads(v)).to(self.inner_dtype)
+        q, k, v = self._qkv_heads(self._conv(conv_in, slice(None)))
         lr, log_eta, log_keep, chunk_gates = self._gates(x, state)
         y, new_state = self.scan(q, k, v, lr, log_eta, log_keep, state, self.chunk_size, algorithm, self.kernel,
                                  qkv.dtype)
-        new_state = replace(new_state, chunk_gates=chunk_gates, conv_cache=conv_cache)
-        return self._output(y, x), new_state
+        return y, replace(new_state, chunk_gates=chunk_gates, conv_cache=conv_cache)
 
     def retrieve(self, x: torch.Tensor, state: Optional[MemoryState] = None) -> torch.Tensor:
         """Read the memory without updating it: ``M(q(x))`` with the state's current weights.
@@ -277,17 +303,30 @@ class NeuralMemory(nn.Module):
         every row reads the same weights (those after the state's last token, or the initial
         weights when ``state`` is None). Returns ``[B, T, dim]``; the state is not modified.
         """
+        return self._output(self.read(self.segment_queries(x, x.shape[1]), state), x)
+
+    def segment_queries(self, x: torch.Tensor, segment_len: int) -> torch.Tensor:
+        """:meth:`retrieve`'s queries ``[B, H, T, head_dim]`` of every ``segment_len``-token segment of ``x``
+        ``[B, T, dim]`` at once (the last segment may be shorter): the query convolution restarts (zero left
+        padding) at every segment start, as if each segment were retrieved on its own."""
         B, T, _ = x.shape
+        n = -(-T // segment_len)
         q = F.linear(x, self.to_qkv.weight[: self.inner])
-        q = self._conv(q, q.new_zeros(B, self.conv_kernel - 1, self.inner), slice(0, self.inner))
-        q = self._queries(q)
+        if n * segment_len != T:  # zero rows after the end: a causal convolution leaves the rows before unchanged
+            q = F.pad(q, (0, 0, 0, n * segment_len - T))
+        q = F.pad(q.reshape(B * n, segment_len, self.inner), (0, 0, self.conv_kernel - 1, 0))  # zero left context
+        q = self._conv(q, slice(0, self.inner))
+        return self._queries(q.reshape(B, n * segment_len, self.inner)[:, :T])
+
+    def read(self, q: torch.Tensor, state: Optional[MemoryState] = None) -> torch.Tensor:
+        """``M(q)`` ``[B, H, T, head_dim]`` for queries ``q`` (:meth:`segment_queries`) with the state's weights
+        (the initial weights when ``state`` is None), in the inner dtype with autocast off."""
         if state is not None:
             weights = state.weights
         else:
             weights = [w.to(self.inner_dtype).unsqueeze(0) for w in self.init_weights]
-        with torch.autocast(device_type=x.device.type, enabled=False):
-            y = mlp_forward(weights, q)
-        return self._output(y, x)
+        with torch.autocast(device_type=q.device.type, enabled=False):
+            return mlp_forward(weights, q)
 
 
 __all__ = ["GATE_MODES", "NeuralMemory"]
