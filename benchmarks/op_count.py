@@ -91,7 +91,7 @@ def count(recipe, dtype: torch.dtype) -> dict:
     from memtrain.model.titans import attention, memory
 
     launches: collections.Counter = collections.Counter()
-    for mod, names in ((triton_kernels, ("_fwd_kernel", "_bwd_kernel")),
+    for mod, names in ((triton_kernels, ("_fwd_kernel", "_bwd_kernel", "_coef_fwd_kernel", "_coef_bwd_kernel")),
                        (triton_deep, ("_fwd_deep_kernel", "_bwd_deep_kernel"))):
         for name in names:
             setattr(mod, name, _StubLaunch(name, launches))
@@ -100,7 +100,7 @@ def count(recipe, dtype: torch.dtype) -> dict:
         _label_calls(memory.NeuralMemory, attr, f"NeuralMemory.{attr}", where)
     for attr in ("queries", "keys_values", "attend_heads"):  # MAC calls them directly (not through forward)
         _label_calls(attention.PrefixAttention, attr, f"PrefixAttention.{attr}", where)
-    _label_calls(triton_kernels, "chunk_coefficients", "chunk_coefficients", where)
+    _label_calls(triton_kernels, "triton_chunk_coefficients", "chunk_coefficients", where)
     _label_calls(triton_kernels, "chunk_scan", "chunk_scan", where)
 
     torch.manual_seed(0)

@@ -97,6 +97,37 @@ def test_kernel_matches_reference_forward_and_backward(N, T, D, hidden, depth, c
         assert _rel(a, b) < 1e-4, (f"d{name}", _rel(a, b))
 
 
+@pytest.mark.parametrize("N,NC,C", [(3, 2, 4), (2, 3, 7), (1, 2, 16), (2, 1, 19)])
+def test_kernel_coefficients_match_reference_forward_and_backward(N, NC, C):
+    """The chunk coefficients in Triton (one program per chunk) against :func:`reference.chunk_coefficients` in
+    float64: every output and the gradients of the three gates from random cotangents on all five outputs (chunk
+    sizes below, at and above one 16-wide block, not powers of two)."""
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    lr = 0.1 * torch.rand(N, NC, C, generator=gen, dtype=torch.float64)
+    log_eta = F.logsigmoid(torch.randn(N, NC, C, generator=gen, dtype=torch.float64))
+    log_keep = F.logsigmoid(torch.randn(N, NC, C, generator=gen, dtype=torch.float64) + 1.0)
+    gates = [x.to(DEVICE).requires_grad_(True) for x in (lr, log_eta, log_keep)]
+    ref = reference.chunk_coefficients(*gates)
+    out = triton_kernels.triton_chunk_coefficients(*(g.float() for g in gates))
+    names = ["decay", "carry", "mix", "momentum_decay_end", "momentum_mix_end"]
+    for name, a, b in zip(names, out, ref):
+        assert a.dtype == torch.float32 and a.shape == b.shape, name
+        assert torch.isfinite(a).all(), f"{name}: unwritten (NaN) elements"
+        assert _rel(a, b) < 1e-5, (name, _rel(a, b))
+    cots = [torch.randn(r.shape, generator=gen, dtype=torch.float64).to(DEVICE) for r in ref]
+    g_ref = torch.autograd.grad(sum((r * c).sum() for r, c in zip(ref, cots)), gates, retain_graph=True)
+    g_out = torch.autograd.grad(sum((o.double() * c).sum() for o, c in zip(out, cots)), gates, retain_graph=True)
+    for name, a, b in zip(["lr", "log_eta", "log_keep"], g_out, g_ref):
+        assert torch.isfinite(a).all(), f"d{name}: unwritten (NaN) elements"
+        assert _rel(a, b) < 1e-5, (f"d{name}", _rel(a, b))
+    for i, name in enumerate(names):  # each output's own gradient path (the others' cotangents absent)
+        only = torch.autograd.grad((out[i].double() * cots[i]).sum(), gates, allow_unused=True, retain_graph=True)
+        want = torch.autograd.grad((ref[i] * cots[i]).sum(), gates, allow_unused=True, retain_graph=True)
+        for g, r in zip(only, want):
+            r = torch.zeros_like(gates[0]) if r is None else r
+            assert _rel(g, r) < 1e-5 or (r.abs().max() == 0 and g.abs().max() == 0), name
+
+
 @pytest.mark.parametrize("depth", [1, 2])
 def test_kernel_any_depth_kernels_at_depth_one_and_two(monkeypatch, depth):
     """The any-depth kernels (memory state in a per-program scratch) also run depth 1 and 2 when asked (the
@@ -376,6 +407,12 @@ from memtrain.kernels.titans import triton_deep as td, triton_kernels as tk
 
 def compile_one(spec):
     which, C, depth = spec
+    if which.startswith("coef"):  # the chunk coefficients' kernels: float32 gates in, one program per chunk
+        fn = tk._coef_fwd_kernel if which == "coef_fwd" else tk._coef_bwd_kernel
+        sig = {n: "constexpr" if n == "BC" else "i32" if n == "C" else "*fp32" for n in fn.arg_names}
+        src = ASTSource(fn, sig, constexprs={(fn.arg_names.index("BC"),): tk._block(C)})
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        return [which, C, depth, k.metadata.shared]
     mod = tk if depth <= 2 else td
     fn = getattr(mod, ("_fwd" if which == "fwd" else "_bwd") + ("_kernel" if depth <= 2 else "_deep_kernel"))
     opts = mod._launch_shape(64, 128, C)
@@ -390,7 +427,8 @@ def compile_one(spec):
 
 
 # The backward kernels first (ptxas takes 10-30 s each, the forwards a few): two at a time on two cores.
-specs = [("bwd", 64, 2), ("bwd", 64, 4), ("bwd", 16, 2), ("fwd", 64, 2), ("fwd", 64, 4)]
+specs = [("bwd", 64, 2), ("bwd", 64, 4), ("bwd", 16, 2), ("fwd", 64, 2), ("fwd", 64, 4),
+         ("coef_bwd", 64, 0), ("coef_bwd", 16, 0), ("coef_fwd", 64, 0), ("coef_fwd", 16, 0)]
 with multiprocessing.get_context("fork").Pool(2) as pool:
     print(json.dumps(pool.map(compile_one, specs, chunksize=1)))
 """
@@ -410,6 +448,6 @@ def test_kernel_compiles_for_an_h100_within_its_shared_memory():
     run = subprocess.run([sys.executable, "-c", _AOT], capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     compiled = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(compiled) == 5
+    assert len(compiled) == 9
     for which, chunk, depth, shared in compiled:
         assert shared <= 232448, (which, chunk, depth, shared)

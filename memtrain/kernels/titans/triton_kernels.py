@@ -17,13 +17,15 @@ weights ``W`` and momentum ``S`` (per layer) in float32 and the chunk's recurren
 
 The backward walks the chunks in reverse with the gradients of the chunk-end state carried (float32),
 recomputing each chunk's forward from its start state, and returns the gradients of q, k, v, of every
-coefficient (autograd takes them to the gates theta, eta, alpha through :func:`chunk_coefficients`) and of
-the initial weights and momentum. The second-order terms are included: ``a_i``, ``d_i`` depend on the
-chunk-start weights, so the gradient reaching ``W`` also flows back through the per-token gradients
-(``silu''`` for depth 2). Memory stays bounded: the forward saves the state at the start of every
-``R``-th chunk only (``R = ceil(sqrt(n_chunks))``); the backward recomputes the ``R`` states of a group
-into a per-program scratch, then differentiates the group in reverse (``O(sqrt(n_chunks))`` states per
-(batch, head) instead of one per chunk).
+coefficient and of the initial weights and momentum. The coefficients themselves come from two more kernels
+(:func:`triton_chunk_coefficients`: the gates of one chunk per program, forward, and the gradients of the gates
+theta, eta, alpha from those of the coefficients, backward), the specification being
+:func:`.reference.chunk_coefficients` (23 PyTorch ops forward and about 40 backward per call). The second-order
+terms are included: ``a_i``, ``d_i`` depend on the chunk-start weights, so the gradient reaching ``W`` also
+flows back through the per-token gradients (``silu''`` for depth 2). Memory stays bounded: the forward saves
+the state at the start of every ``R``-th chunk only (``R = ceil(sqrt(n_chunks))``); the backward recomputes the
+``R`` states of a group into a per-program scratch, then differentiates the group in reverse
+(``O(sqrt(n_chunks))`` states per (batch, head) instead of one per chunk).
 
 Precision: gates, coefficients, carried state, gradients and all accumulation in float32. With float32
 q/k/v the dot products are IEEE float32 (no TF32); with bfloat16 (float16) q/k/v both operands of every dot
@@ -42,7 +44,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from memtrain.kernels.titans.reference import chunk_coefficients
 
 # The kernels' integer arguments that vary with a call's length (chunks, padded length, the last chunk's tokens,
 # the backward's checkpoint spacing and count). Triton specialises integer arguments by default (equal to 1,
@@ -396,6 +397,118 @@ def _bwd_kernel(Q, K, V, DY, DEC, CAR, MIX, EEND, MEND, SW1, SS1, SW2, SS2, R1, 
         _store_mat(DS2 + n * sz, gs2, D, H1, offs_d, offs_h)
 
 
+# --------------------------------------------------------------------------------------------------
+# The chunk coefficients (:func:`.reference.chunk_coefficients`) and their gradients, one program per chunk.
+# With x the log gates of one chunk (zeros past its C tokens), ``seg(x)[t, s] = sum_{s<j<=t} x_j`` (s <= t) is
+# a cumulative sum down the columns of ``X[j, s] = x_j [j > s]``, as the reference's ``_segsum``. The gradients
+# of the sums of exponentials: a coefficient ``exp(seg(x)[t, s])`` depends on ``x_j`` for ``s < j <= t``, so a
+# weight matrix ``G[t, s]`` on those terms gives ``dx_j = sum_{t >= j} sum_{s < j} G[t, s]`` (:func:`_rect`).
+
+
+@triton.jit
+def _seg_exp(x, offs, C):
+    """``exp(seg(x))`` on ``[BC, BC]``, zero above the diagonal and outside the chunk's C tokens."""
+    t, s = offs[:, None], offs[None, :]
+    acc = tl.cumsum(tl.where(t > s, x[:, None], 0.0), axis=0)
+    return tl.where((s <= t) & (t < C), tl.exp(acc), 0.0)
+
+
+@triton.jit
+def _rect(G, offs):
+    """``out[j] = sum_{t >= j} sum_{s < j} G[t, s]``: the gradient of every ``x_j`` inside the segments."""
+    before = tl.cumsum(G, axis=1) - G  # [t, j] = sum_{s < j} G[t, s]
+    return tl.sum(tl.where(offs[:, None] >= offs[None, :], before, 0.0), axis=0)
+
+
+@triton.jit
+def _coef_fwd_kernel(LR, LE, LK, DEC, CAR, MIX, EEND, MEND, C, BC: tl.constexpr):
+    chunk = tl.program_id(0)
+    offs = tl.arange(0, BC)
+    m = offs < C
+    lr = tl.load(LR + chunk * C + offs, mask=m, other=0.0)
+    le = tl.load(LE + chunk * C + offs, mask=m, other=0.0)
+    lk = tl.load(LK + chunk * C + offs, mask=m, other=0.0)
+    keep = _seg_exp(lk, offs, C)  # B_t / B_s
+    eta = _seg_exp(le, offs, C)  # E_s / E_i
+    cum_eta = tl.cumsum(le, axis=0)
+    last = offs[:, None] == C - 1
+    tl.store(DEC + chunk * C + offs, tl.exp(tl.cumsum(lk, axis=0)), mask=m)
+    tl.store(CAR + chunk * C + offs, tl.sum(keep * tl.exp(cum_eta)[None, :], axis=1), mask=m)
+    mix = tl.dot(keep, eta, input_precision="ieee") * lr[None, :]
+    tl.store(MIX + chunk * C * C + offs[:, None] * C + offs[None, :], mix, mask=m[:, None] & m[None, :])
+    tl.store(EEND + chunk, tl.exp(tl.sum(tl.where(m, le, 0.0), axis=0)))
+    tl.store(MEND + chunk * C + offs, tl.sum(tl.where(last, eta, 0.0), axis=0) * lr, mask=m)
+
+
+@triton.jit
+def _coef_bwd_kernel(LR, LE, LK, DDEC, DCAR, DMIX, DEEND, DMEND, DLR, DLE, DLK, C, BC: tl.constexpr):
+    chunk = tl.program_id(0)
+    offs = tl.arange(0, BC)
+    m = offs < C
+    lr = tl.load(LR + chunk * C + offs, mask=m, other=0.0)
+    le = tl.load(LE + chunk * C + offs, mask=m, other=0.0)
+    lk = tl.load(LK + chunk * C + offs, mask=m, other=0.0)
+    ddec = tl.load(DDEC + chunk * C + offs, mask=m, other=0.0)
+    dcar = tl.load(DCAR + chunk * C + offs, mask=m, other=0.0)
+    dmix = tl.load(DMIX + chunk * C * C + offs[:, None] * C + offs[None, :], mask=m[:, None] & m[None, :], other=0.0)
+    dmend = tl.load(DMEND + chunk * C + offs, mask=m, other=0.0)
+    deend = tl.load(DEEND + chunk)
+    keep = _seg_exp(lk, offs, C)
+    eta = _seg_exp(le, offs, C)
+    cum_eta = tl.cumsum(le, axis=0)
+    eta_last = tl.sum(tl.where(offs[:, None] == C - 1, eta, 0.0), axis=0)  # E_end / E_i
+    # theta: mix = (keep @ eta) * theta, m_end = eta[last] * theta
+    dlr = tl.sum(dmix * tl.dot(keep, eta, input_precision="ieee"), axis=0) + dmend * eta_last
+    d = dmix * lr[None, :]  # [t, i]
+    g_carry = dcar[:, None] * keep * tl.exp(cum_eta)[None, :]  # carry_t = sum_s keep[t, s] exp(cum_eta_s)
+    g_mix = keep * tl.dot(d, tl.trans(eta), input_precision="ieee")  # [t, s]
+    h_mix = eta * tl.dot(tl.trans(keep), d, input_precision="ieee")  # [s, i]
+    decay = tl.exp(tl.cumsum(lk, axis=0))
+    w = ddec * decay
+    dlk = tl.cumsum(w, axis=0, reverse=True) + _rect(g_carry + g_mix, offs)  # decay_t: for t >= j
+    e_end = tl.exp(tl.sum(tl.where(m, le, 0.0), axis=0))
+    col = tl.sum(g_carry, axis=0)  # exp(cum_eta_s) depends on le_j, j <= s
+    wm = dmend * eta_last * lr
+    dle = (deend * e_end + tl.cumsum(col, axis=0, reverse=True) + (tl.cumsum(wm, axis=0) - wm)
+           + _rect(h_mix, offs))
+    tl.store(DLR + chunk * C + offs, dlr, mask=m)
+    tl.store(DLE + chunk * C + offs, dle, mask=m)
+    tl.store(DLK + chunk * C + offs, dlk, mask=m)
+
+
+class _Coefficients(torch.autograd.Function):
+    """:func:`.reference.chunk_coefficients` of ``[N, NC, C]`` float32 gates (theta, log eta, log(1 - alpha)) in
+    one launch each way, where the PyTorch form issues 23 ops forward and about 40 backward per call. Outputs
+    as the reference's: decay, carry ``[N, NC, C]``, mix ``[N, NC, C, C]``, momentum decay ``[N, NC]`` and mix
+    ``[N, NC, C]`` at the chunk's end."""
+
+    @staticmethod
+    def forward(ctx, lr, log_eta, log_keep):
+        N, NC, C = lr.shape
+        lr, log_eta, log_keep = (x.contiguous() for x in (lr, log_eta, log_keep))
+        dec, car, mend = (_empty(N, NC, C, device=lr.device) for _ in range(3))
+        mix, e_end = _empty(N, NC, C, C, device=lr.device), _empty(N, NC, device=lr.device)
+        _coef_fwd_kernel[(N * NC,)](lr, log_eta, log_keep, dec, car, mix, e_end, mend, C, BC=_block(C))
+        ctx.save_for_backward(lr, log_eta, log_keep)
+        return dec, car, mix, e_end, mend
+
+    @staticmethod
+    def backward(ctx, ddec, dcar, dmix, dee, dme):
+        lr, log_eta, log_keep = ctx.saved_tensors
+        N, NC, C = lr.shape
+        grads = [torch.zeros(shape, device=lr.device) if g is None else g.float().contiguous()
+                 for g, shape in ((ddec, lr.shape), (dcar, lr.shape), (dmix, (N, NC, C, C)), (dee, (N, NC)),
+                                  (dme, lr.shape))]
+        dlr, dle, dlk = (_empty(N, NC, C, device=lr.device) for _ in range(3))
+        _coef_bwd_kernel[(N * NC,)](lr, log_eta, log_keep, *grads, dlr, dle, dlk, C, BC=_block(C))
+        return dlr, dle, dlk
+
+
+def triton_chunk_coefficients(lr: torch.Tensor, log_eta: torch.Tensor, log_keep: torch.Tensor):
+    """:func:`.reference.chunk_coefficients` (and its gradients) by the Triton kernels above."""
+    return _Coefficients.apply(lr, log_eta, log_keep)
+
+
 def _empty(*shape, device, dtype=torch.float32) -> torch.Tensor:
     """Every buffer the kernels write (the tests replace this with a NaN fill: unwritten elements show)."""
     return torch.empty(*shape, device=device, dtype=dtype)
@@ -420,7 +533,7 @@ def _launch_shape(D: int, H1: int, C: int) -> dict:
 
 class _ChunkScan(torch.autograd.Function):
     """Inputs: q, k, v ``[N, Tp, D]`` (``Tp`` a multiple of ``C``, padded), the coefficients of
-    :func:`chunk_coefficients` on ``[N, Tp / C, C]`` gates, ``T`` (real tokens), ``C`` and the state
+    :func:`triton_chunk_coefficients` on ``[N, Tp / C, C]`` gates, ``T`` (real tokens), ``C`` and the state
     (weights then momentum, one per layer). Outputs: ``y`` ``[N, Tp, D]`` (float32), the end weights,
     the end momentum, and the last chunk's start weights."""
 
@@ -491,7 +604,7 @@ def chunk_scan(q, k, v, lr, log_eta, log_keep, w, s, chunk_size: int, scan_fn=No
     NC = -(-T // C)
     pad = NC * C - T
     gates = [_pad(g.float(), (0, pad)).reshape(N, NC, C) for g in (lr, log_eta, log_keep)]
-    coef = chunk_coefficients(*gates)
+    coef = triton_chunk_coefficients(*gates)
     dt = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.float32
     q, k, v = (_pad(x.to(dt), (0, 0, 0, pad)).contiguous() for x in (q, k, v))
     state = [x.float().contiguous() for x in (*w, *s)]
@@ -501,4 +614,4 @@ def chunk_scan(q, k, v, lr, log_eta, log_keep, w, s, chunk_size: int, scan_fn=No
     return y, w_end, s_end, wg
 
 
-__all__ = ["chunk_scan"]
+__all__ = ["chunk_scan", "triton_chunk_coefficients"]

@@ -262,9 +262,10 @@ class NeuralMemory(nn.Module):
             g = g[:, :, first.clamp_min(0)]
             if (pos + T) % C:
                 chunk_gates = g[:, :, -1]
-        lr = self.max_lr * torch.sigmoid(g[..., 0])
-        log_eta = F.logsigmoid(g[..., 1]) + math.log(self.max_momentum)  # eta = max_momentum * sigmoid(.)
-        return lr, log_eta, F.logsigmoid(-g[..., 2]), chunk_gates
+        g_lr, g_eta, g_keep = g.permute(3, 0, 1, 2).contiguous()  # one copy: each gate [B, H, T] contiguous
+        lr = self.max_lr * torch.sigmoid(g_lr)
+        log_eta = F.logsigmoid(g_eta) + math.log(self.max_momentum)  # eta = max_momentum * sigmoid(.)
+        return lr, log_eta, F.logsigmoid(-g_keep), chunk_gates
 
     # ---------------------------------------------------------------------------------------------
     # Forward / retrieve
