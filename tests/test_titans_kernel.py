@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from memtrain.kernels import titans as titans_kernels
 from memtrain.kernels.titans import reference, triton_kernels
 from memtrain.model.titans import NeuralMemory
+from memtrain.model.titans.memory import run_scan
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # compiled on a GPU, interpreted on CPU
 
@@ -197,6 +198,28 @@ def test_kernel_half_precision_inputs_close_to_float32():
                                          4, kernel="triton")
     assert y.dtype == torch.float32 and w_out[0].dtype == torch.float32
     assert _rel(y, y_ref) < 1e-2 and _rel(w_out[0], w_ref[0]) < 1e-2
+
+
+def test_kernel_half_precision_layer_hands_the_kernels_half_precision_qkv():
+    """With half-precision activations and the kernels running, the layer lays q, k, v out per head in the
+    activations' dtype in the same copy (contiguous, what the kernels read; nothing left for run_scan to cast),
+    and the whole layer stays within rounding of its float32 form with the PyTorch inner loop."""
+    torch.manual_seed(torch.seed() % 2**31)
+    mem = NeuralMemory(24, heads=3, depth=2, chunk_size=4, kernel="triton").to(DEVICE)
+    ref = NeuralMemory(24, heads=3, depth=2, chunk_size=4, kernel="torch").to(DEVICE)
+    ref.load_state_dict(mem.state_dict())
+    mem = mem.half()
+    seen = []
+
+    def spy(q, k, v, *args):
+        seen.append([(t.dtype, t.is_contiguous()) for t in (q, k, v)])
+        return run_scan(q, k, v, *args)
+
+    mem.scan = spy
+    x = torch.randn(2, 11, 24, device=DEVICE)
+    y, _ = mem(x.half())
+    assert seen == [[(torch.float16, True)] * 3]
+    assert y.dtype == torch.float16 and _rel(y.float(), ref(x)[0]) < 2e-2
 
 
 @pytest.mark.parametrize("depth,gate_mode", [(2, "token"), (1, "chunk"), (3, "token")])

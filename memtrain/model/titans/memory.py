@@ -89,8 +89,9 @@ def run_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lr: torch.Tensor
     """One call's inner loop (:func:`memory_scan`) outside autocast, ``q``, ``k``, ``v`` in the inner dtype.
 
     When the Triton kernels run and ``io_dtype`` (the activations' dtype) is bf16 / fp16, they take ``q``,
-    ``k``, ``v`` in it (bf16 dot products, fp32 accumulation, gates and state); the PyTorch form runs in the
-    inner dtype. Plain eager code with a Python loop over chunks (PyTorch form) or Triton launches (kernels):
+    ``k``, ``v`` in it (bf16 dot products, fp32 accumulation, gates and state; :meth:`NeuralMemory.write` hands
+    them over in it already, cast in the same copy that lays them out); the PyTorch form runs in the inner
+    dtype. Plain eager code with a Python loop over chunks (PyTorch form) or Triton launches (kernels):
     compiled Titans blocks call it through ``torch.compiler.disable`` (one graph break per call) rather than
     trace it (:meth:`memtrain.model.titans.arch.TitansLM.compile_blocks`)."""
     if io_dtype in (torch.bfloat16, torch.float16) and io_dtype != q.dtype and use_triton(
@@ -218,17 +219,22 @@ class NeuralMemory(nn.Module):
     def _queries(self, q: torch.Tensor) -> torch.Tensor:
         return F.normalize(F.silu(self._heads(q)).to(self.inner_dtype), dim=-1)
 
-    def _qkv_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _qkv_heads(self, qkv: torch.Tensor, algorithm: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``q, k, v`` ``[B, H, T, head_dim]`` from the convolved ``[B, T, 3*inner]`` in one pass over all three:
-        SiLU, the inner dtype, L2 norm per head (q, k; v too with ``value_norm``), as :meth:`_queries` per part;
-        one copy lays them out contiguously per head for the inner loop."""
+        SiLU, the inner dtype, L2 norm per head (q, k; v too with ``value_norm``), as :meth:`_queries` per part.
+        One copy lays them out contiguously per head for the inner loop, in the dtype it reads them in: the
+        activations' half precision where the Triton kernels run (:func:`run_scan`), else the inner dtype."""
         B, T, _ = qkv.shape
         a = F.silu(qkv).to(self.inner_dtype).view(B, T, 3, self.heads, self.head_dim)
         if self.value_norm:
             a = F.normalize(a, dim=-1)
         else:
             a = torch.cat([F.normalize(a[:, :, :2], dim=-1), a[:, :, 2:]], dim=2)
-        q, k, v = a.permute(2, 0, 3, 1, 4).contiguous()
+        dtype = self.inner_dtype
+        if qkv.dtype in (torch.bfloat16, torch.float16) and use_triton(
+                self.kernel, qkv, self.depth, algorithm, self.head_dim, self.init_weights[0].shape[-2], dtype=qkv.dtype):
+            dtype = qkv.dtype
+        q, k, v = a.permute(2, 0, 3, 1, 4).to(dtype, memory_format=torch.contiguous_format)
         return q, k, v
 
     def output_gate(self, x: torch.Tensor) -> torch.Tensor:
@@ -291,7 +297,7 @@ class NeuralMemory(nn.Module):
         qkv = self.to_qkv(x)
         conv_in = torch.cat([state.conv_cache.to(qkv.dtype), qkv], dim=1)
         conv_cache = conv_in[:, conv_in.shape[1] - (self.conv_kernel - 1):]
-        q, k, v = self._qkv_heads(self._conv(conv_in, slice(None)))
+        q, k, v = self._qkv_heads(self._conv(conv_in, slice(None)), algorithm)
         lr, log_eta, log_keep, chunk_gates = self._gates(x, state)
         y, new_state = self.scan(q, k, v, lr, log_eta, log_keep, state, self.chunk_size, algorithm, self.kernel,
                                  qkv.dtype)
