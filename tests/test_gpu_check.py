@@ -165,6 +165,10 @@ def test_the_real_plan_names_existing_files_and_loadable_recipes(capsys):
             idx = [int(i) for i in p.argv[p.argv.index("--configs") + 1].split(",")]
             assert max(idx) < len(bench.FULL)
     assert gc.select(gc.PLAN, "recipe_")[0].name == "recipe_400m_mag"
+    # compiled MAC right after the four eager recipes, its launches asynchronous: its tokens/s is what it measures
+    assert names[2:7] == ["recipe_400m_mag", "recipe_340m_mac", "recipe_170m_mac", "recipe_760m_mal",
+                          "recipe_170m_mac_compiled"]
+    assert "CUDA_LAUNCH_BLOCKING" not in gc.select(gc.PLAN, "recipe_170m_mac_compiled")[0].env
 
 
 def test_env_phase_prints_one_json_line():
