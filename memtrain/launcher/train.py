@@ -491,8 +491,10 @@ def check_compiled_alignment(module, latest) -> None:
     bad = misaligned_parameters(module)
     if bad:
         name, offset = bad[0]
-        cause = (f"checkpoint {latest.path} was written with its optimizer groups uncut (before memtrain aligned "
-                 "them) and this run keeps that layout" if latest is not None else "DeepSpeed's flat buffer put it there")
+        cause = "DeepSpeed's flat buffer put it there"
+        if latest is not None:
+            cause = (f"checkpoint {latest.path} was written with its optimizer groups uncut (before memtrain aligned "
+                     "them) and this run keeps that layout")
         raise LaunchError(f"model.compile: {len(bad)} parameter(s) do not start {ALIGN_BYTES}-byte aligned ({name} is "
                           f"{offset} bytes off; {cause}), and compiled blocks would fault on them with 'CUDA error: "
                           "misaligned address'; set model.compile=false for this run")

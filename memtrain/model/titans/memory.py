@@ -55,7 +55,11 @@ API (what MAC / MAG / MAL use)::
 - MAC, per segment S: ``h = mem.retrieve(S, state)`` queries the memory as it was before the segment
   (eq. 21); attention runs over ``[persistent | h | S]`` giving ``y_seg``; then
   ``o_mem, state = mem(y_seg, state)`` writes the segment to the memory (eq. 24) and returns
-  ``M_t(q(y_t))`` per token for the output gating ``o = y_seg * o_mem`` (eq. 25).
+  ``M_t(q(y_t))`` per token for the output gating ``o = y_seg * o_mem`` (eq. 25). The MAC block computes
+  the same through the pieces of these two calls, so that what does not depend on the state runs once for
+  all segments: ``segment_queries`` (every segment's retrieval queries), ``read`` (``M(q)`` with a state's
+  weights), ``write`` (the memory's forward up to its output stage) and ``output_gate`` / ``gated_output``
+  (the output stage, row by row).
 
 ``retrieve`` applies the query convolution to ``x`` alone (zero left padding) rather than to the
 state's convolution cache, which holds the *update* stream (e.g. MAC's attention outputs); so
@@ -231,8 +235,9 @@ class NeuralMemory(nn.Module):
         else:
             a = torch.cat([F.normalize(a[:, :, :2], dim=-1), a[:, :, 2:]], dim=2)
         dtype = self.inner_dtype
+        hidden = self.init_weights[0].shape[-2]
         if qkv.dtype in (torch.bfloat16, torch.float16) and use_triton(
-                self.kernel, qkv, self.depth, algorithm, self.head_dim, self.init_weights[0].shape[-2], dtype=qkv.dtype):
+                self.kernel, qkv, self.depth, algorithm, self.head_dim, hidden, dtype=qkv.dtype):
             dtype = qkv.dtype
         q, k, v = a.permute(2, 0, 3, 1, 4).to(dtype, memory_format=torch.contiguous_format)
         return q, k, v
