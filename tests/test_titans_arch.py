@@ -301,13 +301,17 @@ def _mac_per_segment(block, x, ctx, state):
     return x + block.gate(torch.cat(ys, dim=1), torch.cat(ms, dim=1)), state
 
 
-@pytest.mark.parametrize("T, np_, docs, carried", [(37, NP, False, False), (40, 0, True, False), (21, NP, True, True)])
-def test_mac_block_is_the_per_segment_computation(T, np_, docs, carried):
+@pytest.mark.parametrize("T, np_, docs, carried, compiled", [(37, NP, False, False, False), (40, 0, True, False, False),
+                                                          (21, NP, True, True, False), (37, NP, True, True, True)])
+def test_mac_block_is_the_per_segment_computation(T, np_, docs, carried, compiled):
     """The MAC block computes the memory's queries and output gate, the attention's queries and the segments'
-    own keys and values once for all segments, and the write's output stage once after them: outputs, the
-    carried state and every gradient equal the per-segment reference in float64 (full segments and a short
-    last one, with and without persistent tokens and documents, from a fresh and from a carried state)."""
+    own keys and values once for all segments, and (unless its blocks are compiled: ``compiled``, run eagerly
+    here) the write's output stage once after them: outputs, the carried state and every gradient equal the
+    per-segment reference in float64 (full segments and a short last one, with and without persistent tokens
+    and documents, from a fresh and from a carried state)."""
     m = exact("mac", titans={"persistent_tokens": np_})
+    for b in m.blocks:
+        b.compiled = compiled
     ids = tokens(T=T, eots=(5, 17) if docs else ())
     doc_ids = document_ids(ids, EOT) if docs else None
     block, ctx = m.blocks[0], m._context(ids, doc_ids)
