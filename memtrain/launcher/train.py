@@ -482,7 +482,7 @@ class Banks(NamedTuple):
 
 def check_compiled_alignment(module, latest) -> None:
     """Refuse to run compiled blocks over a parameter that does not start 16 bytes aligned: the blocks share
-    one compiled graph whose kernels assume the alignment the first block's parameters had, and a block
+    their compiled code, whose kernels assume the alignment the first block's parameters had, and a block
     whose parameter sits off it faults with "CUDA error: misaligned address" in its first step
     (:func:`memtrain.parallel.engine.split_for_alignment`). New runs are aligned; a run resumed from a
     checkpoint written before memtrain aligned its parameter groups keeps that checkpoint's layout."""

@@ -18,8 +18,8 @@ undecayed vectors (and the identity-initialised W_x); gradient clipping is DeepS
 Aligned parameters (:func:`split_for_alignment`). Where DeepSpeed flattens (ZeRO 1-2, and its bf16
 optimizer) it concatenates each group's parameters into one buffer and makes every parameter a view at
 its running offset, so one parameter whose size is not a multiple of 8 elements (titans-170m-mac's
-12-head memory gate bias: 36) shifts every later one off the 16-byte boundary. Compiled blocks share one
-compiled graph, whose Triton kernels assume the alignment the first block's parameters had (Inductor
+12-head memory gate bias: 36) shifts every later one off the 16-byte boundary. Compiled blocks share
+their compiled code, whose Triton kernels assume the alignment the first block's parameters had (Inductor
 treats parameters as static inputs and does not re-check their alignment at run time); a later block
 whose parameters sit 8 bytes off then faults with "CUDA error: misaligned address". So a group is cut
 after every such parameter: each piece is flattened into its own buffer, and every parameter starts
