@@ -421,16 +421,21 @@ def _rect(G, offs):
 
 
 @triton.jit
+def _chunk_gates(LR, LE, LK, chunk, offs, m, C):
+    """One chunk's gates (zeros past its C tokens) and what both kernels build from them: the ratio matrices
+    ``keep`` (B_t / B_s) and ``eta`` (E_s / E_i), and the cumulative log eta."""
+    lr = tl.load(LR + chunk * C + offs, mask=m, other=0.0)
+    le = tl.load(LE + chunk * C + offs, mask=m, other=0.0)
+    lk = tl.load(LK + chunk * C + offs, mask=m, other=0.0)
+    return lr, le, lk, _seg_exp(lk, offs, C), _seg_exp(le, offs, C), tl.cumsum(le, axis=0)
+
+
+@triton.jit
 def _coef_fwd_kernel(LR, LE, LK, DEC, CAR, MIX, EEND, MEND, C, BC: tl.constexpr):
     chunk = tl.program_id(0)
     offs = tl.arange(0, BC)
     m = offs < C
-    lr = tl.load(LR + chunk * C + offs, mask=m, other=0.0)
-    le = tl.load(LE + chunk * C + offs, mask=m, other=0.0)
-    lk = tl.load(LK + chunk * C + offs, mask=m, other=0.0)
-    keep = _seg_exp(lk, offs, C)  # B_t / B_s
-    eta = _seg_exp(le, offs, C)  # E_s / E_i
-    cum_eta = tl.cumsum(le, axis=0)
+    lr, le, lk, keep, eta, cum_eta = _chunk_gates(LR, LE, LK, chunk, offs, m, C)
     last = offs[:, None] == C - 1
     tl.store(DEC + chunk * C + offs, tl.exp(tl.cumsum(lk, axis=0)), mask=m)
     tl.store(CAR + chunk * C + offs, tl.sum(keep * tl.exp(cum_eta)[None, :], axis=1), mask=m)
@@ -445,17 +450,12 @@ def _coef_bwd_kernel(LR, LE, LK, DDEC, DCAR, DMIX, DEEND, DMEND, DLR, DLE, DLK, 
     chunk = tl.program_id(0)
     offs = tl.arange(0, BC)
     m = offs < C
-    lr = tl.load(LR + chunk * C + offs, mask=m, other=0.0)
-    le = tl.load(LE + chunk * C + offs, mask=m, other=0.0)
-    lk = tl.load(LK + chunk * C + offs, mask=m, other=0.0)
+    lr, le, lk, keep, eta, cum_eta = _chunk_gates(LR, LE, LK, chunk, offs, m, C)
     ddec = tl.load(DDEC + chunk * C + offs, mask=m, other=0.0)
     dcar = tl.load(DCAR + chunk * C + offs, mask=m, other=0.0)
     dmix = tl.load(DMIX + chunk * C * C + offs[:, None] * C + offs[None, :], mask=m[:, None] & m[None, :], other=0.0)
     dmend = tl.load(DMEND + chunk * C + offs, mask=m, other=0.0)
     deend = tl.load(DEEND + chunk)
-    keep = _seg_exp(lk, offs, C)
-    eta = _seg_exp(le, offs, C)
-    cum_eta = tl.cumsum(le, axis=0)
     eta_last = tl.sum(tl.where(offs[:, None] == C - 1, eta, 0.0), axis=0)  # E_end / E_i
     # theta: mix = (keep @ eta) * theta, m_end = eta[last] * theta
     dlr = tl.sum(dmix * tl.dot(keep, eta, input_precision="ieee"), axis=0) + dmend * eta_last
