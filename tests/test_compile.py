@@ -216,33 +216,60 @@ def test_titans_compiled_blocks_match_eager_outputs_gradients_and_states(variant
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
-def test_titans_compiled_block_runs_the_triton_kernel():
-    """kernel: triton inside compiled blocks (the interpreter on CPU, float32): the scan still reaches the
-    kernels through the graph break, and the model equals the eager PyTorch form."""
-    from torch._dynamo.testing import CompileCounter
+def _kernel_ops(graphs) -> set[str]:
+    return {str(n.target) for g in graphs for n in g.graph.nodes if "memtrain" in str(n.target)}
 
-    from memtrain.kernels.titans import triton_kernels
 
-    calls = []
-    real = triton_kernels.chunk_scan
+@pytest.mark.parametrize("variant,depth", [("mac", 2), ("mag", 3), ("mal", 1), ("lmm", 2)])
+def test_titans_compiled_blocks_with_the_triton_kernels_are_one_graph(variant, depth):
+    """kernel: triton (the interpreter on CPU, float32): the kernels are custom operators, so Dynamo traces the
+    whole block, MAC's loop over segments included, into one graph with the scan as nodes: no graph break, one
+    frame for both blocks (memory depth 1 and 2: the depth-1/2 kernels; 3: the any-depth ones). The traced
+    model (Dynamo's graph run eagerly) equals the eager kernel model, and the PyTorch form to the kernels'
+    float32 rounding, outputs and every gradient."""
+    from torch._dynamo.testing import CompileCounterWithBackend, EagerAndRecordGraphs
+    from torch._dynamo.utils import counters
 
-    def counting(*args, **kw):
-        calls.append(1)
-        return real(*args, **kw)
-
-    torch_model, kernel_model = _titans("mac"), _titans("mac", kernel="triton")
-    kernel_model.compile_blocks(backend=CompileCounter())
+    torch._dynamo.reset()
+    counters.clear()  # torch 2.11's reset keeps the graph-break counts of earlier tests
+    torch_model, eager, traced = (_titans(variant, kernel=k, memory_depth=depth) for k in ("torch", "triton", "triton"))
+    record = EagerAndRecordGraphs()
+    counter = CompileCounterWithBackend(record)
+    traced.compile_blocks(backend=counter)
     x, doc = _titans_batch(16)
-    mp = pytest.MonkeyPatch()
-    mp.setattr(triton_kernels, "chunk_scan", counting)
-    try:
-        out_k = kernel_model(x, doc_ids=doc).logits
-    finally:
-        mp.undo()
-    out_t = torch_model(x, doc_ids=doc).logits
-    assert calls, "the compiled block never reached the Triton kernels"
-    torch.testing.assert_close(out_k, out_t, rtol=1e-4, atol=1e-5)
-    out_k.square().mean().backward()
-    out_t.square().mean().backward()
-    for (name, p), q in zip(kernel_model.named_parameters(), torch_model.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-6, msg=name)
+    outs = [m(x, doc_ids=doc).logits for m in (torch_model, eager, traced)]
+    assert not _graph_breaks(), _graph_breaks()
+    assert counter.frame_count == 1 and len(record.graphs) == 1
+    scan = "titans_deep_fwd" if depth >= 3 else "titans_scan_fwd"
+    assert _kernel_ops(record.graphs) == {"memtrain.titans_coef_fwd.default", f"memtrain.{scan}.default"}
+    torch.testing.assert_close(outs[2], outs[1], rtol=0, atol=1e-6)
+    torch.testing.assert_close(outs[2], outs[0], rtol=1e-4, atol=1e-5)
+    for out in outs:
+        out.square().mean().backward()
+    for (name, p), q, r in zip(traced.named_parameters(), eager.parameters(), torch_model.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-8, msg=name)
+        torch.testing.assert_close(p.grad, r.grad, rtol=1e-3, atol=1e-6, msg=name)
+
+
+def test_titans_compiled_mac_with_the_triton_kernels_through_aot_autograd():
+    """The kernels' custom operators through AOTAutograd (``aot_eager``: the joint graph of the whole MAC
+    block partitioned into forward and backward, run eagerly) with every second block checkpointed: the loss,
+    every gradient and the returned memory states equal the eager kernel model's."""
+    eager, compiled = _titans("mac", 3, kernel="triton"), _titans("mac", 3, kernel="triton")
+    for block in eager.blocks:  # compiled blocks' form of MAC (the write's output stage per segment)
+        block.compiled = True
+    compiled.set_activation_checkpointing(2)
+    compiled.compile_blocks(backend="aot_eager")
+    x, doc = _titans_batch(16)
+    results = []
+    for model in (eager, compiled):
+        out = model(x, doc_ids=doc, labels=x.roll(-1, 1))
+        out.loss_sum.backward()
+        states = [w.detach() for s in out.memory for w in (*s.weights, *s.momentum)]
+        results.append((out.loss_sum.detach(), [p.grad for p in model.parameters()], states))
+    (loss_e, grads_e, states_e), (loss_c, grads_c, states_c) = results
+    torch.testing.assert_close(loss_c, loss_e, rtol=1e-6, atol=0)
+    for (name, _), a, b in zip(eager.named_parameters(), grads_c, grads_e):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-8, msg=name)
+    for a, b in zip(states_c, states_e):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

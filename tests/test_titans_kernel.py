@@ -129,6 +129,42 @@ def test_kernel_coefficients_match_reference_forward_and_backward(N, NC, C):
             assert _rel(g, r) < 1e-5 or (r.abs().max() == 0 and g.abs().max() == 0), name
 
 
+def test_kernel_custom_operators_pass_opcheck():
+    """The kernels' autograd is six custom operators (torch.library; compiled Titans blocks trace each as one
+    node): ``torch.library.opcheck`` checks the coefficients' and the scans' forward operators at depth 1 and 2
+    and the any-depth one at depth 3 -- the schemas (no output aliases an input, no input is written), the fake
+    implementations (shape, dtype and strides of every output), the autograd registration, and that the
+    forward and backward traced by AOTAutograd equal eager's (which runs the backward operators). Inputs with
+    other strides give the same results as dense ones."""
+    from memtrain.kernels.titans import triton_deep
+
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    N, T, D, H, C = 2, 11, 5, 7, 4
+    NC = -(-T // C)
+    ins = _inputs(gen, N, NC * C, D, H, 2, dtype=torch.float32)
+    q, k, v, lr, log_eta, log_keep = (x.requires_grad_(True) for x in ins[:6])
+    gates = [x.detach().reshape(N, NC, C).requires_grad_(True) for x in (lr, log_eta, log_keep)]
+    torch.library.opcheck(triton_kernels._coef_fwd, gates)
+    coef = [c.detach().requires_grad_(True) for c in triton_kernels._coef_fwd(*gates)]
+    for depth in (1, 2):
+        state = [x.requires_grad_(True) for x in _inputs(gen, N, NC * C, D, H, depth, dtype=torch.float32)[6:]]
+        w, s = state[:depth], state[depth:]
+        torch.library.opcheck(triton_kernels._scan_fwd, (q, k, v, *coef, w[0], s[0], w[-1], s[-1], T, C, depth))
+    # Other strides than dense row-major (what a compiled graph may hand an operator): the same results.
+
+    def scan(q, k, v, mix, e_end, w1, w2, s1, s2):
+        return triton_kernels._scan_fwd(q, k, v, coef[0], coef[1], mix, e_end, coef[4], w1, s1, w2, s2, T, C, 2)
+
+    dense = [x.detach() for x in (q, k, v, coef[2], coef[3], *w, *s)]
+    strided = [x.transpose(-1, -2).contiguous().transpose(-1, -2) for x in dense]  # same values, column-major
+    assert not any(x.is_contiguous() for x in strided)
+    for a, b in zip(scan(*dense), scan(*strided)):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, equal_nan=True)
+    state = _inputs(gen, N, NC * C, D, H, 3, dtype=torch.float32)[6:]
+    wc, sc = (triton_deep._pack(x, 16).requires_grad_(True) for x in (state[:3], state[3:]))
+    torch.library.opcheck(triton_deep._deep_fwd, (q, k, v, *coef, wc, sc, T, C))
+
+
 @pytest.mark.parametrize("depth", [1, 2])
 def test_kernel_any_depth_kernels_at_depth_one_and_two(monkeypatch, depth):
     """The any-depth kernels (memory state in a per-program scratch) also run depth 1 and 2 when asked (the

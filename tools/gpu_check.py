@@ -121,8 +121,9 @@ PLAN: list[Phase] = [
     Phase("recipe_170m_mac_compiled",
           _throughput("titans-170m-mac", "train.schedule.warmup=2", "model.compile=true", steps=20), 180,
           capped=True,
-          about="titans-170m-mac with model.compile: true (regional compile, the inner loop eager), beside "
-                "recipe_170m_mac: whether model.compile: auto should compile Titans blocks. The first H200 run "
+          about="titans-170m-mac with model.compile: true (regional compile: each block one graph, the kernels "
+                "custom operators in it, MAC's 8 segments unrolled), beside recipe_170m_mac: whether "
+                "model.compile: auto should compile Titans blocks. The first H200 run "
                 "failed in step 1 with 'CUDA error: misaligned address': the blocks share one compiled graph and "
                 "its 12-head memory's 36-element gate bias put every other block's parameters 8 bytes off in "
                 "DeepSpeed's flat buffer; the optimizer groups are cut for alignment since"),

@@ -28,15 +28,16 @@ those of its end in place.
 
 from __future__ import annotations
 
-import math
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from memtrain.kernels.titans import triton_kernels as tk
-from memtrain.kernels.titans.triton_kernels import (_DOT, _RUNTIME_INTS, _advance, _block, _coefs, _end_grads, _mm,
-                                                    _qkv, _read, _read_grads, _rows, _store_chunk_grads, _store_rows)
+from memtrain.kernels.titans.triton_kernels import (_DOT, _RUNTIME_INTS, _advance, _block, _checkpoints, _coefs,
+                                                    _end_grads, _mm, _qkv, _read, _read_grads, _rows,
+                                                    _store_chunk_grads, _store_rows)
 
 # The activation scratch: one [BC, BW] tile per (buffer, layer). Per chunk: the keys' layer inputs a_l,
 # pre-activations z_l, e_l and deltas delta_l; the read's inputs h_l and pre-activations; the gradients of
@@ -309,68 +310,108 @@ def _launch_shape(D: int, hidden: int, C: int) -> dict:
 
 def _pack(ts, BW: int) -> torch.Tensor:
     """Per-layer ``[N, out, in]`` tensors as one zero-padded float32 ``[N, L, BW, BW]`` tensor."""
-    out = torch.zeros(ts[0].shape[0], len(ts), BW, BW, device=ts[0].device, dtype=torch.float32)
-    for l, t in enumerate(ts):
-        out[:, l, :t.shape[1], :t.shape[2]] = t
-    return out
+    return torch.stack([F.pad(t.float(), (0, BW - t.shape[2], 0, BW - t.shape[1])) for t in ts], dim=1)
 
 
 def _unpack(x: torch.Tensor, shapes) -> list[torch.Tensor]:
-    return [x[:, l, :o, :i].clone() for l, (o, i) in enumerate(shapes)]
+    return [x[:, l, :o, :i] for l, (o, i) in enumerate(shapes)]
 
 
-class _DeepScan(torch.autograd.Function):
-    """As :class:`.triton_kernels._ChunkScan` for any depth: inputs q, k, v ``[N, Tp, D]`` (padded), the chunk
-    coefficients, ``T``, ``C`` and the state (weights then momentum, one per layer); outputs ``y`` (float32),
-    the end weights, the end momentum and the last chunk's start weights."""
+# The any-depth scan as custom operators, like :mod:`.triton_kernels`' depth-1/2 scan (see there), on the packed
+# state: inputs q, k, v ``[N, Tp, D]`` (padded), the chunk coefficients, the weights and momentum
+# ``[N, L, BW, BW]``, ``T`` and ``C``; outputs ``y`` (float32), the end weights and momentum, the last chunk's
+# start weights (packed) and the states the backward restarts from (not differentiable).
 
-    @staticmethod
-    def forward(ctx, q, k, v, dec, car, mix, e_end, m_end, T: int, C: int, *state):
-        depth = len(state) // 2
-        N, Tp, D = q.shape
-        NC = Tp // C
-        shapes = [tuple(t.shape[1:]) for t in state[:depth]]
-        opts = _launch_shape(D, max(max(s) for s in shapes), C)
-        BW, BC = opts["BW"], opts["BC"]
-        R = max(1, math.ceil(math.sqrt(NC)))
-        nsave = -(-NC // R)
-        wc, sc = _pack(state[:depth], BW), _pack(state[depth:], BW)
-        y = tk._empty(N, Tp, D, device=q.device)
-        wg = tk._empty(N, depth, BW, BW, device=q.device)
-        sw, ss = (tk._empty(N, nsave, depth, BW, BW, device=q.device) for _ in range(2))
-        scratch = tk._empty(N, NBUF.value, depth, BC, BW, device=q.device)
-        _fwd_deep_kernel[(N,)](q, k, v, dec, car, mix, e_end, m_end, wc, sc, y, wg, sw, ss, scratch,
-                               NC, Tp, T - (NC - 1) * C, R, nsave, C, D, DEPTH=depth, DOT=_DOT[q.dtype], **opts)
-        ctx.save_for_backward(q, k, v, dec, car, mix, e_end, m_end, sw, ss)
-        ctx.meta = (T, C, depth, R, nsave, shapes)
-        return y, *_unpack(wc, shapes), *_unpack(sc, shapes), *_unpack(wg, shapes)
+def _deep_shapes(q, wc, C):
+    N, Tp, D = q.shape
+    nsave = _checkpoints(Tp // C)[1]
+    return [(N, Tp, D), wc.shape, wc.shape, wc.shape, (N, nsave, *wc.shape[1:]), (N, nsave, *wc.shape[1:])]
 
-    @staticmethod
-    def backward(ctx, dy, *grads):
-        q, k, v, dec, car, mix, e_end, m_end, sw, ss = ctx.saved_tensors
-        T, C, depth, R, nsave, shapes = ctx.meta
-        N, Tp, D = q.shape
-        NC = Tp // C
-        opts = _launch_shape(D, max(max(s) for s in shapes), C)
-        BW, BC = opts["BW"], opts["BC"]
-        gw = _pack([g.float() for g in grads[:depth]], BW)  # in/out: end-state gradients -> initial state's
-        gs = _pack([g.float() for g in grads[depth:2 * depth]], BW)
-        gwg = _pack([g.float() for g in grads[2 * depth:]], BW)
-        rw, rs = (tk._empty(N, R, depth, BW, BW, device=q.device) for _ in range(2))
-        scratch = tk._empty(N, NBUF.value, depth, BC, BW, device=q.device)
-        dq, dk, dv = (tk._empty(N, Tp, D, device=q.device) for _ in range(3))
-        ddec, dcar, dmix, dee, dme = (tk._empty(*t.shape, device=q.device) for t in (dec, car, mix, e_end, m_end))
-        _bwd_deep_kernel[(N,)](q, k, v, dy.contiguous().float(), dec, car, mix, e_end, m_end, sw, ss, rw, rs,
-                               gw, gs, gwg, scratch, dq, dk, dv, ddec, dcar, dmix, dee, dme,
-                               NC, Tp, T - (NC - 1) * C, R, nsave, C, D, DEPTH=depth, DOT=_DOT[q.dtype], **opts)
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), ddec, dcar, dmix, dee, dme, None, None,
-                *_unpack(gw, shapes), *_unpack(gs, shapes))
+
+@torch.library.custom_op("memtrain::titans_deep_fwd", mutates_args=())
+def _deep_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dec: torch.Tensor, car: torch.Tensor,
+              mix: torch.Tensor, e_end: torch.Tensor, m_end: torch.Tensor, wc: torch.Tensor, sc: torch.Tensor,
+              T: int, C: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                       torch.Tensor]:
+    N, Tp, D = q.shape
+    NC = Tp // C
+    R, nsave = _checkpoints(NC)
+    depth, BW = wc.shape[1], wc.shape[-1]
+    opts = _launch_shape(D, BW, C)  # BW: the packed state's tile, at least D's
+    q, k, v, dec, car, mix, e_end, m_end = tk._dense(q, k, v, dec, car, mix, e_end, m_end)
+    y, _, _, wg, sw, ss = (tk._empty(*shape, device=q.device) for shape in _deep_shapes(q, wc, C))
+    wc, sc = (x.clone(memory_format=torch.contiguous_format) for x in (wc, sc))  # carried in them: the end state
+    scratch = tk._empty(N, NBUF.value, depth, opts["BC"], BW, device=q.device)
+    _fwd_deep_kernel[(N,)](q, k, v, dec, car, mix, e_end, m_end, wc, sc, y, wg, sw, ss, scratch,
+                           NC, Tp, T - (NC - 1) * C, R, nsave, C, D, DEPTH=depth, DOT=_DOT[q.dtype], **opts)
+    return y, wc, sc, wg, sw, ss
+
+
+@_deep_fwd.register_fake
+def _(q, k, v, dec, car, mix, e_end, m_end, wc, sc, T, C):
+    return tuple(q.new_empty(shape, dtype=torch.float32) for shape in _deep_shapes(q, wc, C))
+
+
+@torch.library.custom_op("memtrain::titans_deep_bwd", mutates_args=())
+def _deep_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dy: torch.Tensor, dec: torch.Tensor,
+              car: torch.Tensor, mix: torch.Tensor, e_end: torch.Tensor, m_end: torch.Tensor, sw: torch.Tensor,
+              ss: torch.Tensor, gw: torch.Tensor, gs: torch.Tensor, gwg: torch.Tensor, T: int, C: int) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+        torch.Tensor, torch.Tensor, torch.Tensor]:
+    N, Tp, D = q.shape
+    NC = Tp // C
+    R, nsave = _checkpoints(NC)
+    depth, BW = sw.shape[2], sw.shape[-1]
+    opts = _launch_shape(D, BW, C)  # BW: the packed state's tile, at least D's
+    q, k, v, dec, car, mix, e_end, m_end, sw, ss = tk._dense(q, k, v, dec, car, mix, e_end, m_end, sw, ss)
+    gw, gs = (x.float().clone(memory_format=torch.contiguous_format) for x in (gw, gs))  # end-state grads -> initial
+    rw, rs = (tk._empty(N, R, depth, BW, BW, device=q.device) for _ in range(2))
+    scratch = tk._empty(N, NBUF.value, depth, opts["BC"], BW, device=q.device)
+    dq, dk, dv = (tk._empty(N, Tp, D, device=q.device) for _ in range(3))
+    dcoef = [tk._empty(*t.shape, device=q.device) for t in (dec, car, mix, e_end, m_end)]
+    _bwd_deep_kernel[(N,)](q, k, v, dy.contiguous().float(), dec, car, mix, e_end, m_end, sw, ss, rw, rs,
+                           gw, gs, gwg.float().contiguous(), scratch, dq, dk, dv, *dcoef,
+                           NC, Tp, T - (NC - 1) * C, R, nsave, C, D, DEPTH=depth, DOT=_DOT[q.dtype], **opts)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *dcoef, gw, gs
+
+
+@_deep_bwd.register_fake
+def _(q, k, v, dy, dec, car, mix, e_end, m_end, sw, ss, gw, gs, gwg, T, C):
+    return (*(x.new_empty(x.shape) for x in (q, k, v)),
+            *(q.new_empty(t.shape, dtype=torch.float32) for t in (dec, car, mix, e_end, m_end, gw, gs)))
+
+
+def _deep_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:8], *output[4:])
+    ctx.mark_non_differentiable(*output[4:])
+    ctx.set_materialize_grads(False)
+    ctx.meta = inputs[10:]
+
+
+def _deep_backward(ctx, dy, gw, gs, gwg, *_):
+    q, k, v, dec, car, mix, e_end, m_end, sw, ss = ctx.saved_tensors
+    T, C = ctx.meta
+    state = (sw.shape[0], *sw.shape[2:])
+    dy, gw, gs, gwg = tk._grads_or_zeros((dy, gw, gs, gwg), [q.shape, state, state, state], q.device)
+    dq, dk, dv, *dcoef, dw, ds = _deep_bwd(q, k, v, dy, dec, car, mix, e_end, m_end, sw, ss, gw, gs, gwg, T, C)
+    return dq, dk, dv, *dcoef, dw, ds, None, None
+
+
+_deep_fwd.register_autograd(_deep_backward, setup_context=_deep_setup)
+
+
+def _scan(q, k, v, coef, T: int, C: int, w, s):
+    """The any-depth scan on padded inputs (:func:`.triton_kernels.chunk_scan`): ``(y, w_end, s_end, wg)``."""
+    shapes = [tuple(t.shape[1:]) for t in w]
+    BW = max(_block(q.shape[-1]), *(_block(n) for shape in shapes for n in shape))
+    y, wc, sc, wg, _, _ = _deep_fwd(q, k, v, *coef, _pack(w, BW), _pack(s, BW), T, C)
+    return y, _unpack(wc, shapes), _unpack(sc, shapes), _unpack(wg, shapes)
 
 
 def chunk_scan(q, k, v, lr, log_eta, log_keep, w, s, chunk_size: int):
     """The inner loop for a memory of any depth, as :func:`.triton_kernels.chunk_scan` (same arguments and
     results; ``w``, ``s`` lists of ``[N, d_out, d_in]``)."""
-    return tk.chunk_scan(q, k, v, lr, log_eta, log_keep, w, s, chunk_size, scan_fn=_DeepScan)
+    return tk.chunk_scan(q, k, v, lr, log_eta, log_keep, w, s, chunk_size, scan_fn=_scan)
 
 
 __all__ = ["chunk_scan"]

@@ -476,39 +476,6 @@ def _coef_bwd_kernel(LR, LE, LK, DDEC, DCAR, DMIX, DEEND, DMEND, DLR, DLE, DLK, 
     tl.store(DLK + chunk * C + offs, dlk, mask=m)
 
 
-class _Coefficients(torch.autograd.Function):
-    """:func:`.reference.chunk_coefficients` of ``[N, NC, C]`` float32 gates (theta, log eta, log(1 - alpha)) in
-    one launch each way, where the PyTorch form issues 23 ops forward and about 40 backward per call. Outputs
-    as the reference's: decay, carry ``[N, NC, C]``, mix ``[N, NC, C, C]``, momentum decay ``[N, NC]`` and mix
-    ``[N, NC, C]`` at the chunk's end."""
-
-    @staticmethod
-    def forward(ctx, lr, log_eta, log_keep):
-        N, NC, C = lr.shape
-        lr, log_eta, log_keep = (x.contiguous() for x in (lr, log_eta, log_keep))
-        dec, car, mend = (_empty(N, NC, C, device=lr.device) for _ in range(3))
-        mix, e_end = _empty(N, NC, C, C, device=lr.device), _empty(N, NC, device=lr.device)
-        _coef_fwd_kernel[(N * NC,)](lr, log_eta, log_keep, dec, car, mix, e_end, mend, C, BC=_block(C))
-        ctx.save_for_backward(lr, log_eta, log_keep)
-        return dec, car, mix, e_end, mend
-
-    @staticmethod
-    def backward(ctx, ddec, dcar, dmix, dee, dme):
-        lr, log_eta, log_keep = ctx.saved_tensors
-        N, NC, C = lr.shape
-        grads = [torch.zeros(shape, device=lr.device) if g is None else g.float().contiguous()
-                 for g, shape in ((ddec, lr.shape), (dcar, lr.shape), (dmix, (N, NC, C, C)), (dee, (N, NC)),
-                                  (dme, lr.shape))]
-        dlr, dle, dlk = (_empty(N, NC, C, device=lr.device) for _ in range(3))
-        _coef_bwd_kernel[(N * NC,)](lr, log_eta, log_keep, *grads, dlr, dle, dlk, C, BC=_block(C))
-        return dlr, dle, dlk
-
-
-def triton_chunk_coefficients(lr: torch.Tensor, log_eta: torch.Tensor, log_keep: torch.Tensor):
-    """:func:`.reference.chunk_coefficients` (and its gradients) by the Triton kernels above."""
-    return _Coefficients.apply(lr, log_eta, log_keep)
-
-
 def _empty(*shape, device, dtype=torch.float32) -> torch.Tensor:
     """Every buffer the kernels write (the tests replace this with a NaN fill: unwritten elements show)."""
     return torch.empty(*shape, device=device, dtype=dtype)
@@ -521,6 +488,13 @@ def _block(x: int) -> int:
     return max(16, triton.next_power_of_2(x))
 
 
+def _checkpoints(NC: int) -> tuple[int, int]:
+    """``(R, nsave)``: the forward saves the state at the start of every ``R``-th of ``NC`` chunks, ``nsave`` of
+    them."""
+    R = max(1, math.ceil(math.sqrt(NC)))
+    return R, -(-NC // R)
+
+
 def _launch_shape(D: int, H1: int, C: int) -> dict:
     """Block sizes and launch options. ``num_stages=1``: the loads inside the chunk loops are not software-
     pipelined; with the default (3) the pipeliner double-buffers the state tiles the backward reloads per chunk
@@ -531,60 +505,199 @@ def _launch_shape(D: int, H1: int, C: int) -> dict:
     return dict(BC=BC, BD=BD, BH=BH, num_warps=8 if BH * BD >= 128 * 64 else 4, num_stages=1)
 
 
-class _ChunkScan(torch.autograd.Function):
-    """Inputs: q, k, v ``[N, Tp, D]`` (``Tp`` a multiple of ``C``, padded), the coefficients of
-    :func:`triton_chunk_coefficients` on ``[N, Tp / C, C]`` gates, ``T`` (real tokens), ``C`` and the state
-    (weights then momentum, one per layer). Outputs: ``y`` ``[N, Tp, D]`` (float32), the end weights,
-    the end momentum, and the last chunk's start weights."""
+# The autograd of the kernels is four custom operators (torch.library): the coefficients' forward and backward,
+# the scan's forward and backward. Dynamo and AOTAutograd trace a custom operator as one opaque node (its
+# ``register_fake`` gives the shapes), so compiled Titans blocks keep the scan inside their graph instead of
+# breaking it per call (TitansLM.compile_blocks); eagerly each costs one dispatcher call more than an
+# autograd.Function would (tens of microseconds per layer call).
 
-    @staticmethod
-    def forward(ctx, q, k, v, dec, car, mix, e_end, m_end, T: int, C: int, *state):
-        depth = len(state) // 2
-        N, Tp, D = q.shape
-        NC = Tp // C
-        w1, s1 = state[0], state[depth]
-        w2, s2 = (state[1], state[depth + 1]) if depth == 2 else (w1, s1)
-        H1 = w1.shape[1]
-        R = max(1, math.ceil(math.sqrt(NC)))
-        nsave = -(-NC // R)
-        y = _empty(N, Tp, D, device=q.device)
-        outs = [_empty(*t.shape, device=q.device) for t in (w1, s1, w2, s2, w1, w2)]
-        saved = [_empty(N, nsave, *t.shape[1:], device=q.device) for t in (w1, s1, w2, s2)]
-        shape = _launch_shape(D, H1, C)
-        _fwd_kernel[(N,)](q, k, v, dec, car, mix, e_end, m_end, w1, s1, w2, s2, y, *outs, *saved,
-                          NC, Tp, T - (NC - 1) * C, R, nsave, C, D, H1, DEPTH=depth, DOT=_DOT[q.dtype], **shape)
-        ctx.save_for_backward(q, k, v, dec, car, mix, e_end, m_end, *saved)
-        ctx.meta = (T, C, depth, R, nsave, H1)
-        w1o, s1o, w2o, s2o, wg1, wg2 = outs
-        if depth == 2:
-            return y, w1o, w2o, s1o, s2o, wg1, wg2
-        return y, w1o, s1o, wg1
 
-    @staticmethod
-    def backward(ctx, dy, *grads):
-        q, k, v, dec, car, mix, e_end, m_end, sw1, ss1, sw2, ss2 = ctx.saved_tensors
-        T, C, depth, R, nsave, H1 = ctx.meta
-        N, Tp, D = q.shape
-        NC = Tp // C
-        if depth == 2:
-            gw1, gw2, gs1, gs2, gwg1, gwg2 = grads
-        else:
-            gw1, gs1, gwg1 = grads
-            gw2, gs2, gwg2 = gw1, gs1, gwg1
-        gw1, gw2, gs1, gs2, gwg1, gwg2 = (g.contiguous().float() for g in (gw1, gw2, gs1, gs2, gwg1, gwg2))
-        scratch = [_empty(N, R, *t.shape[2:], device=q.device) for t in (sw1, ss1, sw2, ss2)]
-        dq, dk, dv = (_empty(N, Tp, D, device=q.device) for _ in range(3))
-        ddec, dcar, dmix, dee, dme = (_empty(*t.shape, device=q.device) for t in (dec, car, mix, e_end, m_end))
-        dstate = [_empty(*t.shape, device=q.device) for t in (gw1, gs1, gw2, gs2)]
-        _bwd_kernel[(N,)](q, k, v, dy.contiguous().float(), dec, car, mix, e_end, m_end, sw1, ss1, sw2, ss2,
-                          *scratch, gw1, gs1, gw2, gs2, gwg1, gwg2,
-                          dq, dk, dv, ddec, dcar, dmix, dee, dme, *dstate,
-                          NC, Tp, T - (NC - 1) * C, R, nsave, C, D, H1,
-                          DEPTH=depth, DOT=_DOT[q.dtype], **_launch_shape(D, H1, C))
-        dw1, ds1, dw2, ds2 = dstate
-        state_grads = (dw1, dw2, ds1, ds2) if depth == 2 else (dw1, ds1)
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), ddec, dcar, dmix, dee, dme, None, None,
-                *state_grads)
+def _coef_shapes(lr: torch.Tensor):
+    N, NC, C = lr.shape
+    return (N, NC, C), (N, NC, C), (N, NC, C, C), (N, NC), (N, NC, C)
+
+
+@torch.library.custom_op("memtrain::titans_coef_fwd", mutates_args=())
+def _coef_fwd(lr: torch.Tensor, log_eta: torch.Tensor, log_keep: torch.Tensor) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    N, NC, C = lr.shape
+    dec, car, mix, e_end, mend = (_empty(*shape, device=lr.device) for shape in _coef_shapes(lr))
+    _coef_fwd_kernel[(N * NC,)](*_dense(lr, log_eta, log_keep), dec, car, mix, e_end, mend, C, BC=_block(C))
+    return dec, car, mix, e_end, mend
+
+
+@_coef_fwd.register_fake
+def _(lr, log_eta, log_keep):
+    return tuple(lr.new_empty(shape, dtype=torch.float32) for shape in _coef_shapes(lr))
+
+
+@torch.library.custom_op("memtrain::titans_coef_bwd", mutates_args=())
+def _coef_bwd(lr: torch.Tensor, log_eta: torch.Tensor, log_keep: torch.Tensor, ddec: torch.Tensor,
+              dcar: torch.Tensor, dmix: torch.Tensor, dee: torch.Tensor, dme: torch.Tensor) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor]:
+    N, NC, C = lr.shape
+    dlr, dle, dlk = (_empty(N, NC, C, device=lr.device) for _ in range(3))
+    grads = (g.float().contiguous() for g in (ddec, dcar, dmix, dee, dme))
+    _coef_bwd_kernel[(N * NC,)](*_dense(lr, log_eta, log_keep), *grads, dlr, dle, dlk, C, BC=_block(C))
+    return dlr, dle, dlk
+
+
+@_coef_bwd.register_fake
+def _(lr, log_eta, log_keep, ddec, dcar, dmix, dee, dme):
+    return tuple(lr.new_empty(lr.shape, dtype=torch.float32) for _ in range(3))
+
+
+def _dense(*xs: torch.Tensor) -> list[torch.Tensor]:
+    """The kernels index their tensor arguments as dense row-major arrays: a compiled graph may hand a custom
+    operator other strides (a no-op when they already are)."""
+    return [x.contiguous() for x in xs]
+
+
+def _grads_or_zeros(grads, shapes, device) -> list[torch.Tensor]:
+    """The gradients of a custom operator's outputs (``None`` for an output the loss does not reach, as
+    ``set_materialize_grads(False)`` leaves them), zeros of ``shapes`` where missing: the kernels read every
+    one."""
+    return [torch.zeros(shape, device=device) if g is None else g for g, shape in zip(grads, shapes)]
+
+
+def _coef_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+    ctx.set_materialize_grads(False)
+
+
+def _coef_backward(ctx, *grads):
+    lr, log_eta, log_keep = ctx.saved_tensors
+    return _coef_bwd(lr, log_eta, log_keep, *_grads_or_zeros(grads, _coef_shapes(lr), lr.device))
+
+
+_coef_fwd.register_autograd(_coef_backward, setup_context=_coef_setup)
+
+
+def triton_chunk_coefficients(lr: torch.Tensor, log_eta: torch.Tensor, log_keep: torch.Tensor):
+    """:func:`.reference.chunk_coefficients` (and its gradients) of ``[N, NC, C]`` float32 gates (theta, log eta,
+    log(1 - alpha)) by the kernels above, one launch each way, where the PyTorch form issues 23 ops forward and
+    about 40 backward per call. Outputs as the reference's: decay, carry ``[N, NC, C]``, mix ``[N, NC, C, C]``,
+    momentum decay ``[N, NC]`` and mix ``[N, NC, C]`` at the chunk's end."""
+    return _coef_fwd(lr, log_eta, log_keep)
+
+
+# The depth-1/2 scan. Inputs: q, k, v ``[N, Tp, D]`` (``Tp`` a multiple of ``C``, padded), the coefficients of
+# :func:`triton_chunk_coefficients` on ``[N, Tp / C, C]`` gates, the state (layer 1's and layer 2's weights and
+# momentum; depth 1 passes layer 1's twice), ``T`` (real tokens), ``C`` and ``depth``. Outputs: ``y``
+# ``[N, Tp, D]`` (float32), each layer's end weights and momentum, the last chunk's start weights, and the
+# states the backward restarts from (every ``R``-th chunk's start, :func:`_checkpoints`; not differentiable).
+# At depth 1 layer 2's outputs are empty (``[N, 0, 0]``) and the kernels, which touch layer 2 only to read it
+# at depth 1, get layer 1's tensors in its place.
+
+def _scan_shapes(q, w1, w2, C: int, depth: int) -> list[tuple[int, ...]]:
+    """The forward's outputs' shapes: ``y``, ``w1, s1, w2, s2, wg1, wg2`` at the end, the saved ``w1, s1, w2,
+    s2``."""
+    N, Tp, D = q.shape
+    nsave = _checkpoints(Tp // C)[1]
+    l1, l2 = tuple(w1.shape[1:]), (tuple(w2.shape[1:]) if depth == 2 else (0, 0))
+    return [(N, Tp, D), *((N, *l) for l in (l1, l1, l2, l2, l1, l2)), *((N, nsave, *l) for l in (l1, l1, l2, l2))]
+
+
+@torch.library.custom_op("memtrain::titans_scan_fwd", mutates_args=())
+def _scan_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dec: torch.Tensor, car: torch.Tensor,
+              mix: torch.Tensor, e_end: torch.Tensor, m_end: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor,
+              w2: torch.Tensor, s2: torch.Tensor, T: int, C: int, depth: int) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    N, Tp, D = q.shape
+    NC = Tp // C
+    R, nsave = _checkpoints(NC)
+    q, k, v, dec, car, mix, e_end, m_end, w1, s1, w2, s2 = _dense(q, k, v, dec, car, mix, e_end, m_end, w1, s1, w2, s2)
+    outs = [_empty(*shape, device=q.device) for shape in _scan_shapes(q, w1, w2, C, depth)]
+    y, w1o, s1o, w2o, s2o, wg1, wg2, sw1, ss1, sw2, ss2 = outs
+    if depth == 1:
+        w2o, s2o, wg2, sw2, ss2 = w1o, s1o, wg1, sw1, ss1
+    _fwd_kernel[(N,)](q, k, v, dec, car, mix, e_end, m_end, w1, s1, w2, s2, y, w1o, s1o, w2o, s2o, wg1, wg2,
+                      sw1, ss1, sw2, ss2, NC, Tp, T - (NC - 1) * C, R, nsave, C, D, w1.shape[1],
+                      DEPTH=depth, DOT=_DOT[q.dtype], **_launch_shape(D, w1.shape[1], C))
+    return tuple(outs)
+
+
+@_scan_fwd.register_fake
+def _(q, k, v, dec, car, mix, e_end, m_end, w1, s1, w2, s2, T, C, depth):
+    return tuple(q.new_empty(shape, dtype=torch.float32) for shape in _scan_shapes(q, w1, w2, C, depth))
+
+
+@torch.library.custom_op("memtrain::titans_scan_bwd", mutates_args=())
+def _scan_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dy: torch.Tensor, dec: torch.Tensor,
+              car: torch.Tensor, mix: torch.Tensor, e_end: torch.Tensor, m_end: torch.Tensor, sw1: torch.Tensor,
+              ss1: torch.Tensor, sw2: torch.Tensor, ss2: torch.Tensor, gw1: torch.Tensor, gs1: torch.Tensor,
+              gw2: torch.Tensor, gs2: torch.Tensor, gwg1: torch.Tensor, gwg2: torch.Tensor, T: int, C: int,
+              depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                   torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                   torch.Tensor, torch.Tensor]:
+    """The gradients of q, k, v, the coefficients and the initial state (layer 2's empty at depth 1) from those
+    of ``y``, the end state and the last chunk's start weights (layer 1's in layer 2's slots at depth 1)."""
+    N, Tp, D = q.shape
+    NC = Tp // C
+    R, nsave = _checkpoints(NC)
+    H1 = sw1.shape[-2]
+    q, k, v, dec, car, mix, e_end, m_end, sw1, ss1, sw2, ss2 = _dense(q, k, v, dec, car, mix, e_end, m_end, sw1, ss1,
+                                                                     sw2, ss2)
+    if depth == 1:
+        sw2, ss2 = sw1, ss1
+    scratch = [_empty(N, R, *t.shape[2:], device=q.device) for t in (sw1, ss1, sw2, ss2)]
+    dq, dk, dv = (_empty(N, Tp, D, device=q.device) for _ in range(3))
+    dcoef = [_empty(*t.shape, device=q.device) for t in (dec, car, mix, e_end, m_end)]
+    dstate = [_empty(*t.shape, device=q.device) for t in (gw1, gs1, gw2, gs2)]
+    kernel_dstate = dstate if depth == 2 else dstate[:2] * 2
+    if depth == 1:
+        dstate[2:] = [q.new_empty(N, 0, 0, dtype=torch.float32) for _ in range(2)]
+    _bwd_kernel[(N,)](q, k, v, dy.contiguous().float(), dec, car, mix, e_end, m_end, sw1, ss1, sw2, ss2, *scratch,
+                      *(g.contiguous().float() for g in (gw1, gs1, gw2, gs2, gwg1, gwg2)),
+                      dq, dk, dv, *dcoef, *kernel_dstate, NC, Tp, T - (NC - 1) * C, R, nsave, C, D, H1,
+                      DEPTH=depth, DOT=_DOT[q.dtype], **_launch_shape(D, H1, C))
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *dcoef, *dstate
+
+
+@_scan_bwd.register_fake
+def _(q, k, v, dy, dec, car, mix, e_end, m_end, sw1, ss1, sw2, ss2, gw1, gs1, gw2, gs2, gwg1, gwg2, T, C, depth):
+    l2 = (gw2, gs2) if depth == 2 else [q.new_empty(q.shape[0], 0, 0)] * 2
+    return (*(x.new_empty(x.shape) for x in (q, k, v)),
+            *(q.new_empty(t.shape, dtype=torch.float32) for t in (dec, car, mix, e_end, m_end, gw1, gs1, *l2)))
+
+
+def _scan_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:8], *output[7:])
+    ctx.mark_non_differentiable(*output[7:])
+    ctx.set_materialize_grads(False)
+    ctx.meta = inputs[12:]
+
+
+def _scan_backward(ctx, dy, gw1, gs1, gw2, gs2, gwg1, gwg2, *_):
+    q, k, v, dec, car, mix, e_end, m_end, sw1, ss1, sw2, ss2 = ctx.saved_tensors
+    T, C, depth = ctx.meta
+    N = q.shape[0]
+    l1 = (N, *sw1.shape[2:])
+    l2 = (N, *sw2.shape[2:]) if depth == 2 else l1
+    if depth == 1:  # layer 2's slots repeat layer 1's
+        gw2, gs2, gwg2 = gw1, gs1, gwg1
+    dy, gw1, gs1, gw2, gs2, gwg1, gwg2 = _grads_or_zeros((dy, gw1, gs1, gw2, gs2, gwg1, gwg2),
+                                                         (q.shape, l1, l1, l2, l2, l1, l2), q.device)
+    dq, dk, dv, *dcoef, dw1, ds1, dw2, ds2 = _scan_bwd(q, k, v, dy, dec, car, mix, e_end, m_end, sw1, ss1, sw2, ss2,
+                                                       gw1, gs1, gw2, gs2, gwg1, gwg2, T, C, depth)
+    if depth == 1:  # w2, s2 were w1, s1 again
+        dw2 = ds2 = None
+    return dq, dk, dv, *dcoef, dw1, ds1, dw2, ds2, None, None, None
+
+
+_scan_fwd.register_autograd(_scan_backward, setup_context=_scan_setup)
+
+
+def _scan(q, k, v, coef, T: int, C: int, w, s):
+    """The depth-1/2 scan on padded inputs (:func:`chunk_scan`): ``(y, w_end, s_end, wg)``."""
+    depth = len(w)
+    w1, w2 = w[0], w[-1]
+    s1, s2 = s[0], s[-1]
+    y, w1o, s1o, w2o, s2o, wg1, wg2, *_ = _scan_fwd(q, k, v, *coef, w1, s1, w2, s2, T, C, depth)
+    if depth == 2:
+        return y, [w1o, w2o], [s1o, s2o], [wg1, wg2]
+    return y, [w1o], [s1o], [wg1]
 
 
 def _pad(x: torch.Tensor, pad: tuple[int, ...]) -> torch.Tensor:
@@ -597,21 +710,19 @@ def chunk_scan(q, k, v, lr, log_eta, log_keep, w, s, chunk_size: int, scan_fn=No
     """The inner loop over ``q``, ``k``, ``v`` ``[N, T, D]`` starting at a chunk boundary, with gates ``[N, T]``
     and the state ``w``, ``s`` (lists of ``[N, d_out, d_in]``, depth 1 or 2); returns ``(y, w, s, wg)`` like
     :func:`.reference.scan` (``y`` and the state in float32; ``wg``: the weights at the last chunk's start).
-    ``scan_fn``: the autograd Function run on the padded inputs and chunk coefficients (:class:`_ChunkScan`;
+    ``scan_fn(q, k, v, coef, T, C, w, s)``: the scan on the padded inputs and chunk coefficients (:func:`_scan`;
     :mod:`.triton_deep` passes its own)."""
     N, T, D = q.shape
     C = chunk_size
     NC = -(-T // C)
     pad = NC * C - T
     gates = [_pad(g.float(), (0, pad)).reshape(N, NC, C) for g in (lr, log_eta, log_keep)]
-    coef = triton_chunk_coefficients(*gates)
+    coef = [c.contiguous() for c in triton_chunk_coefficients(*gates)]
     dt = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.float32
     q, k, v = (_pad(x.to(dt), (0, 0, 0, pad)).contiguous() for x in (q, k, v))
-    state = [x.float().contiguous() for x in (*w, *s)]
-    out = (scan_fn or _ChunkScan).apply(q, k, v, *(c.contiguous() for c in coef), T, C, *state)
-    depth = len(w)
-    y, w_end, s_end, wg = out[0][:, :T], list(out[1:1 + depth]), list(out[1 + depth:1 + 2 * depth]), list(out[1 + 2 * depth:])
-    return y, w_end, s_end, wg
+    w, s = [x.float().contiguous() for x in w], [x.float().contiguous() for x in s]
+    y, w_end, s_end, wg = (scan_fn or _scan)(q, k, v, coef, T, C, w, s)
+    return y[:, :T], w_end, s_end, wg
 
 
 __all__ = ["chunk_scan", "triton_chunk_coefficients"]

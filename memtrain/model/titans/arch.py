@@ -102,7 +102,7 @@ from memtrain.model.anchor import (
 )
 from memtrain.model.attention import AttentionMask
 from memtrain.model.titans.attention import PrefixAttention, segment_mask, sliding_window_mask
-from memtrain.model.titans.memory import NeuralMemory, run_scan
+from memtrain.model.titans.memory import NeuralMemory, compiled_scan
 from memtrain.model.titans.state import MemoryState
 
 VARIANTS = ("lmm", "mac", "mag", "mal")
@@ -312,14 +312,15 @@ class TitansLM(TrainingOptions, nn.Module):
 
     def compile_blocks(self, **compile_kwargs: Any) -> int:
         """Regional compilation (``model.compile: true``): ``torch.compile`` each block in place, as the
-        decoder does, except the memory's inner loop: every memory's ``scan`` becomes :func:`run_scan` under
-        ``torch.compiler.disable``, so Dynamo breaks the graph there and the Triton kernels (or the PyTorch
-        form's loop over chunks) run as they do eagerly; the projections, gates, convolution, norms,
-        attention, gating and FFN around them are compiled. The blocks share one class, so Dynamo compiles
-        each variant's code once for all blocks (tests/test_compile.py). Returns how many were compiled."""
-        eager_scan = torch.compiler.disable(run_scan)  # imports torch._dynamo: only when compiling
+        decoder does. Where the Triton kernels run the memory's inner loop (bf16 on CUDA), they are custom
+        operators and each block is one graph, MAC's loop over segments unrolled into it; where the PyTorch
+        form runs, every memory's ``scan`` calls it under ``torch.compiler.disable`` (:func:`compiled_scan`), so
+        Dynamo breaks the graph there and the projections, gates, convolution, norms, attention, gating and FFN
+        around it are compiled. The blocks share one class, so Dynamo compiles each variant's code once for all
+        blocks (tests/test_compile.py). Returns how many were compiled."""
+        scan = compiled_scan()
         for block in self.blocks:
-            block.memory.scan = eager_scan
+            block.memory.scan = scan
             block.compiled = True
             block.compile(**compile_kwargs)
         return len(self.blocks)

@@ -74,7 +74,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -87,6 +87,12 @@ from memtrain.model.titans.state import MemoryState
 GATE_MODES = ("token", "chunk")
 
 
+def scan_uses_kernels(q: torch.Tensor, state: MemoryState, algorithm: str, kernel: str, io_dtype: torch.dtype) -> bool:
+    """Whether :func:`run_scan` with these arguments runs the Triton kernels (``q`` ``[B, H, T, head_dim]``)."""
+    dtype = io_dtype if io_dtype in (torch.bfloat16, torch.float16) else q.dtype
+    return use_triton(kernel, q, len(state.weights), algorithm, q.shape[-1], state.weights[0].shape[-2], dtype=dtype)
+
+
 def run_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lr: torch.Tensor, log_eta: torch.Tensor,
              log_keep: torch.Tensor, state: MemoryState, chunk_size: int, algorithm: str, kernel: str,
              io_dtype: torch.dtype) -> tuple[torch.Tensor, MemoryState]:
@@ -95,14 +101,28 @@ def run_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lr: torch.Tensor
     When the Triton kernels run and ``io_dtype`` (the activations' dtype) is bf16 / fp16, they take ``q``,
     ``k``, ``v`` in it (bf16 dot products, fp32 accumulation, gates and state; :meth:`NeuralMemory.write` hands
     them over in it already, cast in the same copy that lays them out); the PyTorch form runs in the inner
-    dtype. Plain eager code with a Python loop over chunks (PyTorch form) or Triton launches (kernels):
-    compiled Titans blocks call it through ``torch.compiler.disable`` (one graph break per call) rather than
-    trace it (:meth:`memtrain.model.titans.arch.TitansLM.compile_blocks`)."""
+    dtype. Compiled Titans blocks trace it when the kernels run (they are custom operators: one node each in
+    the block's graph) and call the PyTorch form, a Python loop over chunks, through
+    ``torch.compiler.disable`` (:meth:`memtrain.model.titans.arch.TitansLM.compile_blocks`)."""
     if io_dtype in (torch.bfloat16, torch.float16) and io_dtype != q.dtype and use_triton(
             kernel, q, len(state.weights), algorithm, q.shape[-1], state.weights[0].shape[-2], dtype=io_dtype):
         q, k, v = q.to(io_dtype), k.to(io_dtype), v.to(io_dtype)
     with torch.autocast(device_type=q.device.type, enabled=False):
         return memory_scan(q, k, v, lr, log_eta, log_keep, state, chunk_size, algorithm, kernel=kernel)
+
+
+def compiled_scan() -> Callable[..., tuple[torch.Tensor, MemoryState]]:
+    """:func:`run_scan` for compiled blocks: traced into the block's graph where the Triton kernels run, under
+    ``torch.compiler.disable`` (one graph break per call) where the PyTorch form does, whose loop over chunks
+    Dynamo would otherwise unroll (hundreds of chunks per layer). Imports ``torch._dynamo``: only when
+    compiling."""
+    eager_scan = torch.compiler.disable(run_scan)
+
+    def scan(q, k, v, lr, log_eta, log_keep, state, chunk_size, algorithm, kernel, io_dtype):
+        run = run_scan if scan_uses_kernels(q, state, algorithm, kernel, io_dtype) else eager_scan
+        return run(q, k, v, lr, log_eta, log_keep, state, chunk_size, algorithm, kernel, io_dtype)
+
+    return scan
 
 
 class NeuralMemory(nn.Module):
@@ -202,8 +222,8 @@ class NeuralMemory(nn.Module):
     # ---------------------------------------------------------------------------------------------
     # Pieces
 
-    # The inner loop of a call; TitansLM.compile_blocks sets an instance's to run_scan wrapped in
-    # torch.compiler.disable, so compiled blocks leave it to run as it does eagerly.
+    # The inner loop of a call; TitansLM.compile_blocks sets an instance's to compiled_scan(), which
+    # traces it where the Triton kernels run and leaves the PyTorch form to run eagerly.
     scan = staticmethod(run_scan)
 
     @property
