@@ -6,11 +6,11 @@ train each paper-scale Titans recipe 50+ steps -- so it is one script, in priori
 writes its results as it goes and stops starting phases when its time budget runs out. The results
 of the phases that finished come back even when the command is killed.
 
-What. ``PLAN`` lists the phases, most important first (issue 11: the layer benchmark's target
-configuration, the four paper-scale Titans recipes for 52 optimizer steps each at the recipes' learning
-rate after a 2-step warm-up -- the setting under which titans-400m-mag once diverged -- each with one
-profiled step, titans-170m-mac again with its blocks compiled, the compiled Titans kernels at the recipes'
-shapes), then the kernels' launch sweep, the rest of the layer benchmark, the whole kernel test
+What. ``PLAN`` lists the phases, most important first (issue 11: the two paper-scale Titans recipes still
+owed 52 optimizer steps at the recipes' learning rate after a 2-step warm-up -- the setting under which
+titans-400m-mag once diverged -- each with one profiled step, titans-170m-mac eager and with its blocks
+compiled, the layer benchmark's target configuration, titans-760m-mal, larger micro-batches, the compiled
+Titans kernels at the recipes' shapes), then the kernels' launch sweep, the rest of the layer benchmark, the whole kernel test
 file compiled, the GPU tier, the routed-attention kernels and the anchor's throughput). Each phase is
 a subprocess in its own process group with its own timeout, clipped to what is left of ``--budget``;
 a phase that times out is killed (SIGTERM, then SIGKILL) and the next starts. The training phases get
@@ -88,12 +88,13 @@ def _throughput(recipe: str, *overrides: str, steps: int = 50, warmup: int = 2, 
             "--docs", str(docs), *extra]
 
 
-def _recipe_phase(recipe: str, timeout_s: float) -> Phase:
+def _recipe_phase(recipe: str, timeout_s: float, steps: int = 50, why: str = "") -> Phase:
     return Phase(f"recipe_{recipe.removeprefix('titans-').replace('-', '_')}",
-                 _throughput(recipe, "train.schedule.warmup=2", extra=("--profile", "25")), timeout_s, capped=True,
-                 about=f"{recipe}: 52 optimizer steps of one micro-batch (4 x 4096 tokens, 4 documents each) "
-                       "at lr 4e-4 after a 2-step warm-up; tokens/s, MFU, peak memory, every loss finite; then one "
-                       "profiled step (device-busy fraction, top 25 kernels)")
+                 _throughput(recipe, "train.schedule.warmup=2", steps=steps, extra=("--profile", "25")), timeout_s,
+                 capped=True,
+                 about=f"{recipe}: {steps + 2} optimizer steps of one micro-batch (4 x 4096 tokens, 4 documents "
+                       "each) at lr 4e-4 after a 2-step warm-up; tokens/s, MFU, peak memory, every loss finite; then "
+                       f"one profiled step (device-busy fraction, top 25 kernels){why}")
 
 
 def _micro_batch_phase(recipe: str, micro_batch: int, steps: int, timeout_s: float, why: str) -> Phase:
@@ -112,12 +113,15 @@ def phase_argv(phase: Phase, timeout_s: float) -> list[str]:
 
 
 PLAN: list[Phase] = [
+    # A drawn session has 15 minutes of device time, machine start included: the first command (540 s) takes
+    # the two recipes owed 52 steps, then eager and compiled 170m-mac side by side (whether compiling pays);
+    # a second, shorter one the layer target and what follows.
     Phase("env", [PY, "tools/gpu_check.py", "--env"], 60, about="device, driver, torch / triton versions"),
-    Phase("titans_layer", [PY, "benchmarks/titans.py", "--configs", "0", "--no-any-depth"], 180,
-          about="the layer target: B4 T2048 d512 8 heads depth 2 chunk 64, kernel vs torch chunked vs "
-                "sequential vs titans-pytorch (target: kernel >= 1M tokens/s, >= 10x titans-pytorch)"),
     # Measured on an H200 (2026-11-26): 400m-mag's first step 62 s then 0.83 s/step; 340m-mac 1.4 s/step.
-    *[_recipe_phase(r, t) for r, t in zip(TITANS_RECIPES, (170, 150, 130, 130))],
+    _recipe_phase("titans-400m-mag", 170),
+    _recipe_phase("titans-340m-mac", 180),
+    _recipe_phase("titans-170m-mac", 110, steps=20,
+                  why="; the eager baseline of recipe_170m_mac_compiled (52 finite steps on an H200 already)"),
     Phase("recipe_170m_mac_compiled",
           _throughput("titans-170m-mac", "train.schedule.warmup=2", "model.compile=true", steps=20), 180,
           capped=True,
@@ -127,6 +131,10 @@ PLAN: list[Phase] = [
                 "failed in step 1 with 'CUDA error: misaligned address': the blocks share one compiled graph and "
                 "its 12-head memory's 36-element gate bias put every other block's parameters 8 bytes off in "
                 "DeepSpeed's flat buffer; the optimizer groups are cut for alignment since"),
+    Phase("titans_layer", [PY, "benchmarks/titans.py", "--configs", "0", "--no-any-depth"], 180,
+          about="the layer target: B4 T2048 d512 8 heads depth 2 chunk 64, kernel vs torch chunked vs "
+                "sequential vs titans-pytorch (target: kernel >= 1M tokens/s, >= 10x titans-pytorch)"),
+    _recipe_phase("titans-760m-mal", 130),
     _micro_batch_phase("titans-170m-mac", 8, 20, 130,
                        "eager MAC issues the same ops per micro-batch whatever its size, so if the host's "
                        "dispatch bounds it (step times varied 1.0-1.9 s on an H200) tokens/s nearly doubles; "
