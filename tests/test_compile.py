@@ -220,13 +220,14 @@ def _kernel_ops(graphs) -> set[str]:
     return {str(n.target) for g in graphs for n in g.graph.nodes if "memtrain" in str(n.target)}
 
 
-@pytest.mark.parametrize("variant,depth", [("mac", 2), ("mag", 3), ("mal", 1), ("lmm", 2)])
+@pytest.mark.parametrize("variant,depth", [("mac", 2), ("mag", 2), ("mal", 1), ("lmm", 2)])
 def test_titans_compiled_blocks_with_the_triton_kernels_are_one_graph(variant, depth):
     """kernel: triton (the interpreter on CPU, float32): the kernels are custom operators, so Dynamo traces the
     whole block, MAC's loop over segments included, into one graph with the scan as nodes: no graph break, one
-    frame for both blocks (memory depth 1 and 2: the depth-1/2 kernels; 3: the any-depth ones). The traced
-    model (Dynamo's graph run eagerly) equals the eager kernel model, and the PyTorch form to the kernels'
-    float32 rounding, outputs and every gradient."""
+    frame for both blocks (memory depth 1 and 2; the any-depth kernels' operators pass opcheck's AOTAutograd
+    test in tests/test_titans_kernel.py, and run 7 s per step here). The traced model (Dynamo's graph run
+    eagerly) equals the eager kernel model, and the PyTorch form to the kernels' float32 rounding, outputs and
+    every gradient."""
     from torch._dynamo.testing import CompileCounterWithBackend, EagerAndRecordGraphs
     from torch._dynamo.utils import counters
 
@@ -236,12 +237,11 @@ def test_titans_compiled_blocks_with_the_triton_kernels_are_one_graph(variant, d
     record = EagerAndRecordGraphs()
     counter = CompileCounterWithBackend(record)
     traced.compile_blocks(backend=counter)
-    x, doc = _titans_batch(16)
+    x, doc = _titans_batch(16 if variant == "mac" else 8)  # MAC: two segments; the interpreter is slow
     outs = [m(x, doc_ids=doc).logits for m in (torch_model, eager, traced)]
     assert not _graph_breaks(), _graph_breaks()
     assert counter.frame_count == 1 and len(record.graphs) == 1
-    scan = "titans_deep_fwd" if depth >= 3 else "titans_scan_fwd"
-    assert _kernel_ops(record.graphs) == {"memtrain.titans_coef_fwd.default", f"memtrain.{scan}.default"}
+    assert _kernel_ops(record.graphs) == {"memtrain.titans_coef_fwd.default", "memtrain.titans_scan_fwd.default"}
     torch.testing.assert_close(outs[2], outs[1], rtol=0, atol=1e-6)
     torch.testing.assert_close(outs[2], outs[0], rtol=1e-4, atol=1e-5)
     for out in outs:
@@ -253,9 +253,9 @@ def test_titans_compiled_blocks_with_the_triton_kernels_are_one_graph(variant, d
 
 def test_titans_compiled_mac_with_the_triton_kernels_through_aot_autograd():
     """The kernels' custom operators through AOTAutograd (``aot_eager``: the joint graph of the whole MAC
-    block partitioned into forward and backward, run eagerly) with every second block checkpointed: the loss,
+    block partitioned into forward and backward, run eagerly) with the first of two blocks checkpointed: the loss,
     every gradient and the returned memory states equal the eager kernel model's."""
-    eager, compiled = _titans("mac", 3, kernel="triton"), _titans("mac", 3, kernel="triton")
+    eager, compiled = _titans("mac", 2, kernel="triton"), _titans("mac", 2, kernel="triton")
     for block in eager.blocks:  # compiled blocks' form of MAC (the write's output stage per segment)
         block.compiled = True
     compiled.set_activation_checkpointing(2)

@@ -10,10 +10,10 @@ What. ``PLAN`` lists the phases, most important first (issue 11: the two paper-s
 owed 52 optimizer steps at the recipes' learning rate after a 2-step warm-up -- the setting under which
 titans-400m-mag once diverged -- each with one profiled step, titans-170m-mac eager and with its blocks
 compiled, the layer benchmark's target configuration, titans-760m-mal, larger micro-batches, the compiled
-Titans kernels at the recipes' shapes), then the kernels' launch sweep, the rest of the layer benchmark, the whole kernel test
-file compiled, the GPU tier, the routed-attention kernels and the anchor's throughput). Each phase is
-a subprocess in its own process group with its own timeout, clipped to what is left of ``--budget``;
-a phase that times out is killed (SIGTERM, then SIGKILL) and the next starts. The training phases get
+Titans kernels at the recipes' shapes), then the kernels' launch sweep, the rest of the layer benchmark, the
+whole kernel test file compiled, the GPU tier, the routed-attention kernels and the anchor's throughput). Each
+phase is a subprocess in its own process group with its own timeout, clipped to what is left of
+``--budget``; a phase that times out is killed (SIGTERM, then SIGKILL) and the next starts. The training phases get
 ``--max-seconds`` (their timeout less ``CAP_MARGIN_S``) so they stop early and still report. After every phase
 ``OUT/gpu_check.json`` is rewritten (atomically) with every phase so far: status (``ok``, ``failed``,
 ``timeout``, ``skipped``), exit code, seconds, the JSON lines the phase printed (benchmarks), the

@@ -28,7 +28,6 @@ those of its end in place.
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 import triton

@@ -87,7 +87,8 @@ from memtrain.model.titans.state import MemoryState
 GATE_MODES = ("token", "chunk")
 
 
-def scan_uses_kernels(q: torch.Tensor, state: MemoryState, algorithm: str, kernel: str, io_dtype: torch.dtype) -> bool:
+def scan_uses_kernels(q: torch.Tensor, state: MemoryState, algorithm: str, kernel: str,
+                      io_dtype: torch.dtype) -> bool:
     """Whether :func:`run_scan` with these arguments runs the Triton kernels (``q`` ``[B, H, T, head_dim]``)."""
     dtype = io_dtype if io_dtype in (torch.bfloat16, torch.float16) else q.dtype
     return use_triton(kernel, q, len(state.weights), algorithm, q.shape[-1], state.weights[0].shape[-2], dtype=dtype)
