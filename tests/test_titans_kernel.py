@@ -77,7 +77,10 @@ CASES = [  # (N, T, D, hidden, depth, chunk)
 
 
 @pytest.mark.parametrize("N,T,D,hidden,depth,chunk", CASES)
-def test_kernel_matches_reference_forward_and_backward(N, T, D, hidden, depth, chunk):
+def test_kernel_matches_reference_forward_and_backward(monkeypatch, N, T, D, hidden, depth, chunk):
+    """The cases' save groups at the smallest spacing, ``ceil(sqrt(n_chunks))`` chunks (no scratch budget);
+    the default spacing in :func:`test_kernel_backward_at_every_checkpoint_spacing`."""
+    monkeypatch.setattr(triton_kernels, "SCRATCH_BYTES", 0)
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     ins = _inputs(gen, N, T, D, hidden, depth)
     for x in ins:
@@ -129,6 +132,36 @@ def test_kernel_coefficients_match_reference_forward_and_backward(N, NC, C):
             assert _rel(g, r) < 1e-5 or (r.abs().max() == 0 and g.abs().max() == 0), name
 
 
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_kernel_backward_at_every_checkpoint_spacing(monkeypatch, depth):
+    """The backward restarts from every R-th chunk's saved state (R from the scratch budget, at least
+    ceil(sqrt(n_chunks))): 10 chunks at R = 4 (the smallest; a partial last group), 7 (partial), 10 (one group,
+    the default here: only the first chunk's state saved) against the float64 reference, outputs and every
+    gradient."""
+    from memtrain.kernels.titans import triton_deep
+
+    N, T, D, hidden, chunk = 1, 19, 5, 7, 2  # 10 chunks, the last partial
+    state = 8 * N * (D * hidden + hidden * D if depth == 2 else D * D if depth == 1 else 3 * 16 * 16)
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    ins = [x.requires_grad_(True) for x in _inputs(gen, N, T, D, hidden, depth)]
+    ref = _run("reference", ins, depth, 0, chunk)
+    cots = [torch.randn(r.shape, generator=gen, dtype=torch.float64).to(DEVICE) for r in ref]
+    g_ref = torch.autograd.grad(sum((r * c).sum() for r, c in zip(ref, cots)), ins)
+    default = triton_kernels.SCRATCH_BYTES
+    for budget, R in ((0, 4), (7 * state, 7), (default, 10)):
+        monkeypatch.setattr(triton_kernels, "SCRATCH_BYTES", budget)
+        shape = (N, 1, 3, 16, 16) if depth == 3 else None  # the deep kernels' packed state
+        got = triton_deep._deep_checkpoints(10, shape[:1] + shape[2:]) if depth == 3 else \
+            triton_kernels._checkpoints(10, state)
+        assert got == (R, -(-10 // R)), (budget, got)
+        out = _run("kernel", ins, depth, 0, chunk)
+        for a, b in zip(out, ref):
+            assert _rel(a, b) < 1e-4, R
+        g_out = torch.autograd.grad(sum((o.double() * c).sum() for o, c in zip(out, cots)), ins)
+        for i, (a, b) in enumerate(zip(g_out, g_ref)):
+            assert torch.isfinite(a).all() and _rel(a, b) < 1e-4, (R, i, _rel(a, b))
+
+
 def test_kernel_custom_operators_pass_opcheck():
     """The kernels' autograd is six custom operators (torch.library; compiled Titans blocks trace each as one
     node): ``torch.library.opcheck`` checks the coefficients' and the scans' forward operators at depth 1 and 2
@@ -170,7 +203,7 @@ def test_kernel_any_depth_kernels_at_depth_one_and_two(monkeypatch, depth):
     """The any-depth kernels (memory state in a per-program scratch) also run depth 1 and 2 when asked (the
     benchmark times them there against the register-resident kernels): same result as the reference."""
     monkeypatch.setattr(titans_kernels, "DEEP_KERNEL_MIN_DEPTH", 1)
-    test_kernel_matches_reference_forward_and_backward(2, 10, 6, 7, depth, 3)
+    test_kernel_matches_reference_forward_and_backward(monkeypatch, 2, 10, 6, 7, depth, 3)
 
 
 @pytest.mark.parametrize("depth", [2, 3])

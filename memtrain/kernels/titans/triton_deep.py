@@ -321,9 +321,15 @@ def _unpack(x: torch.Tensor, shapes) -> list[torch.Tensor]:
 # ``[N, L, BW, BW]``, ``T`` and ``C``; outputs ``y`` (float32), the end weights and momentum, the last chunk's
 # start weights (packed) and the states the backward restarts from (not differentiable).
 
+def _deep_checkpoints(NC: int, wc_shape) -> tuple[int, int]:
+    """:func:`.triton_kernels._checkpoints` for the packed state ``[N, L, BW, BW]`` (weights and momentum)."""
+    N, L, BW = wc_shape[0], wc_shape[1], wc_shape[-1]
+    return _checkpoints(NC, 8 * N * L * BW * BW)
+
+
 def _deep_shapes(q, wc, C):
     N, Tp, D = q.shape
-    nsave = _checkpoints(Tp // C)[1]
+    nsave = _deep_checkpoints(Tp // C, wc.shape)[1]
     return [(N, Tp, D), wc.shape, wc.shape, wc.shape, (N, nsave, *wc.shape[1:]), (N, nsave, *wc.shape[1:])]
 
 
@@ -334,7 +340,7 @@ def _deep_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dec: torch.Tens
                                        torch.Tensor]:
     N, Tp, D = q.shape
     NC = Tp // C
-    R, nsave = _checkpoints(NC)
+    R, nsave = _deep_checkpoints(NC, wc.shape)
     depth, BW = wc.shape[1], wc.shape[-1]
     opts = _launch_shape(D, BW, C)  # BW: the packed state's tile, at least D's
     q, k, v, dec, car, mix, e_end, m_end = tk._dense(q, k, v, dec, car, mix, e_end, m_end)
@@ -359,7 +365,7 @@ def _deep_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dy: torch.Tenso
         torch.Tensor, torch.Tensor, torch.Tensor]:
     N, Tp, D = q.shape
     NC = Tp // C
-    R, nsave = _checkpoints(NC)
+    R, nsave = _deep_checkpoints(NC, (N, *sw.shape[2:]))
     depth, BW = sw.shape[2], sw.shape[-1]
     opts = _launch_shape(D, BW, C)  # BW: the packed state's tile, at least D's
     q, k, v, dec, car, mix, e_end, m_end, sw, ss = tk._dense(q, k, v, dec, car, mix, e_end, m_end, sw, ss)

@@ -23,9 +23,10 @@ theta, eta, alpha from those of the coefficients, backward), the specification b
 :func:`.reference.chunk_coefficients` (23 PyTorch ops forward and about 40 backward per call). The second-order
 terms are included: ``a_i``, ``d_i`` depend on the chunk-start weights, so the gradient reaching ``W`` also
 flows back through the per-token gradients (``silu''`` for depth 2). Memory stays bounded: the forward saves
-the state at the start of every ``R``-th chunk only (``R = ceil(sqrt(n_chunks))``); the backward recomputes the
-``R`` states of a group into a per-program scratch, then differentiates the group in reverse
-(``O(sqrt(n_chunks))`` states per (batch, head) instead of one per chunk).
+the state at the start of every ``R``-th chunk only; the backward recomputes the ``R`` states of a group into a
+per-program scratch, then differentiates the group in reverse. ``R`` (:func:`_checkpoints`) is at least
+``ceil(sqrt(n_chunks))`` (``O(sqrt(n_chunks))`` states per (batch, head) instead of one per chunk) and as
+large as a bounded scratch allows, since saved states outlive a call and the scratch does not.
 
 Precision: gates, coefficients, carried state, gradients and all accumulation in float32. With float32
 q/k/v the dot products are IEEE float32 (no TF32); with bfloat16 (float16) q/k/v both operands of every dot
@@ -488,11 +489,27 @@ def _block(x: int) -> int:
     return max(16, triton.next_power_of_2(x))
 
 
-def _checkpoints(NC: int) -> tuple[int, int]:
+# The backward restarts from the states the forward saved at every R-th chunk start and recomputes R of them at
+# a time into a scratch. The saved states live from the call's forward until its backward, alongside those of
+# every other call of the step (MAC: each block's every segment), the scratch only during one call's backward.
+# So R is as large as a scratch of SCRATCH_BYTES allows, at least sqrt(n_chunks) (the spacing that minimises the
+# two for a call alone): every chunk is recomputed once either way. titans-170m-mac's 32-chunk segments keep one
+# state each (their first) instead of six: 2.8 of its 25.1 GiB of activations at micro-batch 4 x 4096 (traced,
+# memtrain.parallel.activation_trace), for a 192 MiB scratch during one call's backward.
+SCRATCH_BYTES = 256 * 2**20
+
+
+def _checkpoints(NC: int, state_bytes: int) -> tuple[int, int]:
     """``(R, nsave)``: the forward saves the state at the start of every ``R``-th of ``NC`` chunks, ``nsave`` of
-    them."""
-    R = max(1, math.ceil(math.sqrt(NC)))
-    return R, -(-NC // R)
+    them; ``state_bytes``: one chunk-start state of every program (the scratch holds ``R`` of them)."""
+    R = min(NC, max(math.ceil(math.sqrt(NC)), SCRATCH_BYTES // max(state_bytes, 1)))
+    return max(R, 1), -(-NC // max(R, 1))
+
+
+def _state_bytes(N: int, w1_shape, w2_shape, depth: int) -> int:
+    """Bytes of one chunk-start state (weights and momentum, fp32) of all ``N`` programs of the depth-1/2 scan."""
+    per_layer = [w1_shape[-2] * w1_shape[-1]] + ([w2_shape[-2] * w2_shape[-1]] if depth == 2 else [])
+    return 8 * N * sum(per_layer)
 
 
 def _launch_shape(D: int, H1: int, C: int) -> dict:
@@ -593,7 +610,7 @@ def _scan_shapes(q, w1, w2, C: int, depth: int) -> list[tuple[int, ...]]:
     """The forward's outputs' shapes: ``y``, ``w1, s1, w2, s2, wg1, wg2`` at the end, the saved ``w1, s1, w2,
     s2``."""
     N, Tp, D = q.shape
-    nsave = _checkpoints(Tp // C)[1]
+    nsave = _checkpoints(Tp // C, _state_bytes(N, w1.shape, w2.shape, depth))[1]
     l1, l2 = tuple(w1.shape[1:]), (tuple(w2.shape[1:]) if depth == 2 else (0, 0))
     return [(N, Tp, D), *((N, *l) for l in (l1, l1, l2, l2, l1, l2)), *((N, nsave, *l) for l in (l1, l1, l2, l2))]
 
@@ -606,7 +623,7 @@ def _scan_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dec: torch.Tens
         torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     N, Tp, D = q.shape
     NC = Tp // C
-    R, nsave = _checkpoints(NC)
+    R, nsave = _checkpoints(NC, _state_bytes(N, w1.shape, w2.shape, depth))
     q, k, v, dec, car, mix, e_end, m_end, w1, s1, w2, s2 = _dense(q, k, v, dec, car, mix, e_end, m_end, w1, s1, w2, s2)
     outs = [_empty(*shape, device=q.device) for shape in _scan_shapes(q, w1, w2, C, depth)]
     y, w1o, s1o, w2o, s2o, wg1, wg2, sw1, ss1, sw2, ss2 = outs
@@ -635,7 +652,7 @@ def _scan_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dy: torch.Tenso
     of ``y``, the end state and the last chunk's start weights (layer 1's in layer 2's slots at depth 1)."""
     N, Tp, D = q.shape
     NC = Tp // C
-    R, nsave = _checkpoints(NC)
+    R, nsave = _checkpoints(NC, _state_bytes(N, sw1.shape, sw2.shape, depth))
     H1 = sw1.shape[-2]
     q, k, v, dec, car, mix, e_end, m_end, sw1, ss1, sw2, ss2 = _dense(q, k, v, dec, car, mix, e_end, m_end, sw1, ss1,
                                                                      sw2, ss2)
