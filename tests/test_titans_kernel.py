@@ -135,12 +135,12 @@ def test_kernel_coefficients_match_reference_forward_and_backward(N, NC, C):
 @pytest.mark.parametrize("depth", [1, 2, 3])
 def test_kernel_backward_at_every_checkpoint_spacing(monkeypatch, depth):
     """The backward restarts from every R-th chunk's saved state (R from the scratch budget, at least
-    ceil(sqrt(n_chunks))): 10 chunks at R = 4 (the smallest; a partial last group), 7 (partial), 10 (one group,
+    ceil(sqrt(n_chunks))): 7 chunks at R = 3 (the smallest; a partial last group), 5 (partial), 7 (one group,
     the default here: only the first chunk's state saved) against the float64 reference, outputs and every
     gradient."""
     from memtrain.kernels.titans import triton_deep
 
-    N, T, D, hidden, chunk = 1, 19, 5, 7, 2  # 10 chunks, the last partial
+    N, T, D, hidden, chunk = 1, 13, 5, 7, 2  # 7 chunks, the last partial
     state = 8 * N * (D * hidden + hidden * D if depth == 2 else D * D if depth == 1 else 3 * 16 * 16)
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     ins = [x.requires_grad_(True) for x in _inputs(gen, N, T, D, hidden, depth)]
@@ -148,12 +148,12 @@ def test_kernel_backward_at_every_checkpoint_spacing(monkeypatch, depth):
     cots = [torch.randn(r.shape, generator=gen, dtype=torch.float64).to(DEVICE) for r in ref]
     g_ref = torch.autograd.grad(sum((r * c).sum() for r, c in zip(ref, cots)), ins)
     default = triton_kernels.SCRATCH_BYTES
-    for budget, R in ((0, 4), (7 * state, 7), (default, 10)):
+    for budget, R in ((0, 3), (5 * state, 5), (default, 7)):
         monkeypatch.setattr(triton_kernels, "SCRATCH_BYTES", budget)
         shape = (N, 1, 3, 16, 16) if depth == 3 else None  # the deep kernels' packed state
-        got = triton_deep._deep_checkpoints(10, shape[:1] + shape[2:]) if depth == 3 else \
-            triton_kernels._checkpoints(10, state)
-        assert got == (R, -(-10 // R)), (budget, got)
+        got = triton_deep._deep_checkpoints(7, shape[:1] + shape[2:]) if depth == 3 else \
+            triton_kernels._checkpoints(7, state)
+        assert got == (R, -(-7 // R)), (budget, got)
         out = _run("kernel", ins, depth, 0, chunk)
         for a, b in zip(out, ref):
             assert _rel(a, b) < 1e-4, R
