@@ -386,11 +386,7 @@ def _(q, k, v, dy, dec, car, mix, e_end, m_end, sw, ss, gw, gs, gwg, T, C):
             *(q.new_empty(t.shape, dtype=torch.float32) for t in (dec, car, mix, e_end, m_end, gw, gs)))
 
 
-def _deep_setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:8], *output[4:])
-    ctx.mark_non_differentiable(*output[4:])
-    ctx.set_materialize_grads(False)
-    ctx.meta = inputs[10:]
+_deep_setup = tk._restart_setup(4, 10)
 
 
 def _deep_backward(ctx, dy, gw, gs, gwg, *_):

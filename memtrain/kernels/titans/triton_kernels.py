@@ -679,11 +679,18 @@ def _(q, k, v, dy, dec, car, mix, e_end, m_end, sw1, ss1, sw2, ss2, gw1, gs1, gw
             *(q.new_empty(t.shape, dtype=torch.float32) for t in (dec, car, mix, e_end, m_end, gw1, gs1, *l2)))
 
 
-def _scan_setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:8], *output[7:])
-    ctx.mark_non_differentiable(*output[7:])
-    ctx.set_materialize_grads(False)
-    ctx.meta = inputs[12:]
+def _restart_setup(first_saved: int, first_int: int):
+    """A scan forward's autograd set-up: q, k, v and the five coefficients saved with the restart states (the
+    outputs from ``first_saved`` on, not differentiable), the integer arguments (from ``first_int``) kept."""
+    def setup(ctx, inputs, output):
+        ctx.save_for_backward(*inputs[:8], *output[first_saved:])
+        ctx.mark_non_differentiable(*output[first_saved:])
+        ctx.set_materialize_grads(False)
+        ctx.meta = inputs[first_int:]
+    return setup
+
+
+_scan_setup = _restart_setup(7, 12)
 
 
 def _scan_backward(ctx, dy, gw1, gs1, gw2, gs2, gwg1, gwg2, *_):
