@@ -10,6 +10,10 @@ kernels' registers, spills and shared memory where Triton exposes them, and the 
 the output and of the q / k / v gradients against the default variant (a launch option must not change the
 result beyond rounding). One JSON line per shape and variant; ``default: true`` marks the shipped choice.
 
+At depth 1-2 the any-depth kernels (``kernels: triton_deep``: the state in memory, not in registers; what
+depth 3+ runs) are timed beside the shipped pair at their default launch: at the recipes' shapes the pair's
+state spills from registers (``--static``), so which is faster is measured, not assumed.
+
 Shapes. ``layer``: the layer benchmark's target (B4 x 8 heads, T 2048, head 64, hidden 128, depth 2, chunk
 64); ``mac``: titans-170m/340m-mac's memory writes (B4 x 12 heads, one 512-token segment per call, chunk 16);
 ``mag``: titans-400m-mag's (B4 x 16 heads, T 4096, chunk 16); ``deep``: depth 3 at the layer target (the
@@ -18,8 +22,16 @@ any-depth kernels).
     python benchmarks/titans_kernels.py                   # GPU: every shape, num_warps 4 / 8 / 16
     python benchmarks/titans_kernels.py --shapes layer --warps 8,16
     TRITON_INTERPRET=1 python benchmarks/titans_kernels.py --interpret   # CPU smoke run at tiny shapes
+    python benchmarks/titans_kernels.py --static          # any machine: compiled for sm_90, nothing timed
 
-Not part of the test suite; the numbers mean something on a GPU only.
+``--static`` needs no GPU: it compiles each shape's forward and backward kernels for an H100 / H200 (sm_90,
+Triton's own ptxas; :mod:`memtrain.kernels.titans.aot`) under each launch and prints their registers per
+thread, bytes of spill stores and loads per thread and shared memory, one JSON line per shape, kernels and
+launch; at depth 1-2 also the any-depth kernels (``kernels: triton_deep``), which keep the state in memory
+rather than in registers. Spills are the first thing to read about a launch: they put the state's registers in
+local memory inside the loop over chunks.
+
+Not part of the test suite; the timings mean something on a GPU only.
 """
 
 from __future__ import annotations
@@ -90,12 +102,14 @@ def default_warps(shape) -> int:
     return _module(depth)._launch_shape(D, hidden, C)["num_warps"]
 
 
-def measure(shape, warps, device, repeats_ms: int) -> tuple[dict, tuple]:
-    """Time the kernels at ``shape`` with ``num_warps=warps`` (None: the default); the record and the outputs."""
+def measure(shape, warps, device, repeats_ms: int, any_depth: bool = False) -> tuple[dict, tuple]:
+    """Time the kernels at ``shape`` with ``num_warps=warps`` (None: the default); the record and the outputs.
+    ``any_depth``: the any-depth kernels (:mod:`.triton_deep`, the state in memory) at depth 1-2 too."""
     N, T, D, hidden, depth, C = shape
-    mod = _module(depth)
+    deep_from = titans_kernels.DEEP_KERNEL_MIN_DEPTH
+    mod = triton_deep if any_depth else _module(depth)
     base = mod._launch_shape
-    default = default_warps(shape)
+    default = mod._launch_shape(D, hidden, C)["num_warps"]
 
     def launch(*a):
         opts = base(*a)
@@ -106,6 +120,8 @@ def measure(shape, warps, device, repeats_ms: int) -> tuple[dict, tuple]:
     q, k, v, lr, log_eta, log_keep, w, s = inputs(N, T, D, hidden, depth, device)
     leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
     mod._launch_shape = launch
+    if any_depth:
+        titans_kernels.DEEP_KERNEL_MIN_DEPTH = 1  # scan() picks the any-depth kernels at every depth
     try:
         def fwd():
             return titans_kernels.scan(*leaves, lr, log_eta, log_keep, w, s, w, 0, C, kernel="triton")[0]
@@ -138,13 +154,66 @@ def measure(shape, warps, device, repeats_ms: int) -> tuple[dict, tuple]:
                                                            or getattr(mod, "_bwd_deep_kernel", None)).items()})
     finally:
         mod._launch_shape = base
+        titans_kernels.DEEP_KERNEL_MIN_DEPTH = deep_from
+    shipped = mod is _module(depth)
     rec = {"N": N, "T": T, "head_dim": D, "hidden": hidden, "depth": depth, "chunk": C,
            "kernels": mod.__name__.rsplit(".", 1)[-1], "num_warps": warps or default,
-           "default": warps is None or warps == default, "first_call_s": round(first_s, 2),
+           "default": shipped and (warps is None or warps == default), "first_call_s": round(first_s, 2),
            "fwd_ms": round(fwd_ms, 4), "fwd_bwd_ms": round(fwd_bwd_ms, 4),
            "fwd_tokens_per_s": round(N * T / fwd_ms * 1e3, 1), "fwd_bwd_tokens_per_s": round(N * T / fwd_bwd_ms * 1e3, 1),
            **info}
     return rec, (y.detach().float(), *(g.float() for g in grads))
+
+
+def _compile(spec: tuple) -> dict:
+    from memtrain.kernels.titans.aot import compile_kernel
+
+    kernel, shape, warps, any_depth = spec
+    N, T, D, hidden, depth, C = shape
+    try:
+        return compile_kernel(kernel, depth, D, hidden, C, num_warps=warps, any_depth=any_depth)
+    except Exception as e:  # one launch that fails to compile must not end the table
+        return {"kernel": kernel, "error": f"{type(e).__name__}: {e}"[:500]}
+
+
+def static(warps: list[int], names: list[str], table: dict = SHAPES) -> int:
+    """``--static``: each shape's kernels compiled for sm_90 under each launch, one JSON line per shape, kernels
+    (register-resident or any-depth) and ``num_warps``, with the forward's and backward's registers, spills and
+    shared memory. The compiles run in parallel (one process per core)."""
+    import multiprocessing
+
+    rows = []
+    for name in names:
+        shape = table[name]
+        depth = shape[4]
+        variants = [(False if depth < titans_kernels.DEEP_KERNEL_MIN_DEPTH else True, w)
+                    for w in dict.fromkeys([default_warps(shape), *warps])]
+        if depth < titans_kernels.DEEP_KERNEL_MIN_DEPTH:  # the any-depth kernels at this depth, default launch
+            variants.append((True, None))
+        rows += [(name, shape, any_depth, w) for any_depth, w in variants]
+    # a compiled kernel depends on the widths, depth and chunk, not on N or T (mac and mag share theirs)
+    specs = {(kernel, shape[2:], w, any_depth): (kernel, shape, w, any_depth)
+             for _, shape, any_depth, w in rows for kernel in ("fwd", "bwd")}
+    todo = sorted(specs, key=lambda k: k[0] == "fwd")  # the slow backwards first
+    with multiprocessing.get_context("fork").Pool(os.cpu_count() or 1) as pool:
+        compiled = dict(zip(todo, pool.map(_compile, [specs[k] for k in todo], chunksize=1)))
+    failed = 0
+    for name, shape, any_depth, w in rows:
+        rec = {"shape": name, "device": "sm_90 (compiled ahead of time, not run)", "N": shape[0], "T": shape[1],
+               "head_dim": shape[2], "hidden": shape[3], "depth": shape[4], "chunk": shape[5],
+               "kernels": "triton_deep" if any_depth else "triton_kernels"}
+        for r in (compiled[(kernel, shape[2:], w, any_depth)] for kernel in ("fwd", "bwd")):
+            if "error" in r:
+                rec[f"{r['kernel']}_error"] = r["error"]
+                failed += 1
+                continue
+            rec["num_warps"] = r["num_warps"]
+            rec.update({f"{r['kernel']}_{k}": r[k] for k in ("registers", "spill_stores", "spill_loads", "shared")})
+        mod = triton_deep if any_depth else triton_kernels
+        shipped = any_depth == (shape[4] >= titans_kernels.DEEP_KERNEL_MIN_DEPTH)
+        rec["default"] = shipped and (w is None or w == mod._launch_shape(shape[2], shape[3], shape[5])["num_warps"])
+        print(json.dumps(rec), flush=True)
+    return 1 if failed else 0
 
 
 def _rel(a, b) -> float:
@@ -157,8 +226,19 @@ def main() -> int:
     ap.add_argument("--warps", default="4,8,16", help="num_warps variants besides the default (comma-separated)")
     ap.add_argument("--rep-ms", type=int, default=200, help="do_bench's repetition time per measurement")
     ap.add_argument("--interpret", action="store_true", help="CPU smoke run at tiny shapes (TRITON_INTERPRET=1)")
+    ap.add_argument("--static", action="store_true",
+                    help="no GPU needed: compile for sm_90 and report registers, spills and shared memory, untimed")
+    ap.add_argument("--tiny", action="store_true", help="with --static: the tiny shapes of --interpret (a quick check)")
     args = ap.parse_args()
-    table = TINY if args.interpret else SHAPES
+    table = TINY if args.interpret or args.tiny else SHAPES
+    if args.static:
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            ap.error("--static compiles for a GPU: unset TRITON_INTERPRET")
+        names = args.shapes.split(",") if args.shapes else list(table)
+        unknown = [n for n in names if n not in table]
+        if unknown:
+            ap.error(f"unknown shape(s) {', '.join(unknown)}; choose from {', '.join(table)}")
+        return static([int(x) for x in args.warps.split(",") if x.strip()], names, table)
     names = args.shapes.split(",") if args.shapes else list(table)
     unknown = [n for n in names if n not in table]
     if unknown:
@@ -174,12 +254,15 @@ def main() -> int:
     warps = [int(x) for x in args.warps.split(",") if x.strip()]
     for name in names:
         ref = None
-        for variant in [None] + [w for w in warps if w != default_warps(table[name])]:
+        variants = [(None, False)] + [(w, False) for w in warps if w != default_warps(table[name])]
+        if table[name][4] < titans_kernels.DEEP_KERNEL_MIN_DEPTH:  # the any-depth kernels beside, default launch
+            variants.append((None, True))
+        for variant, any_depth in variants:
             try:
-                rec, outs = measure(table[name], variant, device, args.rep_ms)
+                rec, outs = measure(table[name], variant, device, args.rep_ms, any_depth)
             except Exception as e:  # one variant that fails to compile or launch must not end the sweep
-                print(json.dumps({"shape": name, "num_warps": variant, "error": f"{type(e).__name__}: {e}"[:500]}),
-                      flush=True)
+                print(json.dumps({"shape": name, "num_warps": variant, "any_depth": any_depth,
+                                  "error": f"{type(e).__name__}: {e}"[:500]}), flush=True)
                 continue
             if ref is None:
                 ref = outs

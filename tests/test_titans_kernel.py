@@ -491,37 +491,19 @@ def test_kernel_refuses_memories_too_wide_for_its_tiles():
 
 _AOT = r"""
 import json, multiprocessing
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from memtrain.kernels.titans import triton_deep as td, triton_kernels as tk
+from memtrain.kernels.titans.aot import compile_kernel
 
 
 def compile_one(spec):
-    which, C, depth = spec
-    if which.startswith("coef"):  # the chunk coefficients' kernels: float32 gates in, one program per chunk
-        fn = tk._coef_fwd_kernel if which == "coef_fwd" else tk._coef_bwd_kernel
-        sig = {n: "constexpr" if n == "BC" else "i32" if n == "C" else "*fp32" for n in fn.arg_names}
-        src = ASTSource(fn, sig, constexprs={(fn.arg_names.index("BC"),): tk._block(C)})
-        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-        return [which, C, depth, k.metadata.shared]
-    mod = tk if depth <= 2 else td
-    fn = getattr(mod, ("_fwd" if which == "fwd" else "_bwd") + ("_kernel" if depth <= 2 else "_deep_kernel"))
-    opts = mod._launch_shape(64, 128, C)
-    launch = {k: opts.pop(k) for k in ("num_warps", "num_stages")}
-    consts = dict(DEPTH=depth, DOT=1, **opts)
-    ints = {"NC", "Tp", "N_LAST", "SAVE_EVERY", "NSAVE", "C", "D", "H1"}
-    sig = {n: "constexpr" if n in consts else "i32" if n in ints else "*bf16" if n in ("Q", "K", "V") else "*fp32"
-           for n in fn.arg_names}
-    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=launch)
-    return [which, C, depth, k.metadata.shared]
+    kernel, depth, C = spec
+    return compile_kernel(kernel, depth, head_dim=64, hidden=128, chunk=C)
 
 
 # The backward kernels first (ptxas takes 10-30 s each, the forwards a few): two at a time on two cores. Chunk 64
 # only: a kernel's tiles grow with the chunk, and so does its shared memory (README: 61 / 139 KB for the depth-2
 # backward at chunk 16 / 64, 2.1 / 33 KB and 3.1 / 49 KB for the coefficients').
-specs = [("bwd", 64, 2), ("bwd", 64, 4), ("fwd", 64, 2), ("fwd", 64, 4), ("coef_bwd", 64, 0), ("coef_fwd", 64, 0)]
+specs = [("bwd", 2, 64), ("bwd", 4, 64), ("fwd", 2, 64), ("fwd", 4, 64), ("coef_bwd", 0, 64), ("coef_fwd", 0, 64),
+         ("coef_bwd", 0, 16), ("coef_fwd", 0, 16)]
 with multiprocessing.get_context("fork").Pool(2) as pool:
     print(json.dumps(pool.map(compile_one, specs, chunksize=1)))
 """
@@ -530,8 +512,10 @@ with multiprocessing.get_context("fork").Pool(2) as pool:
 def test_kernel_compiles_for_an_h100_within_its_shared_memory():
     """Compiled ahead of time for sm_90 (no GPU needed: Triton's own ptxas), the kernels at the recipes' shapes
     (head size 64, hidden 128, bf16, chunk 64, the largest; depth 2, and depth 4 for the any-depth kernels, and
-    the coefficients') fit an H100's 227 KB of shared memory per block. With Triton's default software pipelining the depth-2 backward
-    needed 337-438 KB and would not launch."""
+    the coefficients') fit an H100's 227 KB of shared memory per block. With Triton's default software pipelining
+    the depth-2 backward needed 337-438 KB and would not launch. :func:`memtrain.kernels.titans.aot.compile_kernel`
+    also reads ptxas's registers and spills (``benchmarks/titans_kernels.py --static`` tabulates them): the
+    coefficients' kernels spill nothing."""
     import json
     import os
     import subprocess
@@ -541,6 +525,14 @@ def test_kernel_compiles_for_an_h100_within_its_shared_memory():
     run = subprocess.run([sys.executable, "-c", _AOT], capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     compiled = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(compiled) == 6
-    for which, chunk, depth, shared in compiled:
-        assert shared <= 232448, (which, chunk, depth, shared)
+    assert [(r["kernel"], r["any_depth"], r["chunk"]) for r in compiled] == [
+        ("bwd", False, 64), ("bwd", True, 64), ("fwd", False, 64), ("fwd", True, 64), ("coef_bwd", None, 64),
+        ("coef_fwd", None, 64), ("coef_bwd", None, 16), ("coef_fwd", None, 16)]
+    for r in compiled:
+        assert r["shared"] <= 232448, r
+        assert 0 < r["registers"] <= 255 and r["spill_stores"] >= 0 and r["spill_loads"] >= 0, r
+    # ptxas's figures (read by memtrain.kernels.titans.aot): the coefficients' kernels at the recipes' chunk of 16
+    # spill nothing; at chunk 64 their launch (16 warps) keeps the backward's spills to about 1 KB per thread, where
+    # 4 warps spilled 24.9 KB (the scan kernels spill at these widths; README, "Registers and spills")
+    assert [r["spill_stores"] for r in compiled[-2:]] == [0, 0], compiled[-2:]
+    assert [r["num_warps"] for r in compiled[4:6]] == [16, 16] and compiled[4]["spill_stores"] <= 2048, compiled[4:6]

@@ -1,0 +1,92 @@
+"""The Titans kernels compiled ahead of time for a GPU architecture, on any machine (no GPU needed: Triton's own
+``ptxas``): the shared memory, registers and spilled bytes of each kernel at a given shape and launch, as the
+GPU would run it. What :func:`compile_kernel` reports is what ``ptxas -v`` prints for the compiled PTX.
+
+Why. The scan kernels keep the memory's state (weights and momentum of each layer, float32) in registers for a
+whole call, one program per (sequence, head): at head size 64 and hidden width 128 that is 128 KB per program for
+the forward and more for the backward, which also carries the state's gradients -- against 256 KB of registers
+per SM. Spilled registers go to local memory inside the loop over chunks, so spills are the first thing to read
+about a launch; ``benchmarks/titans_kernels.py --static`` tabulates them for the recipes' shapes, and
+tests/test_titans_kernel.py checks the shared memory against an H100's limit and the spills against their
+measured bounds.
+
+    from memtrain.kernels.titans.aot import compile_kernel
+    compile_kernel("bwd", depth=2, head_dim=64, hidden=128, chunk=16)
+    # {'kernel': 'bwd', 'depth': 2, ..., 'num_warps': 8, 'shared': 61440, 'registers': 255, 'spill_stores': ...}
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+from typing import Optional
+
+KERNELS = ("fwd", "bwd", "coef_fwd", "coef_bwd")
+# The scan kernels' integer arguments; every other non-constexpr argument is a pointer.
+_INTS = {"NC", "Tp", "N_LAST", "SAVE_EVERY", "NSAVE", "C", "D", "H1"}
+_HALF = {"Q", "K", "V"}  # q, k, v reach the kernels in the activations' half precision in training
+_PTXAS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads.*?Used (\d+) registers", re.S)
+
+
+def _ptxas_figures(log: str) -> dict:
+    m = _PTXAS.search(log)
+    if m is None:
+        raise RuntimeError(f"no register / spill figures in the ptxas log:\n{log[-2000:]}")
+    return {"registers": int(m.group(3)), "spill_stores": int(m.group(1)), "spill_loads": int(m.group(2))}
+
+
+def compile_kernel(kernel: str, depth: int = 2, head_dim: int = 64, hidden: int = 128, chunk: int = 16, *,
+                   num_warps: Optional[int] = None, arch: int = 90, half: str = "bf16",
+                   any_depth: Optional[bool] = None) -> dict:
+    """Compile one Titans kernel for ``sm_<arch>`` and report it: ``kernel`` one of :data:`KERNELS` (the scan's
+    forward / backward at ``depth`` -- the register-resident pair at depth 1-2, the any-depth pair at 3+ or where
+    ``any_depth`` -- or
+    the chunk coefficients' at ``chunk``), ``head_dim`` and ``hidden`` (the memory's widths), ``num_warps``
+    (default: what the kernels launch with), ``half`` the dtype of q / k / v (``bf16``, ``fp16`` or ``fp32``).
+    Returns the arguments with ``shared`` (bytes per program), ``registers`` (per thread), ``spill_stores`` and
+    ``spill_loads`` (bytes of spill instructions in the compiled code, per thread)."""
+    import triton
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from memtrain.kernels.titans import DEEP_KERNEL_MIN_DEPTH, triton_deep, triton_kernels as tk
+
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown kernel {kernel!r}; expected one of {', '.join(KERNELS)}")
+    if kernel.startswith("coef"):  # float32 gates in, one program per chunk
+        fn = tk._coef_fwd_kernel if kernel == "coef_fwd" else tk._coef_bwd_kernel
+        consts = tk._coef_launch(chunk)
+        launch = {"num_warps": num_warps or consts.pop("num_warps"), "num_stages": 3}  # Triton's default stages
+        consts.pop("num_warps", None)  # when num_warps was given
+        sig = {n: "constexpr" if n in consts else "i32" if n == "C" else "*fp32" for n in fn.arg_names}
+    else:
+        deep = depth >= DEEP_KERNEL_MIN_DEPTH if any_depth is None else any_depth
+        mod = triton_deep if deep else tk
+        fn = getattr(mod, f"_{kernel}_deep_kernel" if deep else f"_{kernel}_kernel")
+        consts = mod._launch_shape(head_dim, hidden, chunk)
+        launch = {k: consts.pop(k) for k in ("num_warps", "num_stages")}
+        if num_warps:
+            launch["num_warps"] = num_warps
+        dot = {"fp32": 0, "bf16": 1, "fp16": 2}[half]
+        consts.update(DOT=dot, DEPTH=depth)
+        ptr = {"fp32": "*fp32", "bf16": "*bf16", "fp16": "*fp16"}[half]
+        sig = {n: "constexpr" if n in consts else "i32" if n in _INTS else ptr if n in _HALF else "*fp32"
+               for n in fn.arg_names}
+    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+    log = io.StringIO()
+    saved = knobs.nvidia.dump_ptxas_log, knobs.compilation.always_compile
+    knobs.nvidia.dump_ptxas_log, knobs.compilation.always_compile = True, True  # a cached binary prints no log
+    try:
+        with contextlib.redirect_stdout(log):
+            compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=launch)
+    finally:
+        knobs.nvidia.dump_ptxas_log, knobs.compilation.always_compile = saved
+    scan = not kernel.startswith("coef")
+    return {"kernel": kernel, "depth": depth if scan else None, "any_depth": deep if scan else None,
+            "head_dim": head_dim, "hidden": hidden, "chunk": chunk, "half": half, "capability": arch, **launch,
+            "shared": compiled.metadata.shared, **_ptxas_figures(log.getvalue())}
+
+
+__all__ = ["KERNELS", "compile_kernel"]
