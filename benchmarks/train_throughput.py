@@ -507,7 +507,7 @@ def _run(args, emit) -> int:
            "precision": prec, "zero_stage": recipe.parallel.zero_stage,
            "activation_checkpointing": recipe.parallel.activation_checkpointing,
            "checkpoint_every": runner.options["checkpoint_every"], "loss_chunk_tokens": runner.options["loss_chunk_tokens"],
-           "compiled_blocks": runner.options["compiled_blocks"],
+           "compiled_blocks": runner.options["compiled_blocks"], "compile_mode": runner.options["compile_mode"],
            "compile_s": (compile_seconds() - runner.compile_base) if runner.compile_base is not None else None,
            "attention": recipe.model.attention, "params": runner.params,
            "bank_params": runner.bank_params,

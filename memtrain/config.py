@@ -187,6 +187,11 @@ class ModelConfig:
     # (their inner loop stays eager; auto leaves them eager until measured on a GPU). Training-only: may
     # change on resume.
     compile: Union[bool, Literal["auto"]] = "auto"
+    # torch.compile's mode for the compiled blocks. reduce-overhead (and max-autotune) also replay each compiled
+    # block's forward and backward as CUDA graphs (one launch per block instead of one per kernel: for models
+    # whose step is bound by the host's dispatch, as eager MAC's many small ops are; on CPU it is the default
+    # mode). Training-only: may change on resume.
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune"] = "default"
     # model.type titans only; None (the default, and what a decoder recipe keeps) means the defaults.
     titans: Optional[TitansConfig] = None
 
@@ -876,6 +881,13 @@ def validate(recipe: Recipe) -> Recipe:
     if m.compile is True and m.type not in ("decoder", "titans"):
         raise RecipeError("model.compile", f"regional compilation covers model.type 'decoder' and 'titans' only "
                           f"(this is {m.type!r}); set model.compile: auto or false")
+    if m.compile_mode != "default" and m.compile is False:
+        raise RecipeError("model.compile_mode", f"{m.compile_mode!r} applies to compiled blocks, and model.compile is "
+                          "false; set model.compile: true (or auto), or leave model.compile_mode at 'default'")
+    if m.compile_mode in ("reduce-overhead", "max-autotune") and checkpoint_every(p.activation_checkpointing):
+        raise RecipeError("model.compile_mode", f"{m.compile_mode!r} (CUDA graphs) with activation checkpointing is not "
+                          "supported (the recomputation would replay a block's graph inside the backward); set "
+                          "parallel.activation_checkpointing: false, or model.compile_mode: default")
     if m.compile is True and p.zero_stage == 3:
         raise RecipeError("model.compile", "compiled blocks are not supported under ZeRO 3 (its parameter hooks run "
                           "inside each block); set model.compile: auto or false, or parallel.zero_stage 0-2")
@@ -1272,7 +1284,7 @@ def recipe_hash_defaults() -> dict:
     return recipe_hash_fields(Recipe(memory=MemoryConfig(crossattn=CrossAttnConfig())))
 
 
-_RESUMABLE_MODEL_KEYS = ("init_from", "compile")
+_RESUMABLE_MODEL_KEYS = ("init_from", "compile", "compile_mode")
 _RESUMABLE_MEMORY_KEYS = ("optimizer", "grad_clip", "generic_prob", "freeze_anchor", "bank", "bank_optimizer",
                           "bank_dtype", "bank_offload")
 _RESUMABLE_CROSSATTN_KEYS = ("balance_loss", "bank_lr", "freeze_bank_at", "freeze_bank", "lora_lr", "bank", "kernel")

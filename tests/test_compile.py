@@ -130,6 +130,43 @@ def test_model_compile_key():
         _recipe(compile="yes")
 
 
+def test_compile_mode_reaches_every_block_and_cuda_graph_modes_start_a_step_per_forward(monkeypatch):
+    """``model.compile_mode`` is torch.compile's mode for every compiled block (the default mode passes nothing,
+    as before the key); under the CUDA-graph modes every forward of the model first starts a new generation of
+    the graphs (``cudagraph_mark_step_begin``), and the options line says so. A mode without compiled blocks is
+    one recipe error."""
+    from memtrain.config import RecipeError
+    from memtrain.launcher.train import configure_model, training_options_line
+
+    with pytest.raises(RecipeError, match=r"^recipe error: model\.compile_mode: 'reduce-overhead' applies to "
+                                          r"compiled blocks, and model\.compile is false; set model\.compile: true"):
+        _recipe(compile=False, compile_mode="reduce-overhead")
+    with pytest.raises(RecipeError, match=r"^recipe error: model\.compile_mode: must be one of .*; got 'fast'"):
+        _recipe(compile=True, compile_mode="fast")
+    with pytest.raises(RecipeError, match=r"^recipe error: model\.compile_mode: 'max-autotune' \(CUDA graphs\) with "
+                                          r"activation checkpointing is not supported"):
+        recipe_from_dict(_recipe().to_dict(), ["model.compile_mode=max-autotune",
+                                               "parallel.activation_checkpointing=2"])
+    calls, steps = [], []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: calls.append(kw))
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: steps.append(1))
+    x = torch.randint(0, 320, (1, 8))
+    for mode, kwargs, marks in [("default", {}, 0), ("max-autotune-no-cudagraphs", {"mode": "max-autotune-no-cudagraphs"}, 0),
+                                ("reduce-overhead", {"mode": "reduce-overhead"}, 2)]:
+        recipe = _recipe(compile=True, compile_mode=mode)
+        model = build(recipe.model)
+        calls.clear(), steps.clear()
+        options = configure_model(model, recipe, torch.device("cpu"))
+        assert calls == [kwargs] * 2 and options["compiled_blocks"] == 2 and options["compile_mode"] == mode
+        model(x)
+        model(x)
+        assert len(steps) == marks, mode
+    assert "2 block(s) compiled (torch.compile, regional, mode reduce-overhead: CUDA graphs on a GPU)" in \
+        training_options_line(options, 2)
+    eager = configure_model(build(_recipe().model), _recipe(compile_mode="reduce-overhead"), torch.device("cpu"))
+    assert eager["compiled_blocks"] == 0 and eager["compile_mode"] is None  # auto on CPU: nothing compiled
+
+
 # -- Titans ----------------------------------------------------------------------------------------
 
 

@@ -165,9 +165,10 @@ def test_the_real_plan_names_existing_files_and_loadable_recipes(capsys):
             assert max(idx) < len(bench.FULL)
     assert gc.select(gc.PLAN, "recipe_")[0].name == "recipe_400m_mag"
     # 15 device minutes: the two recipes owed 52 steps, then eager and compiled MAC side by side (the compiled
-    # launches asynchronous: its tokens/s is what it measures), then the layer target
-    assert names[:7] == ["env", "recipe_400m_mag", "recipe_340m_mac", "recipe_170m_mac", "recipe_170m_mac_compiled",
-                         "titans_layer", "recipe_760m_mal"]
+    # launches asynchronous: its tokens/s is what it measures), then the layer target and the kernels' launches
+    # (register-resident or any-depth at the recipes' shapes)
+    assert names[:9] == ["env", "recipe_400m_mag", "recipe_340m_mac", "recipe_170m_mac", "recipe_170m_mac_compiled",
+                         "recipe_170m_mac_cudagraphs", "titans_layer", "titans_kernel_tune", "recipe_760m_mal"]
     assert "CUDA_LAUNCH_BLOCKING" not in gc.select(gc.PLAN, "recipe_170m_mac_compiled")[0].env
 
 
@@ -183,7 +184,9 @@ def test_env_phase_prints_one_json_line():
 
 def test_kernel_launch_sweep_benchmark_under_the_interpreter():
     """benchmarks/titans_kernels.py (the plan's titans_kernel_tune) at its tiny CPU shape: one JSON line per
-    num_warps variant, the default marked, every variant computing what the default does."""
+    num_warps variant and for the any-depth kernels at that depth, the default marked, every variant computing
+    what the default does. ``--static`` (compiled for sm_90, not run): the same rows with ptxas's registers,
+    spills and shared memory."""
     import os
     import subprocess
 
@@ -192,9 +195,21 @@ def test_kernel_launch_sweep_benchmark_under_the_interpreter():
                         "layer", "--warps", "4,8"], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
-    assert [row["num_warps"] for row in rows] == [4, 8] and [row["default"] for row in rows] == [True, False]
+    assert [(row["kernels"], row["num_warps"], row["default"]) for row in rows] == [
+        ("triton_kernels", 4, True), ("triton_kernels", 8, False), ("triton_deep", 4, False)]
     for row in rows:
         assert row["shape"] == "layer" and row["fwd_bwd_ms"] > 0 and row["max_rel_err_vs_default"] < 1e-6
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "titans_kernels.py"), "--static", "--tiny", "--shapes",
+                        "layer", "--warps", "8"], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert [(row["kernels"], row["num_warps"], row["default"]) for row in rows] == [
+        ("triton_kernels", 4, True), ("triton_kernels", 8, False), ("triton_deep", 4, False)]
+    for row in rows:
+        for kernel in ("fwd", "bwd"):
+            assert 0 < row[f"{kernel}_registers"] <= 255 and row[f"{kernel}_spill_stores"] >= 0, row
+            assert 0 < row[f"{kernel}_shared"] <= 232448, row
 
 
 def _op_count(*overrides: str) -> dict:

@@ -8,10 +8,11 @@ of the phases that finished come back even when the command is killed.
 
 What. ``PLAN`` lists the phases, most important first (issue 11: the two paper-scale Titans recipes still
 owed 52 optimizer steps at the recipes' learning rate after a 2-step warm-up -- the setting under which
-titans-400m-mag once diverged -- each with one profiled step, titans-170m-mac eager and with its blocks
-compiled, the layer benchmark's target configuration, titans-760m-mal, larger micro-batches, the compiled
-Titans kernels at the recipes' shapes), then the kernels' launch sweep, the rest of the layer benchmark, the
-whole kernel test file compiled, the GPU tier, the routed-attention kernels and the anchor's throughput). Each
+titans-400m-mag once diverged -- each with one profiled step, titans-170m-mac eager, with its blocks
+compiled and with them replayed as CUDA graphs, the layer benchmark's target configuration, the kernels' launch
+sweep (register-resident or any-depth), titans-760m-mal, larger micro-batches, the compiled Titans kernels at
+the recipes' shapes), then the rest of the layer benchmark, the whole kernel test file compiled, the GPU tier,
+the routed-attention kernels and the anchor's throughput). Each
 phase is a subprocess in its own process group with its own timeout, clipped to what is left of
 ``--budget``; a phase that times out is killed (SIGTERM, then SIGKILL) and the next starts. The training phases get
 ``--max-seconds`` (their timeout less ``CAP_MARGIN_S``) so they stop early and still report. After every phase
@@ -131,9 +132,21 @@ PLAN: list[Phase] = [
                 "failed in step 1 with 'CUDA error: misaligned address': the blocks share one compiled graph and "
                 "its 12-head memory's 36-element gate bias put every other block's parameters 8 bytes off in "
                 "DeepSpeed's flat buffer; the optimizer groups are cut for alignment since"),
+    Phase("recipe_170m_mac_cudagraphs",
+          _throughput("titans-170m-mac", "train.schedule.warmup=2", "model.compile=true",
+                      "model.compile_mode=reduce-overhead", steps=20), 180, capped=True,
+          about="titans-170m-mac with its compiled blocks replayed as CUDA graphs (model.compile_mode: "
+                "reduce-overhead: one launch per block forward and backward), beside recipe_170m_mac and "
+                "recipe_170m_mac_compiled: what is left of the host's dispatch cost"),
     Phase("titans_layer", [PY, "benchmarks/titans.py", "--configs", "0", "--no-any-depth"], 180,
           about="the layer target: B4 T2048 d512 8 heads depth 2 chunk 64, kernel vs torch chunked vs "
                 "sequential vs titans-pytorch (target: kernel >= 1M tokens/s, >= 10x titans-pytorch)"),
+    Phase("titans_kernel_tune", [PY, "benchmarks/titans_kernels.py"], 240,
+          about="the scan kernels alone at the layer target and the recipes' shapes under num_warps 4 / 8 / 16, and "
+                "the any-depth kernels (state in memory) beside them: time, registers, spills, error against the "
+                "shipped launch. Compiled for sm_90 ahead of time (benchmarks/titans_kernels.py --static), the "
+                "shipped depth-2 pair spills 2.5 KB (forward) and 6.5 KB (backward) per thread at the recipes' "
+                "shapes: whether the any-depth kernels, which spill far less, are faster there"),
     _recipe_phase("titans-760m-mal", 130),
     _micro_batch_phase("titans-170m-mac", 8, 20, 130,
                        "eager MAC issues the same ops per micro-batch whatever its size, so if the host's "
@@ -146,9 +159,6 @@ PLAN: list[Phase] = [
     Phase("titans_kernel_gpu", _pytest("-m", "gpu", "tests/test_titans_kernel.py"), 150, "pytest",
           "the compiled Titans kernels at the recipes' shapes (depth 2 chunk 16 / 64, depth 3) against "
           "the PyTorch form, bf16 (passed on an H200, 2026-11-26)"),
-    Phase("titans_kernel_tune", [PY, "benchmarks/titans_kernels.py"], 240,
-          about="the scan kernels alone at the layer target and the recipes' shapes under num_warps 4 / 8 / 16: "
-                "time, registers, spills, error against the shipped launch"),
     Phase("titans_layer_rest", [PY, "benchmarks/titans.py", "--configs", "1,2,3,4"], 240,
           about="the layer at T8192, at d768 chunk 16, and at depth 3 and 4 (the any-depth kernels)"),
     Phase("titans_kernel_all", _pytest("tests/test_titans_kernel.py", "-m", "not gpu"), 300, "pytest",

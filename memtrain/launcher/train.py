@@ -78,12 +78,26 @@ def label_kwargs(model, batch: dict) -> dict:
     return {"labels": batch["labels"]} if hasattr(model, "set_fused_loss") else {}
 
 
+# torch.compile modes that replay compiled code as CUDA graphs (torch._inductor.list_mode_options: triton.cudagraphs)
+CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
+def _new_cudagraph_step(module, args) -> None:
+    """A forward pre-hook on a model whose compiled blocks replay as CUDA graphs: every forward (one micro-batch, or
+    one evaluation batch) starts a new generation of the graphs' outputs, whose memory the next replays may reuse
+    (``torch.compiler.cudagraph_mark_step_begin``); the previous forward's have been consumed by then (its
+    backward ran, or it was evaluation)."""
+    torch.compiler.cudagraph_mark_step_begin()
+
+
 def configure_model(model, recipe: Recipe, device: torch.device) -> dict:
     """Apply the recipe's training options to ``model`` (before DeepSpeed): activation checkpointing
     (parallel.activation_checkpointing: none, every block or every n-th), the fused loss
     (train.loss_chunk_tokens; decoder and Titans models) and regional compilation of the blocks
-    (model.compile). Returns what was applied (``checkpoint_every``, ``loss_chunk_tokens``,
-    ``compiled_blocks``) for :func:`training_options_line`."""
+    (model.compile, in model.compile_mode: with reduce-overhead and max-autotune every compiled block's forward
+    and backward replay as CUDA graphs on a GPU, a new generation per forward of the model). Returns what was
+    applied (``checkpoint_every``, ``loss_chunk_tokens``, ``compiled_blocks``, ``compile_mode``) for
+    :func:`training_options_line`."""
     from memtrain.config import checkpoint_every, compile_enabled
 
     every = checkpoint_every(recipe.parallel.activation_checkpointing)
@@ -93,8 +107,13 @@ def configure_model(model, recipe: Recipe, device: torch.device) -> dict:
     if hasattr(model, "set_fused_loss"):
         chunk = recipe.train.loss_chunk_tokens
         model.set_fused_loss(chunk)
-    compiled = model.compile_blocks() if compile_enabled(recipe, device.type) else 0
-    return {"checkpoint_every": every, "loss_chunk_tokens": chunk, "compiled_blocks": compiled}
+    compiled, mode = 0, recipe.model.compile_mode
+    if compile_enabled(recipe, device.type):
+        compiled = model.compile_blocks(**({} if mode == "default" else {"mode": mode}))
+        if compiled and mode in CUDAGRAPH_MODES:
+            model.register_forward_pre_hook(_new_cudagraph_step)
+    return {"checkpoint_every": every, "loss_chunk_tokens": chunk, "compiled_blocks": compiled,
+            "compile_mode": mode if compiled else None}
 
 
 def training_options_line(options: dict, n_layers: Optional[int]) -> str:
@@ -108,7 +127,10 @@ def training_options_line(options: dict, n_layers: Optional[int]) -> str:
         count = f" ({len(range(0, n_layers, every))} of {n_layers})" if n_layers else ""
         ckpt = f"1 in {every} blocks{count}"
     loss = f"fused, chunks of {chunk} tokens" if chunk else "full logits"
-    blocks = f"{compiled} block(s) compiled (torch.compile, regional)" if compiled else "eager blocks"
+    mode = options.get("compile_mode") or "default"
+    how = "regional" if mode == "default" else f"regional, mode {mode}" + (
+        ": CUDA graphs on a GPU" if mode in CUDAGRAPH_MODES else "")
+    blocks = f"{compiled} block(s) compiled (torch.compile, {how})" if compiled else "eager blocks"
     return f"{blocks} | activation checkpointing {ckpt} | loss {loss}"
 
 
