@@ -150,6 +150,11 @@ class TitansConfig:
     window: int = 128  # MAG / MAL: sliding-window length (keys per query, itself included)
 
 
+# model.compile_mode values under which torch.compile replays the compiled code as CUDA graphs
+# (torch._inductor.list_mode_options: triton.cudagraphs)
+CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
 @dataclass
 class ModelConfig:
     """A decoder-only LM (OpenLM-style by default; Llama-style with norm=rmsnorm, qk_norm=false).
@@ -884,9 +889,9 @@ def validate(recipe: Recipe) -> Recipe:
     if m.compile_mode != "default" and m.compile is False:
         raise RecipeError("model.compile_mode", f"{m.compile_mode!r} applies to compiled blocks, and model.compile is "
                           "false; set model.compile: true (or auto), or leave model.compile_mode at 'default'")
-    if m.compile_mode in ("reduce-overhead", "max-autotune") and checkpoint_every(p.activation_checkpointing):
-        raise RecipeError("model.compile_mode", f"{m.compile_mode!r} (CUDA graphs) with activation checkpointing is not "
-                          "supported (the recomputation would replay a block's graph inside the backward); set "
+    if m.compile_mode in CUDAGRAPH_MODES and checkpoint_every(p.activation_checkpointing):
+        raise RecipeError("model.compile_mode", f"{m.compile_mode!r} (CUDA graphs) with activation checkpointing is "
+                          "not supported (the recomputation would replay a block's graph inside the backward); set "
                           "parallel.activation_checkpointing: false, or model.compile_mode: default")
     if m.compile is True and p.zero_stage == 3:
         raise RecipeError("model.compile", "compiled blocks are not supported under ZeRO 3 (its parameter hooks run "

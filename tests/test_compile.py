@@ -151,7 +151,8 @@ def test_compile_mode_reaches_every_block_and_cuda_graph_modes_start_a_step_per_
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: calls.append(kw))
     monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: steps.append(1))
     x = torch.randint(0, 320, (1, 8))
-    for mode, kwargs, marks in [("default", {}, 0), ("max-autotune-no-cudagraphs", {"mode": "max-autotune-no-cudagraphs"}, 0),
+    no_graphs = "max-autotune-no-cudagraphs"
+    for mode, kwargs, marks in [("default", {}, 0), (no_graphs, {"mode": no_graphs}, 0),
                                 ("reduce-overhead", {"mode": "reduce-overhead"}, 2)]:
         recipe = _recipe(compile=True, compile_mode=mode)
         model = build(recipe.model)

@@ -499,9 +499,10 @@ def compile_one(spec):
     return compile_kernel(kernel, depth, head_dim=64, hidden=128, chunk=C)
 
 
-# The backward kernels first (ptxas takes 10-30 s each, the forwards a few): two at a time on two cores. Chunk 64
-# only: a kernel's tiles grow with the chunk, and so does its shared memory (README: 61 / 139 KB for the depth-2
-# backward at chunk 16 / 64, 2.1 / 33 KB and 3.1 / 49 KB for the coefficients').
+# The backward kernels first (ptxas takes 10-30 s each, the forwards a few): two at a time on two cores. The scans at
+# chunk 64 only: a kernel's tiles grow with the chunk, and so does its shared memory (README: 61 / 139 KB for the
+# depth-2 backward at chunk 16 / 64, 2.1 / 33 KB and 3.1 / 49 KB for the coefficients'); the coefficients (a
+# second each) also at the recipes' 16.
 specs = [("bwd", 2, 64), ("bwd", 4, 64), ("fwd", 2, 64), ("fwd", 4, 64), ("coef_bwd", 0, 64), ("coef_fwd", 0, 64),
          ("coef_bwd", 0, 16), ("coef_fwd", 0, 16)]
 with multiprocessing.get_context("fork").Pool(2) as pool:

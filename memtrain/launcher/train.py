@@ -45,7 +45,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-from memtrain.config import Recipe, RecipeError
+from memtrain.config import CUDAGRAPH_MODES, Recipe, RecipeError
 from memtrain.errors import CheckpointError, CollectiveError, DivergenceError, LaunchError
 from memtrain.parallel import dist
 from memtrain.launcher.console import library_output, set_library_log_levels
@@ -76,10 +76,6 @@ def output_loss_sum(out, labels: torch.Tensor) -> torch.Tensor:
 def label_kwargs(model, batch: dict) -> dict:
     """``labels=`` for models that compute their loss themselves (decoder and Titans; not ``hf``)."""
     return {"labels": batch["labels"]} if hasattr(model, "set_fused_loss") else {}
-
-
-# torch.compile modes that replay compiled code as CUDA graphs (torch._inductor.list_mode_options: triton.cudagraphs)
-CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
 def _new_cudagraph_step(module, args) -> None:

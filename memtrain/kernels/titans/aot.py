@@ -7,8 +7,7 @@ whole call, one program per (sequence, head): at head size 64 and hidden width 1
 the forward and more for the backward, which also carries the state's gradients -- against 256 KB of registers
 per SM. Spilled registers go to local memory inside the loop over chunks, so spills are the first thing to read
 about a launch; ``benchmarks/titans_kernels.py --static`` tabulates them for the recipes' shapes, and
-tests/test_titans_kernel.py checks the shared memory against an H100's limit and the spills against their
-measured bounds.
+tests/test_titans_kernel.py checks the shared memory against an H100's limit and the chunk coefficients' spills.
 
     from memtrain.kernels.titans.aot import compile_kernel
     compile_kernel("bwd", depth=2, head_dim=64, hidden=128, chunk=16)
@@ -41,8 +40,8 @@ def compile_kernel(kernel: str, depth: int = 2, head_dim: int = 64, hidden: int 
                    any_depth: Optional[bool] = None) -> dict:
     """Compile one Titans kernel for ``sm_<arch>`` and report it: ``kernel`` one of :data:`KERNELS` (the scan's
     forward / backward at ``depth`` -- the register-resident pair at depth 1-2, the any-depth pair at 3+ or where
-    ``any_depth`` -- or
-    the chunk coefficients' at ``chunk``), ``head_dim`` and ``hidden`` (the memory's widths), ``num_warps``
+    ``any_depth`` -- or the chunk coefficients' at ``chunk``), ``head_dim`` and ``hidden`` (the memory's widths),
+    ``num_warps``
     (default: what the kernels launch with), ``half`` the dtype of q / k / v (``bf16``, ``fp16`` or ``fp32``).
     Returns the arguments with ``shared`` (bytes per program), ``registers`` (per thread), ``spill_stores`` and
     ``spill_loads`` (bytes of spill instructions in the compiled code, per thread)."""
