@@ -144,9 +144,9 @@ PLAN: list[Phase] = [
     Phase("titans_kernel_tune", [PY, "benchmarks/titans_kernels.py"], 240,
           about="the scan kernels alone at the layer target and the recipes' shapes under num_warps 4 / 8 / 16, and "
                 "the any-depth kernels (state in memory) beside them: time, registers, spills, error against the "
-                "shipped launch. Compiled for sm_90 ahead of time (benchmarks/titans_kernels.py --static), the "
-                "shipped depth-2 pair spills 2.5 KB (forward) and 6.5 KB (backward) per thread at the recipes' "
-                "shapes: whether the any-depth kernels, which spill far less, are faster there"),
+                "shipped launch. Compiled for sm_90 ahead of time (benchmarks/titans_kernels.py --static, Triton "
+                "3.6), the shipped depth-2 pair spills 2.6 KB (forward) and 8.3 KB (backward) per thread at the "
+                "recipes' shapes, the any-depth kernels 0.2 KB and 7.0 KB: which is faster there"),
     _recipe_phase("titans-760m-mal", 130),
     _micro_batch_phase("titans-170m-mac", 8, 20, 130,
                        "eager MAC issues the same ops per micro-batch whatever its size, so if the host's "
