@@ -141,10 +141,12 @@ PLAN: list[Phase] = [
     Phase("titans_layer", [PY, "benchmarks/titans.py", "--configs", "0", "--no-any-depth"], 180,
           about="the layer target: B4 T2048 d512 8 heads depth 2 chunk 64, kernel vs torch chunked vs "
                 "sequential vs titans-pytorch (target: kernel >= 1M tokens/s, >= 10x titans-pytorch)"),
-    Phase("titans_kernel_tune", [PY, "benchmarks/titans_kernels.py"], 240,
-          about="the scan kernels alone at the layer target and the recipes' shapes under num_warps 4 / 8 / 16, and "
-                "the any-depth kernels (state in memory) beside them: time, registers, spills, error against the "
-                "shipped launch. Compiled for sm_90 ahead of time (benchmarks/titans_kernels.py --static, Triton "
+    Phase("titans_kernel_tune", [PY, "benchmarks/titans_kernels.py", "--shapes", "mac,mag,layer", "--warps", "16"],
+          240,
+          about="the scan kernels alone at the recipes' shapes (mac and mag share compiled kernels) and the layer "
+                "target under the shipped num_warps and 16 (4 spills 2-3x more, --static), and the any-depth "
+                "kernels (state in memory) beside them: time, registers, spills, error against the shipped "
+                "launch. Compiled for sm_90 ahead of time (benchmarks/titans_kernels.py --static, Triton "
                 "3.6), the shipped depth-2 pair spills 2.6 KB (forward) and 8.3 KB (backward) per thread at the "
                 "recipes' shapes, the any-depth kernels 0.2 KB and 7.0 KB: which is faster there"),
     _recipe_phase("titans-760m-mal", 130),
