@@ -186,7 +186,7 @@ def static(warps: list[int], names: list[str], table: dict = SHAPES) -> int:
     for name in names:
         shape = table[name]
         depth = shape[4]
-        variants = [(False if depth < titans_kernels.DEEP_KERNEL_MIN_DEPTH else True, w)
+        variants = [(depth >= titans_kernels.DEEP_KERNEL_MIN_DEPTH, w)
                     for w in dict.fromkeys([default_warps(shape), *warps])]
         if depth < titans_kernels.DEEP_KERNEL_MIN_DEPTH:  # the any-depth kernels at this depth, default launch
             variants.append((True, None))

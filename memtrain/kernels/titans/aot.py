@@ -41,8 +41,8 @@ def compile_kernel(kernel: str, depth: int = 2, head_dim: int = 64, hidden: int 
     """Compile one Titans kernel for ``sm_<arch>`` and report it: ``kernel`` one of :data:`KERNELS` (the scan's
     forward / backward at ``depth`` -- the register-resident pair at depth 1-2, the any-depth pair at 3+ or where
     ``any_depth`` -- or the chunk coefficients' at ``chunk``), ``head_dim`` and ``hidden`` (the memory's widths),
-    ``num_warps``
-    (default: what the kernels launch with), ``half`` the dtype of q / k / v (``bf16``, ``fp16`` or ``fp32``).
+    ``num_warps`` (default: what the kernels launch with), ``half`` the dtype of q / k / v (``bf16``, ``fp16`` or
+    ``fp32``).
     Returns the arguments with ``shared`` (bytes per program), ``registers`` (per thread), ``spill_stores`` and
     ``spill_loads`` (bytes of spill instructions in the compiled code, per thread)."""
     import triton
@@ -57,8 +57,8 @@ def compile_kernel(kernel: str, depth: int = 2, head_dim: int = 64, hidden: int 
     if kernel.startswith("coef"):  # float32 gates in, one program per chunk
         fn = tk._coef_fwd_kernel if kernel == "coef_fwd" else tk._coef_bwd_kernel
         consts = tk._coef_launch(chunk)
-        launch = {"num_warps": num_warps or consts.pop("num_warps"), "num_stages": 3}  # Triton's default stages
-        consts.pop("num_warps", None)  # when num_warps was given
+        shipped = consts.pop("num_warps")
+        launch = {"num_warps": num_warps or shipped, "num_stages": 3}  # Triton's default stages
         sig = {n: "constexpr" if n in consts else "i32" if n == "C" else "*fp32" for n in fn.arg_names}
     else:
         deep = depth >= DEEP_KERNEL_MIN_DEPTH if any_depth is None else any_depth
