@@ -54,11 +54,14 @@ reproduce-hmem: $(STAMP)
 reproduce-titans: $(STAMP)
 	$(PY) reproduce/titans.py
 
+# Two pytest-xdist workers (the suite is sized for 2 cores), each running one test file at a time, so a
+# module's fixtures (a Slurm cluster's jobs, a shared 2-rank run) are set up once, on one worker.
+PYTEST_WORKERS ?= 2
 test: $(STAMP)
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q -n $(PYTEST_WORKERS) --dist loadfile
 
 test-fast: $(STAMP)
-	$(VENV)/bin/pytest -q -m "not slow"
+	$(VENV)/bin/pytest -q -n $(PYTEST_WORKERS) --dist loadfile -m "not slow"
 
 bench: $(STAMP)
 	$(PY) benchmarks/attention.py --quick

@@ -38,6 +38,6 @@ setup(
         "matplotlib>=3.8",
     ],
     # import-linter checks the package's layers (.importlinter; tests/test_layers.py)
-    extras_require={"dev": ["pytest>=8", "pytest-timeout>=2.3", "import-linter>=2.1"]},
+    extras_require={"dev": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "import-linter>=2.1"]},
     entry_points={"console_scripts": ["memtrain=memtrain.launcher.cli:main"]},
 )

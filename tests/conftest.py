@@ -5,7 +5,10 @@ Skip policy: a test may be skipped only when it is marked ``gpu`` (no CUDA devic
 working ``sbatch``); both are skipped here, at collection, with the reason. Any other skip (an
 ``importorskip`` of a broken install, a ``pytest.skip`` inside a test, an xfail) fails the run: the
 session's exit status becomes 1 and the summary lists the offenders. ``MEMTRAIN_GPU_TIER_ON_CPU=1``
-runs the ``gpu`` tier on CPU (to check the tier's own code where no GPU is at hand).
+runs the ``gpu`` tier on CPU (to check the tier's own code where no GPU is at hand). ``make test`` runs the
+suite on two pytest-xdist workers, one test file per worker at a time (``-n 2 --dist loadfile``; module fixtures
+stay on one worker): the skip markers are applied where tests are collected (the workers) and travel with each
+report (``user_properties``) to where the policy is judged (the controller, or the one process without xdist).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ALLOWED_SKIP_MARKERS = ("gpu", "slurm")
+SKIP_ALLOWED = "memtrain_skip_allowed"  # a user property on the reports of gpu- and slurm-marked tests
 
 
 def _slurm_reason() -> str | None:
@@ -41,8 +45,8 @@ def _slurm_reason() -> str | None:
 class SkipPolicy:
     """The skip policy of the module docstring, as a plugin (registered in :func:`pytest_configure`)."""
 
-    def __init__(self) -> None:
-        self.may_skip: set[str] = set()
+    def __init__(self, config) -> None:
+        self.worker = hasattr(config, "workerinput")  # an xdist worker: it collects and runs, the controller judges
         self.bad: list[str] = []
 
     def pytest_collection_modifyitems(self, config, items):
@@ -55,11 +59,12 @@ class SkipPolicy:
                 item.add_marker(pytest.mark.skip(reason=gpu_reason))
             if slurm_reason and item.get_closest_marker("slurm"):
                 item.add_marker(pytest.mark.skip(reason=f"needs Slurm: {slurm_reason}"))
-        self.may_skip = {item.nodeid for item in items
-                         if any(item.get_closest_marker(m) for m in ALLOWED_SKIP_MARKERS)}
+        for item in items:
+            if any(item.get_closest_marker(m) for m in ALLOWED_SKIP_MARKERS):
+                item.user_properties.append((SKIP_ALLOWED, True))  # copied into each of its reports
 
     def pytest_runtest_logreport(self, report):
-        if not report.skipped or report.nodeid in self.may_skip:
+        if self.worker or not report.skipped or (SKIP_ALLOWED, True) in report.user_properties:
             return
         if hasattr(report, "wasxfail"):
             self.bad.append(f"{report.nodeid} (xfail: {report.wasxfail})")
@@ -81,7 +86,7 @@ class SkipPolicy:
 
 
 def pytest_configure(config):
-    config.pluginmanager.register(SkipPolicy(), "memtrain-skip-policy")
+    config.pluginmanager.register(SkipPolicy(config), "memtrain-skip-policy")
 
 
 @pytest.fixture(scope="module")

@@ -353,7 +353,7 @@ def test_run_lock_refuses_a_live_holder_and_releases(tmp_path):
     with RunLock(tmp_path / "run") as lock:
         holder = _holder(tmp_path / "run")
         assert holder["pid"] == os.getpid() and holder["host"] == socket.gethostname() and lock.replaced is None
-        assert holder["start_time"] == process_start_time(os.getpid()) and "pytest" in holder["command"]
+        assert holder["start_time"] == process_start_time(os.getpid()) and holder["command"] == " ".join([sys.executable, *sys.argv])
     assert not (tmp_path / "run").joinpath(LOCK).exists()
 
 

@@ -1,6 +1,8 @@
 """The suite's skip policy (tests/conftest.py): only ``gpu``- and ``slurm``-marked tests may skip; any
 other skip or xfail fails the run, so a broken install of a hard dependency cannot pass as skipped.
-Checked by running pytest with this conftest on a throwaway test file."""
+Checked by running pytest with this conftest on a throwaway test file, in one process and as ``make test`` runs
+the suite (two pytest-xdist workers: the markers are seen where tests are collected, the policy is judged by the
+controller)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 HERE = Path(__file__).resolve().parent
 INI = """[pytest]
 markers =
@@ -18,18 +22,22 @@ markers =
 """
 
 
-def _run(tmp_path: Path, body: str) -> subprocess.CompletedProcess:
+XDIST = [[], ["-n", "2", "--dist", "loadfile"]]
+
+
+def _run(tmp_path: Path, body: str, xdist: list[str]) -> subprocess.CompletedProcess:
     shutil.copy(HERE / "conftest.py", tmp_path / "conftest.py")
     (tmp_path / "pytest.ini").write_text(INI)
     (tmp_path / "test_sample.py").write_text("import pytest\n\n\ndef test_ok():\n    pass\n\n\n" + body)
     env = {k: v for k, v in os.environ.items() if k != "MEMTRAIN_GPU_TIER_ON_CPU"}
     env["CUDA_VISIBLE_DEVICES"] = ""  # the sample's gpu test skips on a GPU machine too
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120, env=env)
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *xdist],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
 
 
-def test_gpu_and_slurm_tests_skip_with_their_reason(tmp_path):
-    out = _run(tmp_path, "@pytest.mark.gpu\ndef test_needs_gpu():\n    pass\n\n\n"
+@pytest.mark.parametrize("xdist", XDIST, ids=["one process", "xdist"])
+def test_gpu_and_slurm_tests_skip_with_their_reason(tmp_path, xdist):
+    out = _run(tmp_path, xdist=xdist, body="@pytest.mark.gpu\ndef test_needs_gpu():\n    pass\n\n\n"
                          "@pytest.mark.slurm\ndef test_needs_slurm():\n    pass\n")
     from conftest import _slurm_reason
 
@@ -41,10 +49,11 @@ def test_gpu_and_slurm_tests_skip_with_their_reason(tmp_path):
         assert "1 passed, 2 skipped" in out.stdout and "needs Slurm: " in out.stdout
 
 
-def test_any_other_skip_or_xfail_fails_the_run(tmp_path):
+@pytest.mark.parametrize("xdist", XDIST, ids=["one process", "xdist"])
+def test_any_other_skip_or_xfail_fails_the_run(tmp_path, xdist):
     body = ("def test_optional_dependency():\n    pytest.importorskip('a_package_that_is_not_installed')\n\n\n"
             "@pytest.mark.xfail(reason='known bug')\ndef test_known_bug():\n    assert False\n")
-    out = _run(tmp_path, body)
+    out = _run(tmp_path, body, xdist)
     assert out.returncode == 1, out.stdout
     assert "skips that are not allowed (only gpu- and slurm-marked tests may skip)" in out.stdout
     assert "test_sample.py::test_optional_dependency (skipped: Skipped: could not import 'a_package_that_is_not_installed'" \

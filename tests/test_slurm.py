@@ -22,7 +22,7 @@ import yaml
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
-STEPS = 600
+STEPS = 300
 RECIPE = {
     "run": {"name": "sl", "seed": 7},
     "model": {"vocab_size": 320, "d_model": 32, "n_layers": 2, "n_heads": 2, "ffn_dim": 64, "max_seq_len": 32,
@@ -31,8 +31,8 @@ RECIPE = {
              "tokenizer": {"vocab_size": 320, "model_type": "bpe"}},
     "train": {"max_steps": STEPS, "global_batch_tokens": 256, "micro_batch_size": 2,
               "optimizer": {"lr": 3.0e-3}, "schedule": {"kind": "cosine", "warmup": "2 steps", "min_lr": 3.0e-4},
-              "eval": {"every_steps": 300, "batches": 2}},
-    "checkpoint": {"every_steps": 400, "keep_last": 3},
+              "eval": {"every_steps": 150, "batches": 2}},
+    "checkpoint": {"every_steps": 200, "keep_last": 3},
     "logging": {"every_steps": 50},
     "slurm": {"gpus_per_node": 0, "tasks_per_node": 2, "cpus_per_task": 1, "time": 20, "exclusive": False},
 }
@@ -72,7 +72,7 @@ def _wait(predicate, what: str, timeout: float = 900.0) -> None:
     while time.monotonic() < end:
         if predicate():
             return
-        time.sleep(1.0)
+        time.sleep(0.5)
     raise AssertionError(f"timed out waiting for {what}")
 
 
@@ -97,9 +97,14 @@ def jobs(tmp_path_factory):
     for name, run in runs.items():
         extra = ["slurm.launcher=torchrun"] if name in ("plain", "batch") else []
         ids[name] = _job(_memtrain(root, "submit", "sl.yaml", f"run.dir={run}", *extra).stdout)
-    for name, how in (("steps", []), ("batch", ["--batch"])):
-        _wait(lambda: "step 100/" in _log(runs[name]), f"job {ids[name]} to reach step 100")
-        subprocess.run(["scancel", "--signal=USR1", *how, ids[name]], check=True, timeout=30)
+    pending = {"steps": [], "batch": ["--batch"]}  # each signalled as soon as it logs step 100 (a run takes ~15 s)
+
+    def signal_those_at_step_100() -> bool:
+        for name in [n for n in pending if "step 100/" in _log(runs[n])]:
+            subprocess.run(["scancel", "--signal=USR1", *pending.pop(name), ids[name]], check=True, timeout=30)
+        return not pending
+
+    _wait(signal_those_at_step_100, "jobs {steps} and {batch} to reach step 100".format(**ids))
     for job in ids.values():
         _wait(lambda job=job: _job_info(job).get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"),
               f"job {job} to end")
@@ -114,7 +119,7 @@ def test_a_cpu_job_of_two_ranks_trains_to_the_end(jobs):
     log = _log(run)
     assert "2 rank(s) via torchrun on cpu (fp32)" in log and f"step {STEPS}/{STEPS}" in log
     assert "Traceback" not in log
-    assert sorted(p.name for p in (run / "checkpoints").glob("global_step*")) == ["global_step400",
+    assert sorted(p.name for p in (run / "checkpoints").glob("global_step*")) == ["global_step200",
                                                                                   f"global_step{STEPS}"]
     assert (run / "checkpoints" / f"global_step{STEPS}" / "COMPLETE.json").is_file()
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
