@@ -452,6 +452,46 @@ def test_two_real_ranks_split_the_single_rank_batches(prepared):
         assert sorted(map(tuple, r0 + r1)) == sorted(map(tuple, single[step]))
 
 
+_SKEWED_SCAN_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import torch.distributed as dist
+    import streaming.base.shared.prefix as sp
+    from memtrain.config import recipe_from_dict
+    from memtrain.data.loader import LoaderIterator, build_loader
+    dist.init_process_group("gloo")
+    scan = sp._check_and_find
+    # rank 1's scan sees /dev/shm one segment off from its leader's, as when another job's segment is created or
+    # freed between the two scans
+    sp._check_and_find = lambda *a, **k: scan(*a, **k) + dist.get_rank()
+    it = LoaderIterator(build_loader(recipe_from_dict(json.loads(sys.argv[1])), "train", 2))
+    print(json.dumps([next(it)["input_ids"].tolist() for _ in range(2)]))
+    dist.destroy_process_group()
+""")
+
+
+def test_ranks_take_their_leaders_shared_memory_prefix_whatever_their_own_scan_found(prepared):
+    """Streaming's ranks each scan /dev/shm for a free prefix and attach to what they found; when another job's
+    segment comes or goes between the leader's scan and another rank's, that rank failed with 'shared memory
+    prefix=N was not registered by local leader' (three 2-rank Slurm jobs on one host). memtrain has every rank
+    take its leader's prefix: two gloo ranks whose scans disagree still build their loaders and split the batches."""
+    recipe, _ = prepared
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+    args = [sys.executable, "-c", _SKEWED_SCAN_SCRIPT, json.dumps(recipe.to_dict())]
+    procs = [subprocess.Popen(args, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err[-3000:]
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    for r0, r1 in zip(*outs):
+        assert not {tuple(x) for x in r0} & {tuple(x) for x in r1}  # one dataset, split between the ranks
+
+
 _KILLED_SCRIPT = textwrap.dedent("""
     import json, os, signal, sys
     from memtrain.config import Recipe, recipe_from_dict

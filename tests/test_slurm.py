@@ -100,8 +100,11 @@ def jobs(tmp_path_factory):
     pending = {"steps": [], "batch": ["--batch"]}  # each signalled as soon as it logs step 100 (a run takes ~15 s)
 
     def signal_those_at_step_100() -> bool:
-        for name in [n for n in pending if "step 100/" in _log(runs[n])]:
-            subprocess.run(["scancel", "--signal=USR1", *pending.pop(name), ids[name]], check=True, timeout=30)
+        for name in list(pending):
+            if "step 100/" in _log(runs[name]):
+                subprocess.run(["scancel", "--signal=USR1", *pending.pop(name), ids[name]], check=True, timeout=30)
+            elif _job_info(ids[name]).get("JobState") not in ("PENDING", "CONFIGURING", "RUNNING"):
+                raise AssertionError(f"job {ids[name]} ({name}) ended before step 100:\n{_log(runs[name])[-3000:]}")
         return not pending
 
     _wait(signal_those_at_step_100, "jobs {steps} and {batch} to reach step 100".format(**ids))

@@ -258,7 +258,7 @@ def build_loader(recipe: Recipe, split: str, micro_batch_size: int,
             dist.barrier()
         collate_fn = _Stripe(collate_fn, stripe[0], micro_batch_size)
     else:
-        with _host_prefix_lock():
+        with _host_prefix_lock(), _leaders_prefix():
             dataset = StreamingDataset(**construct)
     loader = StreamingDataLoader(
         dataset, batch_size=batch_size, num_workers=recipe.data.num_workers,
@@ -374,6 +374,41 @@ class _NoProcessGroup:
     @staticmethod
     def is_initialized() -> bool:
         return False
+
+
+@contextlib.contextmanager
+def _leaders_prefix() -> Iterator[None]:
+    """Every rank of a node takes its local leader's shared-memory prefix, not its own scan's.
+
+    Streaming has every rank scan ``/dev/shm`` for the first free prefix on its own; the local leader then
+    registers that prefix and the other ranks attach to the one *they* found. The host lock
+    (:func:`_host_prefix_lock`) keeps other jobs from *creating* segments meanwhile, but not from freeing them
+    (a dataset of another job or test collected, a process ending): a rank that scans after such a release
+    finds a lower prefix and fails with ``shared memory prefix=N was not registered by local leader``
+    (seen with three 2-rank Slurm jobs and other tests on one host). So, where a process group exists, the ranks
+    all-gather their scans (one per shared-memory name Streaming checks, the same number on every rank) and
+    each keeps its leader's: global rank ``rank - rank % LOCAL_WORLD_SIZE``, the node layout Streaming itself
+    reads from the environment. Without a process group (a world of one, or Streaming's stand-in in
+    :func:`_world_of_one`) the scan is used as it is."""
+    import streaming.base.shared.prefix as sp
+
+    scan = sp._check_and_find_retrying
+
+    def leaders_scan(*args, **kwargs) -> int:
+        mine = scan(*args, **kwargs)
+        dist = sp.dist
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return mine
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        rank = int(os.environ.get("RANK", dist.get_rank()))
+        return every[rank - rank % int(os.environ.get("LOCAL_WORLD_SIZE", "1"))]
+
+    sp._check_and_find_retrying = leaders_scan
+    try:
+        yield
+    finally:
+        sp._check_and_find_retrying = scan
 
 
 @contextlib.contextmanager
