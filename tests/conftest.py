@@ -89,6 +89,19 @@ def pytest_configure(config):
     config.pluginmanager.register(SkipPolicy(config), "memtrain-skip-policy")
 
 
+def streaming_dataset(**kwargs):
+    """A ``StreamingDataset`` built under memtrain's host lock, as the loader builds its own
+    (``memtrain.data.loader._host_prefix_lock``): Streaming picks a shared-memory prefix by scanning ``/dev/shm``,
+    so a test's dataset built beside another xdist worker's training run could take the same prefix
+    (``FileExistsError: .../NNNNNN_locals`` in that run)."""
+    from streaming import StreamingDataset
+
+    from memtrain.data.loader import _host_prefix_lock
+
+    with _host_prefix_lock():
+        return StreamingDataset(**kwargs)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny tensors run fastest on one intra-op thread: more threads only spin-wait when other processes

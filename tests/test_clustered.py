@@ -85,13 +85,13 @@ def test_prepare_writes_prefixed_streams_per_subtree(prepared):
     assert len(disk_report["max_cluster_fraction"]) == P
     assert disk_report["sequences"] == meta["train_samples"] + meta["val_samples"]
 
-    from streaming import StreamingDataset
+    from conftest import streaming_dataset
 
     seen = 0
     for stream in meta["streams"]["train"]:
         folder = data_dir / stream["dir"]
         assert folder.name == f"subtree-{stream['subtree']}"
-        ds = StreamingDataset(local=str(folder), shuffle=False, batch_size=1)
+        ds = streaming_dataset(local=str(folder), shuffle=False, batch_size=1)
         leaves = np.array([ds[i]["tokens"][0] for i in range(len(ds))])
         # Every sample of a stream belongs to that level-1 subtree.
         assert (leaves // K ** (P - 1) == stream["subtree"]).all()
@@ -123,7 +123,7 @@ def test_prefix_is_the_cluster_of_the_documents_in_the_sequence(prepared, train_
     meta = read_meta(recipe.data_dir, recipe)
     tree = ClusterTree.load(recipe.data_dir / "tree.safetensors", expect_branching=K, expect_depth=P)
 
-    from streaming import StreamingDataset
+    from conftest import streaming_dataset
 
     train_docs, tok, emb = train_embeddings
     ids = tree.assign_balanced(emb, recipe.data.clustering.balance_factor)
@@ -132,7 +132,7 @@ def test_prefix_is_the_cluster_of_the_documents_in_the_sequence(prepared, train_
         expected.setdefault(int(leaf), Counter()).update(tok.encode(doc) + [meta["eot_id"]])
     got: dict[int, Counter] = {}
     for stream in meta["streams"]["train"]:
-        ds = StreamingDataset(local=str(recipe.data_dir / stream["dir"]), shuffle=False, batch_size=1)
+        ds = streaming_dataset(local=str(recipe.data_dir / stream["dir"]), shuffle=False, batch_size=1)
         for i in range(len(ds)):
             tokens = ds[i]["tokens"]
             got.setdefault(int(tokens[0]), Counter()).update(tokens[1:].tolist())

@@ -256,14 +256,14 @@ def test_prepare_user_errors(tmp_path, corpus, prepared):
 
 
 def test_packing_preserves_documents_in_order(prepared, corpus):
-    from streaming import StreamingDataset
+    from conftest import streaming_dataset
 
     recipe, meta = prepared
     tok = load_tokenizer(meta["tokenizer"], base=recipe.data_dir)
     train_idx, val_idx = split_documents(len(corpus), recipe.data.val_fraction, recipe.run.seed)
     for split, idx in (("train", train_idx), ("val", val_idx)):
         expected = np.concatenate([np.array(tok.encode(corpus[i]) + [tok.eot_id]) for i in idx])
-        ds = StreamingDataset(local=str(recipe.data_dir / split), remote=None, shuffle=False, batch_size=1)
+        ds = streaming_dataset(local=str(recipe.data_dir / split), remote=None, shuffle=False, batch_size=1)
         stored = np.concatenate([ds[i]["tokens"] for i in range(ds.num_samples)]).astype(np.int64)
         n = meta["counts"][f"{split}_samples"]
         assert ds.num_samples == n and len(stored) == n * (SEQ_LEN + 1)

@@ -73,9 +73,9 @@ def _write_recipe(recipe, path: Path) -> Path:
 
 
 def _samples(folder: Path) -> np.ndarray:
-    from streaming import StreamingDataset
+    from conftest import streaming_dataset
 
-    ds = StreamingDataset(local=str(folder), shuffle=False, batch_size=1)
+    ds = streaming_dataset(local=str(folder), shuffle=False, batch_size=1)
     return np.stack([ds[i]["tokens"] for i in range(len(ds))]) if len(ds) else np.zeros((0, 0), np.int64)
 
 
@@ -244,11 +244,11 @@ def test_plain_two_ranks(corpus, tmp_path):
     files = shard_files(two.data_dir)  # the merged plain indexes keep the parts' checksums
     assert all(algo == "xxh64" and digest for _, algo, digest in files) and verify_shards(two.data_dir) == []
 
-    from streaming import StreamingDataset  # the loader reads the merged plain split too
+    from conftest import streaming_dataset  # the loader reads the merged plain split too
 
     batch = next(LoaderIterator(build_loader(two, "train", 2)))
     assert batch["input_ids"].shape == (2, SEQ)
-    assert len(StreamingDataset(local=str(two.data_dir / "val"), shuffle=False, batch_size=1)) == meta2["val_samples"]
+    assert len(streaming_dataset(local=str(two.data_dir / "val"), shuffle=False, batch_size=1)) == meta2["val_samples"]
 
 
 _FAIL_ON_RANK_1 = textwrap.dedent("""
