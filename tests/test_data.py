@@ -427,25 +427,32 @@ _RANK_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_two_real_ranks_split_the_single_rank_batches(prepared):
-    """Two processes with launcher variables vs one rank with twice the micro-batch: same global batches."""
-    recipe, _ = prepared
+def _two_ranks(script: str, *argv: str) -> list:
+    """Runs ``script`` as ranks 0 and 1 of a 2-rank world on this host (launcher variables, a free port); returns
+    the JSON each printed last."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
            "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
-    it = LoaderIterator(build_loader(recipe, "train", 4))
-    single = [next(it)["input_ids"].tolist() for _ in range(8)]
-    # (launched only now: Streaming picks shared-memory names by scanning, which is not atomic across jobs)
-    args = [sys.executable, "-c", _RANK_SCRIPT, json.dumps(recipe.to_dict()), "2", "8"]
+    args = [sys.executable, "-c", script, *argv]
     procs = [subprocess.Popen(args, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for r in range(2)]
     outs = []
     for p in procs:
         out, err = p.communicate(timeout=120)
-        assert p.returncode == 0, err
+        assert p.returncode == 0, err[-3000:]
         outs.append(json.loads(out.strip().splitlines()[-1]))
+    return outs
+
+
+def test_two_real_ranks_split_the_single_rank_batches(prepared):
+    """Two processes with launcher variables vs one rank with twice the micro-batch: same global batches."""
+    recipe, _ = prepared
+    it = LoaderIterator(build_loader(recipe, "train", 4))
+    single = [next(it)["input_ids"].tolist() for _ in range(8)]
+    # (launched only now: Streaming picks shared-memory names by scanning, which is not atomic across jobs)
+    outs = _two_ranks(_RANK_SCRIPT, json.dumps(recipe.to_dict()), "2", "8")
     for step in range(8):
         r0, r1 = outs[0][step], outs[1][step]
         assert not {tuple(x) for x in r0} & {tuple(x) for x in r1}
@@ -475,19 +482,7 @@ def test_ranks_take_their_leaders_shared_memory_prefix_whatever_their_own_scan_f
     prefix=N was not registered by local leader' (three 2-rank Slurm jobs on one host). memtrain has every rank
     take its leader's prefix: two gloo ranks whose scans disagree still build their loaders and split the batches."""
     recipe, _ = prepared
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-           "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
-    args = [sys.executable, "-c", _SKEWED_SCAN_SCRIPT, json.dumps(recipe.to_dict())]
-    procs = [subprocess.Popen(args, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in range(2)]
-    outs = []
-    for p in procs:
-        out, err = p.communicate(timeout=120)
-        assert p.returncode == 0, err[-3000:]
-        outs.append(json.loads(out.strip().splitlines()[-1]))
+    outs = _two_ranks(_SKEWED_SCAN_SCRIPT, json.dumps(recipe.to_dict()))
     for r0, r1 in zip(*outs):
         assert not {tuple(x) for x in r0} & {tuple(x) for x in r1}  # one dataset, split between the ranks
 
