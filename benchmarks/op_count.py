@@ -5,7 +5,8 @@ titans, with the recipe's fused loss), runs one forward and backward on one synt
 ``data.seq_len`` tokens in ``--dtype`` (bf16 by default, as GPU training runs) and counts, with a
 ``TorchDispatchMode``, every ATen op that runs a kernel on a GPU: views, ``detach``, ``empty`` /
 ``_unsafe_view`` (allocations and metadata) and ``promote_types`` (host-side) are left out. Triton launches of
-the Titans kernels are counted too. Prints one JSON line: ``ops_forward``, ``ops_backward``, ``ops_total``,
+the Titans kernels are counted too, and ``F.rms_norm`` as CUDA runs it (one fused kernel each way where
+input and gain share a dtype; :class:`_FusedRMSNorm`), not as CPU's formula. Prints one JSON line: ``ops_forward``, ``ops_backward``, ``ops_total``,
 ``triton_launches``, the forward's ops per module class (``forward_by_module``, with the memory layer's
 pieces and the kernels' coefficient set-up named), the most frequent ops, and ``ops_per_token`` at the
 recipe's micro-batch (the count does not depend on the batch size).
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import sys
@@ -64,13 +66,70 @@ class _Counter(TorchDispatchMode):
     def __init__(self, where: list[str]):
         super().__init__()
         self.where, self.ops, self.by_module = where, collections.Counter(), collections.Counter()
+        self.paused = 0  # > 0: ops run uncounted (the CPU formula of an op a GPU runs as one kernel)
+
+    def count(self, name: str) -> None:
+        self.ops[name] += 1
+        self.by_module[self.where[-1]] += 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
-        if not func.is_view and name not in HOST_ONLY:
-            self.ops[name] += 1
-            self.by_module[self.where[-1]] += 1
+        if not self.paused and not func.is_view and name not in HOST_ONLY:
+            self.count(name)
         return func(*args, **(kwargs or {}))
+
+
+class _FusedRMSNorm(torch.autograd.Function):
+    """``F.rms_norm`` counted as CUDA runs it: one ``_fused_rms_norm`` forward and one ``_fused_rms_norm_backward``.
+    torch (2.11 and later) dispatches ``rms_norm`` on CUDA to that fused kernel pair where input and gain share a
+    dtype (or there is no gain); on CPU it is its formula (about 7 ops forward and 15 backward), which runs here
+    uncounted (same values and gradients)."""
+
+    @staticmethod
+    def forward(ctx, counter, rms_norm, x, weight, shape, eps):
+        with torch.enable_grad():
+            counter.paused += 1
+            try:
+                inner = [x.detach().requires_grad_(x.requires_grad)]
+                if weight is not None:
+                    inner.append(weight.detach().requires_grad_(weight.requires_grad))
+                y = rms_norm(inner[0], shape, inner[1] if weight is not None else None, eps)
+            finally:
+                counter.paused -= 1
+        counter.count("_fused_rms_norm")
+        ctx.counter, ctx.inner, ctx.y = counter, inner, y
+        return y.detach()
+
+    @staticmethod
+    def backward(ctx, gy):
+        ctx.counter.count("_fused_rms_norm_backward")
+        wanted = [t for t in ctx.inner if t.requires_grad]
+        ctx.counter.paused += 1
+        try:
+            got = iter(torch.autograd.grad(ctx.y, wanted, gy) if wanted else ())
+        finally:
+            ctx.counter.paused -= 1
+        grads = [next(got) if t.requires_grad else None for t in ctx.inner]
+        return None, None, grads[0], grads[1] if len(grads) > 1 else None, None, None
+
+
+@contextlib.contextmanager
+def rms_norm_fused(counter: _Counter):
+    """Within it, ``F.rms_norm`` is :class:`_FusedRMSNorm` where CUDA fuses it (matching dtypes, or no gain)."""
+    import torch.nn.functional as F
+
+    rms_norm = F.rms_norm
+
+    def fused(x, normalized_shape, weight=None, eps=None):
+        if weight is not None and weight.dtype != x.dtype:  # CUDA's composite fallback: its formula, counted
+            return rms_norm(x, normalized_shape, weight, eps)
+        return _FusedRMSNorm.apply(counter, rms_norm, x, weight, tuple(normalized_shape), eps)
+
+    F.rms_norm = fused
+    try:
+        yield
+    finally:
+        F.rms_norm = rms_norm
 
 
 def _label_calls(owner, attr: str, label: str, where: list[str]) -> None:
@@ -113,7 +172,7 @@ def count(recipe, dtype: torch.dtype) -> dict:
     T = recipe.data.seq_len
     x = torch.randint(0, recipe.model.vocab_size, (1, T))
     counter = _Counter(where)
-    with counter:
+    with rms_norm_fused(counter), counter:
         out = model(x, labels=x.roll(-1, 1))
         forward, forward_launches = sum(counter.ops.values()), sum(launches.values())
         by_module = dict(counter.by_module.most_common())

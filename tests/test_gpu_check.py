@@ -241,6 +241,44 @@ def test_op_count_counts_the_structure_not_the_widths():
     assert c["triton_launches"]["_fwd_kernel"] == 8 and c["ops_total"] < a["ops_total"]
 
 
+def test_op_count_counts_rms_norm_as_cuda_runs_it():
+    """``F.rms_norm`` is one fused kernel each way on CUDA (torch 2.11+) where input and gain share a dtype or there is
+    no gain, and its formula where they differ: op_count counts it so (one ``_fused_rms_norm`` forward, one
+    ``_fused_rms_norm_backward``), with the same values and gradients as ``F.rms_norm`` itself."""
+    import torch
+    import torch.nn.functional as F
+
+    oc = _load("op_count", ROOT / "benchmarks" / "op_count.py")
+    torch.manual_seed(0)
+    for weighted in (True, False):
+        x = torch.randn(3, 5, 8, dtype=torch.float64, requires_grad=True)
+        w = torch.randn(8, dtype=torch.float64, requires_grad=True) if weighted else None
+        gy = torch.randn(3, 5, 8, dtype=torch.float64)
+        ref = F.rms_norm(x, (8,), w, 1e-6)
+        ref_grads = torch.autograd.grad(ref, [x, w] if weighted else [x], gy)
+        counter = oc._Counter(["here"])
+        with oc.rms_norm_fused(counter), counter:
+            y = F.rms_norm(x, (8,), w, 1e-6)
+            forward = dict(counter.ops)
+            grads = torch.autograd.grad(y, [x, w] if weighted else [x], gy)
+        assert forward == {"_fused_rms_norm": 1}, forward
+        assert dict(counter.ops) == {"_fused_rms_norm": 1, "_fused_rms_norm_backward": 1}, counter.ops
+        assert counter.by_module == {"here": 2}
+        torch.testing.assert_close(y, ref, rtol=0, atol=0)
+        for g, r in zip(grads, ref_grads):
+            torch.testing.assert_close(g, r, rtol=0, atol=0)
+    # mixed dtypes: CUDA's composite fallback, its formula counted op by op
+    counter = oc._Counter(["here"])
+    with oc.rms_norm_fused(counter), counter, pytest.warns(UserWarning, match="Cannot dispatch to fused"):
+        F.rms_norm(torch.randn(2, 8), (8,), torch.ones(8, dtype=torch.float64))
+    assert "_fused_rms_norm" not in counter.ops and sum(counter.ops.values()) > 3, counter.ops
+    # outside the context F.rms_norm is torch's again: nothing is counted as fused
+    counter = oc._Counter(["here"])
+    with counter:
+        F.rms_norm(torch.randn(2, 8), (8,))
+    assert "_fused_rms_norm" not in counter.ops and sum(counter.ops.values()) > 3, counter.ops
+
+
 def test_test_tools_are_installed_only_where_missing(tmp_path, monkeypatch):
     """On a GPU image without pytest, the wheels of --prepare are installed for the phases, and nothing the
     interpreter already has is shadowed; here pytest exists, so a stand-in module plays the missing one."""

@@ -211,6 +211,42 @@ def test_dense_mask_equals_is_causal_for_one_document():
     assert build_attention_mask(None, 24, "sdpa", ids.device).dense is None
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_mask_is_converted_once_and_gives_sdpas_own_result(dtype):
+    """A dense boolean mask reaches SDPA as the additive mask SDPA itself would make of it (0 / -inf in the queries'
+    dtype), converted on the first call and reused by later calls with the same mask object (every layer and MAC
+    segment of a forward): outputs and gradients bitwise equal to SDPA given the boolean mask."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    doc = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2, 2], [0, 0, 0, 0, 0, 0, 1, 1, 1]])
+    mask = build_attention_mask(doc, 9, "sdpa", torch.device("cpu"))
+    assert mask.dense.dtype == torch.bool and not mask._additive
+    for call in range(2):
+        q, k, v = (torch.randn(2, 4, 9, 8, dtype=dtype, requires_grad=True) for _ in range(3))
+        gy = torch.randn(2, 4, 9, 8, dtype=dtype)
+        ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense)
+        ref_grads = torch.autograd.grad(ref, (q, k, v), gy)
+        with Ops() as ops:
+            out = attend(q, k, v, mask)
+        grads = torch.autograd.grad(out, (q, k, v), gy)
+        assert torch.equal(out, ref) and all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
+        converted = {"masked_fill_", "where", "logical_not"} & set(ops.names)
+        assert bool(converted) == (call == 0), (call, ops.names)
+    additive = mask.sdpa_mask(dtype)
+    assert additive.dtype == dtype and list(mask._additive) == [dtype]
+    assert torch.equal(additive == 0, mask.dense) and torch.isinf(additive[~mask.dense]).all()
+
+
 def test_auto_backend_is_sdpa_on_cpu():
     mask = build_attention_mask(torch.zeros(1, 8, dtype=torch.long), 8, "auto", torch.device("cpu"))
     assert isinstance(mask, AttentionMask) and mask.backend == "sdpa"

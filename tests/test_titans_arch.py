@@ -357,6 +357,28 @@ def test_carried_memory_continues_the_sequence(variant, split):
 # Masks
 
 
+@pytest.mark.parametrize("variant", ["mac", "mag"])
+def test_the_layers_attentions_keep_one_converted_mask(variant):
+    """Every attention of a forward (each block's, and each MAC segment's) reaches SDPA with the same additive
+    mask, converted once from the forward's boolean one; SDPA, given the boolean mask, converted and saved its
+    own copy for the backward per call (16 for 2 MAC blocks of 8 segments here: one storage now)."""
+    torch.manual_seed(0)
+    model = build(tiny(variant, n_layers=3))
+    ids = tokens(T=64)
+    storages, saved = set(), []
+
+    def pack(t):
+        if t.dim() == 4 and t.shape[1] == 1 and t.shape[-1] in (NP + t.shape[-2], NP + 2 * t.shape[-2]):  # masks
+            saved.append(tuple(t.shape))
+            storages.add(t.untyped_storage().data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(ids, labels=ids.roll(-1, 1)).loss_sum.backward()
+    calls = 3 * (64 // SEG) if variant == "mac" else 3
+    assert len(saved) == calls and len(storages) == 1, (saved, len(storages))
+
+
 def test_mask_builders_against_brute_force():
     T, W, P = 11, 4, 2
     doc = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 2, 2, 2]])

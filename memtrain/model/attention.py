@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 import inspect
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -100,6 +100,21 @@ class AttentionMask:
     backend: str  # "sdpa" or "flex"
     dense: Optional[torch.Tensor] = None  # [B, 1, T, T] bool, sdpa with documents
     block_mask: Any = None  # flex BlockMask
+    _additive: dict = field(default_factory=dict, repr=False, compare=False)  # dtype -> sdpa_mask(dtype)
+
+    def sdpa_mask(self, dtype: torch.dtype) -> Optional[torch.Tensor]:
+        """``dense`` as the additive mask SDPA applies, in the queries' ``dtype``: 0 where visible, -inf elsewhere.
+        SDPA converts a boolean mask to exactly this (``where(~mask, -inf, 0)``) inside every call; converted here
+        once per mask and dtype, every layer (and MAC segment) of a forward reuses it, the same values without the
+        conversion's ops per call. Inside a compiled region the boolean mask is passed on (the compiler fuses its
+        conversion; no tensor is cached across graphs)."""
+        if self.dense is None or self.dense.dtype != torch.bool or torch.compiler.is_compiling():
+            return self.dense
+        mask = self._additive.get(dtype)
+        if mask is None:
+            mask = torch.zeros(self.dense.shape, dtype=dtype, device=self.dense.device)
+            mask = self._additive[dtype] = mask.masked_fill_(~self.dense, float("-inf"))
+        return mask
 
 
 @functools.lru_cache(maxsize=None)
@@ -189,7 +204,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMas
     # With an explicit mask, the memory-efficient kernel is the fast one, and it does not take
     # enable_gqa; repeating k/v keeps it eligible.
     n_rep = H // KV
-    return F.scaled_dot_product_attention(q, _repeat_kv(k, n_rep), _repeat_kv(v, n_rep), attn_mask=mask.dense)
+    return F.scaled_dot_product_attention(q, _repeat_kv(k, n_rep), _repeat_kv(v, n_rep),
+                                          attn_mask=mask.sdpa_mask(q.dtype))
 
 
 __all__ = [

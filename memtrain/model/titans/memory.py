@@ -235,11 +235,16 @@ class NeuralMemory(nn.Module):
     def _heads(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, H*d] -> [B, H, T, d]
         return x.unflatten(-1, (self.heads, self.head_dim)).transpose(1, 2)
 
-    def _conv(self, xp: torch.Tensor, channels: slice) -> torch.Tensor:
+    def _conv(self, xp: torch.Tensor, channels: Optional[slice] = None) -> torch.Tensor:
         """Causal depthwise convolution of ``xp`` [B, kernel-1+T, C], the input after its left context (the
-        state's cache, or zeros): [B, T, C]."""
+        state's cache, or zeros): [B, T, C]. ``channels``: those of the convolution's ``3 * inner`` that ``xp``
+        holds (None: all of them, the parameters themselves; a slice's backward would write a zero-filled
+        gradient of the whole parameter and copy its part in, per call)."""
         xp = xp.transpose(1, 2)
-        return F.conv1d(xp, self.conv.weight[channels], self.conv.bias[channels], groups=xp.shape[1]).transpose(1, 2)
+        weight, bias = self.conv.weight, self.conv.bias
+        if channels is not None:
+            weight, bias = weight[channels], bias[channels]
+        return F.conv1d(xp, weight, bias, groups=xp.shape[1]).transpose(1, 2)
 
     def _queries(self, q: torch.Tensor) -> torch.Tensor:
         return F.normalize(F.silu(self._heads(q)).to(self.inner_dtype), dim=-1)
@@ -323,7 +328,7 @@ class NeuralMemory(nn.Module):
         qkv = self.to_qkv(x)
         conv_in = torch.cat([state.conv_cache.to(qkv.dtype), qkv], dim=1)
         conv_cache = conv_in[:, conv_in.shape[1] - (self.conv_kernel - 1):]
-        q, k, v = self._qkv_heads(self._conv(conv_in, slice(None)), algorithm)
+        q, k, v = self._qkv_heads(self._conv(conv_in), algorithm)
         lr, log_eta, log_keep, chunk_gates = self._gates(x, state)
         y, new_state = self.scan(q, k, v, lr, log_eta, log_keep, state, self.chunk_size, algorithm, self.kernel,
                                  qkv.dtype)
