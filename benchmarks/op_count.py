@@ -5,9 +5,10 @@ titans, with the recipe's fused loss), runs one forward and backward on one synt
 ``data.seq_len`` tokens in ``--dtype`` (bf16 by default, as GPU training runs) and counts, with a
 ``TorchDispatchMode``, every ATen op that runs a kernel on a GPU: views, ``detach``, ``empty`` /
 ``_unsafe_view`` (allocations and metadata) and ``promote_types`` (host-side) are left out. Triton launches of
-the Titans kernels are counted too, and ``F.rms_norm`` as CUDA runs it (one fused kernel each way where
-input and gain share a dtype; :class:`_FusedRMSNorm`), not as CPU's formula. Prints one JSON line: ``ops_forward``, ``ops_backward``, ``ops_total``,
-``triton_launches``, the forward's ops per module class (``forward_by_module``, with the memory layer's
+the Titans kernels are counted too (and the custom operators around them not again), and ``F.rms_norm`` as CUDA
+runs it (one fused kernel each way where input and gain share a dtype; :class:`_FusedRMSNorm`), not as CPU's
+formula. Prints one JSON line: ``ops_forward``, ``ops_backward``, ``ops_total``, ``triton_launches``, the
+forward's ops per module class (``forward_by_module``, with the memory layer's
 pieces and the kernels' coefficient set-up named), the most frequent ops, and ``ops_per_token`` at the
 recipe's micro-batch (the count does not depend on the batch size).
 
@@ -74,7 +75,9 @@ class _Counter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
-        if not self.paused and not func.is_view and name not in HOST_ONLY:
+        # memtrain's custom operators (the Titans kernels' wrappers) launch nothing themselves: their Triton
+        # launches are counted instead
+        if not self.paused and not func.is_view and name not in HOST_ONLY and func.namespace != "memtrain":
             self.count(name)
         return func(*args, **(kwargs or {}))
 
@@ -145,13 +148,14 @@ def _label_calls(owner, attr: str, label: str, where: list[str]) -> None:
 
 
 def count(recipe, dtype: torch.dtype) -> dict:
-    from memtrain.kernels.titans import triton_deep, triton_kernels
+    from memtrain.kernels.titans import prologue, triton_deep, triton_kernels
     from memtrain.model import build
     from memtrain.model.titans import attention, memory
 
     launches: collections.Counter = collections.Counter()
     for mod, names in ((triton_kernels, ("_fwd_kernel", "_bwd_kernel", "_coef_fwd_kernel", "_coef_bwd_kernel")),
-                       (triton_deep, ("_fwd_deep_kernel", "_bwd_deep_kernel"))):
+                       (triton_deep, ("_fwd_deep_kernel", "_bwd_deep_kernel")),
+                       (prologue, ("_qkv_fwd_kernel", "_qkv_bwd_kernel", "_gates_fwd_kernel", "_gates_bwd_kernel"))):
         for name in names:
             setattr(mod, name, _StubLaunch(name, launches))
     where = ["model"]

@@ -289,6 +289,35 @@ def test_titans_compiled_blocks_with_the_triton_kernels_are_one_graph(variant, d
         torch.testing.assert_close(p.grad, r.grad, rtol=1e-3, atol=1e-6, msg=name)
 
 
+def test_titans_compiled_half_precision_blocks_take_the_fused_prologue():
+    """In half precision (bf16 training; float16 here, the interpreter's bf16 dot products being wrong) the layer's
+    prologue is two more custom operators (memtrain.kernels.titans.prologue): a compiled MAC block traces them
+    into its one graph beside the scan's, and runs what the eager block runs -- outputs and every gradient to
+    float16 rounding of the eager kernel model's."""
+    from torch._dynamo.testing import CompileCounterWithBackend, EagerAndRecordGraphs
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    eager, traced = (_titans("mac", kernel="triton", memory_depth=2).half() for _ in range(2))
+    for block in eager.blocks:  # compiled blocks' form of MAC (the write's output stage per segment)
+        block.compiled = True
+    record = EagerAndRecordGraphs()
+    counter = CompileCounterWithBackend(record)
+    traced.compile_blocks(backend=counter)
+    x, doc = _titans_batch(16)
+    outs = [m(x, doc_ids=doc).logits for m in (eager, traced)]
+    assert not _graph_breaks(), _graph_breaks()
+    assert counter.frame_count == 1 and len(record.graphs) == 1
+    assert _kernel_ops(record.graphs) == {f"memtrain.titans_{op}.default" for op in ("coef_fwd", "scan_fwd",
+                                                                                      "qkv_heads", "gates")}
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
+    for out in outs:
+        out.float().square().mean().backward()
+    for (name, p), q in zip(traced.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
+
+
 def test_titans_compiled_mac_with_the_triton_kernels_through_aot_autograd():
     """The kernels' custom operators through AOTAutograd (``aot_eager``: the joint graph of the whole MAC
     block partitioned into forward and backward, run eagerly), the block checkpointed: the loss,

@@ -10,6 +10,8 @@ and momentum) agree to a relative error below 1e-4. Every buffer the kernels wri
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -269,10 +271,11 @@ def test_kernel_half_precision_inputs_close_to_float32():
     assert _rel(y, y_ref) < 1e-2 and _rel(w_out[0], w_ref[0]) < 1e-2
 
 
-def test_kernel_half_precision_layer_hands_the_kernels_half_precision_qkv():
+def test_kernel_half_precision_layer_hands_the_kernels_half_precision_qkv(monkeypatch):
     """With half-precision activations and the kernels running, the layer lays q, k, v out per head in the
-    activations' dtype in the same copy (contiguous, what the kernels read; nothing left for run_scan to cast),
-    and the whole layer stays within rounding of its float32 form with the PyTorch inner loop."""
+    activations' dtype in the same (fused) kernel (contiguous, what the kernels read; nothing left for run_scan to
+    cast), the gates in the other fused kernel, and the whole layer stays within rounding of its float32 form
+    with the PyTorch inner loop."""
     torch.manual_seed(torch.seed() % 2**31)
     mem = NeuralMemory(24, heads=3, depth=2, chunk_size=4, kernel="triton").to(DEVICE)
     ref = NeuralMemory(24, heads=3, depth=2, chunk_size=4, kernel="torch").to(DEVICE)
@@ -285,10 +288,19 @@ def test_kernel_half_precision_layer_hands_the_kernels_half_precision_qkv():
         return run_scan(q, k, v, *args)
 
     mem.scan = spy
+    from memtrain.kernels.titans import prologue
+
+    fused = []
+    for name in ("qkv_heads", "gates"):
+        monkeypatch.setattr(prologue, name, lambda *a, _f=getattr(prologue, name), _n=name: fused.append(_n) or _f(*a))
     x = torch.randn(2, 11, 24, device=DEVICE)
     y, _ = mem(x.half())
-    assert seen == [[(torch.float16, True)] * 3]
+    assert seen == [[(torch.float16, True)] * 3] and fused == ["qkv_heads", "gates"]  # the fused prologue
     assert y.dtype == torch.float16 and _rel(y.float(), ref(x)[0]) < 2e-2
+    fused.clear()
+    mem.gate_mode = ref.gate_mode = "chunk"  # the gates of a chunk's first token: PyTorch's form (one fused kernel)
+    y2, _ = mem(x.half())
+    assert fused == ["qkv_heads"] and _rel(y2.float(), ref(x)[0]) < 2e-2
 
 
 @pytest.mark.parametrize("depth,gate_mode", [(2, "token"), (1, "chunk"), (3, "token")])
@@ -315,6 +327,93 @@ def test_kernel_neural_memory_layer_matches_torch(depth, gate_mode):
         assert _rel(a, b) < 1e-4
     for (name, _), a, b in zip(mems["torch"].named_parameters(), g_k, g_t):
         assert _rel(a, b) < 1e-4, name
+
+
+# -- the memory layer's prologue (memtrain.kernels.titans.prologue) ---------------------------------------------
+
+
+@pytest.fixture
+def poisoned_prologue(monkeypatch):
+    from memtrain.kernels.titans import prologue
+
+    def nan_empty(*shape, device, dtype):
+        return torch.full(shape, float("nan"), device=device, dtype=dtype)
+
+    monkeypatch.setattr(prologue, "_empty", nan_empty)
+    return prologue
+
+
+def _qkv_reference(x, heads, norm_v):
+    """NeuralMemory._qkv_heads' formula in float64 from ``x``'s SiLU as ``F.silu`` rounds it: [3, B, H, T, hd]."""
+    B, T, C = x.shape
+    a = F.silu(x).double().view(B, T, 3, heads, C // (3 * heads))
+    a = torch.cat([F.normalize(a[:, :, :2], dim=-1), F.normalize(a[:, :, 2:], dim=-1) if norm_v else a[:, :, 2:]], 2)
+    return a.permute(2, 0, 3, 1, 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("norm_v", [False, True])
+def test_kernel_prologue_qkv_heads_matches_torch(poisoned_prologue, dtype, norm_v):
+    """The fused q/k/v prologue (SiLU, L2 norm per head, layout, cast) against its PyTorch formula in float64: odd
+    head size and head count, a length across the 32-token blocks, the convolution's transposed strides; outputs
+    in ``dtype`` within its rounding, every element written; the gradient of the input within half-precision
+    rounding of float64 autograd (the kernel's backward is float32 throughout), in the input's layout."""
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    B, T, H, hd = 2, 37, 3, 5
+    x = (2 * torch.randn(B, 3 * H * hd, T, generator=gen)).to(DEVICE, dtype).transpose(1, 2)  # conv1d's layout
+    x.requires_grad_(True)
+    q, k, v = poisoned_prologue.qkv_heads(x, H, norm_v, dtype)
+    ref = _qkv_reference(x.detach(), H, norm_v)
+    tol = 4e-3 if dtype == torch.float16 else 2e-2
+    for got, want in zip((q, k, v), ref):
+        assert got.dtype == dtype and got.shape == (B, H, T, hd) and got.is_contiguous()
+        assert torch.isfinite(got).all() and _rel(got, want) < tol, _rel(got, want)
+    cot = torch.randn(3, B, H, T, hd, generator=gen).to(DEVICE)
+    (dx,) = torch.autograd.grad(sum((t.float() * c).sum() for t, c in zip((q, k, v), cot)), x)
+    x64 = x.detach().double().requires_grad_(True)
+    B_, T_, C_ = x64.shape
+    a = F.silu(x64).view(B_, T_, 3, H, hd)
+    a = torch.cat([F.normalize(a[:, :, :2], dim=-1), F.normalize(a[:, :, 2:], dim=-1) if norm_v else a[:, :, 2:]], 2)
+    (dx_ref,) = torch.autograd.grad((a.permute(2, 0, 3, 1, 4) * cot.double()).sum(), x64)
+    assert dx.dtype == dtype and torch.isfinite(dx).all() and _rel(dx, dx_ref) < tol, _rel(dx, dx_ref)
+    assert dx.stride() == x.stride()  # the convolution's layout: its backward takes the gradient without a copy
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # the interpreter's sigmoid at |g| >> 1: 0 or 1
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_kernel_prologue_gates_match_torch(poisoned_prologue, dtype):
+    """The fused gate prologue (theta = max_lr sigmoid, log eta = logsigmoid + log max_momentum, log(1 - alpha) =
+    logsigmoid(-g), the per-head layout) against float64: pre-activations up to +-40 (logsigmoid's tails), a
+    length across the 32-token blocks; float32 outputs to 1e-5, the gradient to 1e-5 (float32 input) or within
+    the input dtype's rounding."""
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    B, T, H = 3, 45, 5
+    g = (torch.randn(B, T, 3 * H, generator=gen) * torch.tensor([1.0, 8.0, 40.0]).repeat_interleave(T * 3 * H // 3)
+         .view(1, T, 3 * H)[:, :, torch.randperm(3 * H, generator=gen)]).to(DEVICE, dtype).requires_grad_(True)
+    max_lr, max_m = 0.003, 0.95
+    lr, log_eta, log_keep = poisoned_prologue.gates(g, H, max_lr, max_m)
+    g64 = g.detach().double().requires_grad_(True)
+    r = g64.view(B, T, 3, H).permute(2, 0, 3, 1)
+    ref = (max_lr * torch.sigmoid(r[0]), F.logsigmoid(r[1]) + math.log(max_m), F.logsigmoid(-r[2]))
+    for got, want in zip((lr, log_eta, log_keep), ref):
+        assert got.dtype == torch.float32 and got.shape == (B, H, T) and got.is_contiguous()
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-7)
+    cot = torch.randn(3, B, H, T, generator=gen, dtype=torch.float64).to(DEVICE)
+    (dg,) = torch.autograd.grad(sum((t * c.float()).sum() for t, c in zip((lr, log_eta, log_keep), cot)), g)
+    (dg_ref,) = torch.autograd.grad(sum((t * c).sum() for t, c in zip(ref, cot)), g64)
+    assert dg.dtype == dtype and torch.isfinite(dg).all()
+    assert _rel(dg, dg_ref) < (1e-5 if dtype == torch.float32 else 1e-2), _rel(dg, dg_ref)
+
+
+def test_kernel_prologue_custom_operators_pass_opcheck():
+    """The prologue's two custom operators: schemas, fake implementations, autograd registration, AOTAutograd
+    against eager (``torch.library.opcheck``), with the convolution's transposed strides."""
+    from memtrain.kernels.titans import prologue
+
+    x = torch.randn(2, 30, 9, device=DEVICE).transpose(1, 2).requires_grad_(True)  # [2, 9, 30]: 3 heads of 3
+    torch.library.opcheck(prologue._qkv_fwd, (x.transpose(1, 2), 3, False, torch.float32))
+    g = torch.randn(2, 19, 12, device=DEVICE, requires_grad=True)
+    torch.library.opcheck(prologue._gates_fwd, (g, 4, 0.01, math.log(0.9)))
 
 
 def _unspecialised(kernel) -> set:
@@ -537,3 +636,21 @@ def test_kernel_compiles_for_an_h100_within_its_shared_memory():
     # 4 warps spilled 24.9 KB (the scan kernels spill at these widths; README, "Registers and spills")
     assert [r["spill_stores"] for r in compiled[-2:]] == [0, 0], compiled[-2:]
     assert [r["num_warps"] for r in compiled[4:6]] == [16, 16] and compiled[4]["spill_stores"] <= 2048, compiled[4:6]
+
+
+def test_kernel_prologue_compiles_for_an_h100_without_spills():
+    """The prologue's four kernels compiled ahead of time for sm_90 (bf16 at head size 64, the gates of 12 heads,
+    as the recipes): within an H100's shared memory, no register spilled (each program holds a 32-token tile)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = ("import json; from memtrain.kernels.titans.aot import compile_kernel; print(json.dumps([compile_kernel(k, "
+            "head_dim=64, half='bf16') for k in ('qkv_fwd', 'qkv_bwd', 'gates_fwd', 'gates_bwd')]))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for r in json.loads(run.stdout.strip().splitlines()[-1]):
+        assert r["shared"] <= 232448 and 0 < r["registers"] <= 255, r
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r

@@ -4,7 +4,8 @@ PyTorch reference and fallback (:mod:`.reference`), and the dispatch between the
 Two kernel pairs: :mod:`.triton_kernels` for memory depth 1 and 2 (every layer's weights and momentum held in
 registers) and :mod:`.triton_deep` for depth 3 and more (Section 5.5 varies the depth from 1 to 4; the state
 lives in a per-program scratch in global memory, one zero-padded tile per layer). :func:`scan` picks by depth
-(:data:`DEEP_KERNEL_MIN_DEPTH`).
+(:data:`DEEP_KERNEL_MIN_DEPTH`). :mod:`.prologue` fuses the memory layer's elementwise work before the scan (q, k,
+v and the gates), which :class:`memtrain.model.titans.memory.NeuralMemory` runs where the scan kernels do.
 
 ``kernel``: ``"auto"`` runs the kernels for the ``"chunked"`` algorithm on bfloat16 / float16 CUDA tensors
 (bf16 training; when Triton imports and the layers fit the kernels' tiles, :func:`kernel_unsupported`) and the

@@ -21,7 +21,7 @@ import io
 import re
 from typing import Optional
 
-KERNELS = ("fwd", "bwd", "coef_fwd", "coef_bwd")
+KERNELS = ("fwd", "bwd", "coef_fwd", "coef_bwd", "qkv_fwd", "qkv_bwd", "gates_fwd", "gates_bwd")
 # The scan kernels' integer arguments; every other non-constexpr argument is a pointer.
 _INTS = {"NC", "Tp", "N_LAST", "SAVE_EVERY", "NSAVE", "C", "D", "H1"}
 _HALF = {"Q", "K", "V"}  # q, k, v reach the kernels in the activations' half precision in training
@@ -40,7 +40,8 @@ def compile_kernel(kernel: str, depth: int = 2, head_dim: int = 64, hidden: int 
                    any_depth: Optional[bool] = None) -> dict:
     """Compile one Titans kernel for ``sm_<arch>`` and report it: ``kernel`` one of :data:`KERNELS` (the scan's
     forward / backward at ``depth`` -- the register-resident pair at depth 1-2, the any-depth pair at 3+ or where
-    ``any_depth`` -- or the chunk coefficients' at ``chunk``), ``head_dim`` and ``hidden`` (the memory's widths),
+    ``any_depth`` -- the chunk coefficients' at ``chunk``, or the layer's prologue, q/k/v at ``head_dim`` and the
+    gates for up to 21 heads), ``head_dim`` and ``hidden`` (the memory's widths),
     ``num_warps`` (default: what the kernels launch with), ``half`` the dtype of q / k / v (``bf16``, ``fp16`` or
     ``fp32``).
     Returns the arguments with ``shared`` (bytes per program), ``registers`` (per thread), ``spill_stores`` and
@@ -54,12 +55,27 @@ def compile_kernel(kernel: str, depth: int = 2, head_dim: int = 64, hidden: int 
 
     if kernel not in KERNELS:
         raise ValueError(f"unknown kernel {kernel!r}; expected one of {', '.join(KERNELS)}")
-    if kernel.startswith("coef"):  # float32 gates in, one program per chunk
+    if kernel.startswith(("qkv", "gates")):  # the prologue (memtrain.kernels.titans.prologue): 12 heads of head_dim
+        from memtrain.kernels.titans import prologue
+
+        fn = getattr(prologue, f"_{kernel}_kernel")
+        ptr = {"fp32": "*fp32", "bf16": "*bf16", "fp16": "*fp16"}[half]
+        if kernel.startswith("qkv"):
+            consts = dict(NORM_V=True, BT=prologue.BLOCK_T, BD=prologue._block(head_dim))
+            typed = {"X": ptr, "DX": ptr, "Y": ptr, "DY": ptr}
+        else:
+            consts = dict(BT=prologue.BLOCK_T, BG=prologue._block(3 * 12))
+            typed = {"G": ptr, "DG": ptr, "OUT": "*fp32", "DOUT": "*fp32", "max_lr": "fp32", "log_max_momentum": "fp32"}
+        launch = {"num_warps": num_warps or 4, "num_stages": 3}  # Triton's defaults, as the kernels launch
+        sig = {n: "constexpr" if n in consts else typed.get(n, "i32") for n in fn.arg_names}
+        scan = False
+    elif kernel.startswith("coef"):  # float32 gates in, one program per chunk
         fn = tk._coef_fwd_kernel if kernel == "coef_fwd" else tk._coef_bwd_kernel
         consts = tk._coef_launch(chunk)
         shipped = consts.pop("num_warps")
         launch = {"num_warps": num_warps or shipped, "num_stages": 3}  # Triton's default stages
         sig = {n: "constexpr" if n in consts else "i32" if n == "C" else "*fp32" for n in fn.arg_names}
+        scan = False
     else:
         deep = depth >= DEEP_KERNEL_MIN_DEPTH if any_depth is None else any_depth
         mod = triton_deep if deep else tk
@@ -73,6 +89,7 @@ def compile_kernel(kernel: str, depth: int = 2, head_dim: int = 64, hidden: int 
         ptr = {"fp32": "*fp32", "bf16": "*bf16", "fp16": "*fp16"}[half]
         sig = {n: "constexpr" if n in consts else "i32" if n in _INTS else ptr if n in _HALF else "*fp32"
                for n in fn.arg_names}
+        scan = True
     src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
     log = io.StringIO()
     saved = knobs.nvidia.dump_ptxas_log, knobs.compilation.always_compile
@@ -82,7 +99,6 @@ def compile_kernel(kernel: str, depth: int = 2, head_dim: int = 64, hidden: int 
             compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=launch)
     finally:
         knobs.nvidia.dump_ptxas_log, knobs.compilation.always_compile = saved
-    scan = not kernel.startswith("coef")
     return {"kernel": kernel, "depth": depth if scan else None, "any_depth": deep if scan else None,
             "head_dim": head_dim, "hidden": hidden, "chunk": chunk, "half": half, "capability": arch, **launch,
             "shared": compiled.metadata.shared, **_ptxas_figures(log.getvalue())}

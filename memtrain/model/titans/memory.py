@@ -87,6 +87,7 @@ from memtrain.model.titans.state import MemoryState
 GATE_MODES = ("token", "chunk")
 
 
+
 def scan_uses_kernels(q: torch.Tensor, state: MemoryState, algorithm: str, kernel: str,
                       io_dtype: torch.dtype) -> bool:
     """Whether :func:`run_scan` with these arguments runs the Triton kernels (``q`` ``[B, H, T, head_dim]``)."""
@@ -253,20 +254,27 @@ class NeuralMemory(nn.Module):
         """``q, k, v`` ``[B, H, T, head_dim]`` from the convolved ``[B, T, 3*inner]`` in one pass over all three:
         SiLU, the inner dtype, L2 norm per head (q, k; v too with ``value_norm``), as :meth:`_queries` per part.
         One copy lays them out contiguously per head for the inner loop, in the dtype it reads them in: the
-        activations' half precision where the Triton kernels run (:func:`run_scan`), else the inner dtype."""
+        activations' half precision where the Triton kernels run (:func:`run_scan`), else the inner dtype. Where
+        the kernels run, all of it is one fused kernel each way (:func:`memtrain.kernels.titans.prologue.qkv_heads`,
+        a custom operator: one node in a compiled block's graph, so compiled and eager blocks compute the same)."""
+        half = self._kernels_read_half(qkv, algorithm)
+        if half:
+            from memtrain.kernels.titans.prologue import qkv_heads
+            return qkv_heads(qkv, self.heads, self.value_norm, qkv.dtype)
         B, T, _ = qkv.shape
         a = F.silu(qkv).to(self.inner_dtype).view(B, T, 3, self.heads, self.head_dim)
         if self.value_norm:
             a = F.normalize(a, dim=-1)
         else:
             a = torch.cat([F.normalize(a[:, :, :2], dim=-1), a[:, :, 2:]], dim=2)
-        dtype = self.inner_dtype
-        hidden = self.init_weights[0].shape[-2]
-        if qkv.dtype in (torch.bfloat16, torch.float16) and use_triton(
-                self.kernel, qkv, self.depth, algorithm, self.head_dim, hidden, dtype=qkv.dtype):
-            dtype = qkv.dtype
+        dtype = qkv.dtype if half else self.inner_dtype
         q, k, v = a.permute(2, 0, 3, 1, 4).to(dtype, memory_format=torch.contiguous_format)
         return q, k, v
+
+    def _kernels_read_half(self, qkv: torch.Tensor, algorithm: str) -> bool:
+        """Whether the Triton kernels run this call and read its q, k, v in the activations' half precision."""
+        return qkv.dtype in (torch.bfloat16, torch.float16) and use_triton(
+            self.kernel, qkv, self.depth, algorithm, self.head_dim, self.init_weights[0].shape[-2], dtype=qkv.dtype)
 
     def output_gate(self, x: torch.Tensor) -> torch.Tensor:
         """The output's sigmoid gate from ``x`` ``[B, T, dim]``: ``sigmoid(x W_G)`` ``[B, T, H*d]``."""
@@ -283,10 +291,17 @@ class NeuralMemory(nn.Module):
         """[B, H, T, d] retrievals -> per-head RMSNorm, sigmoid gate from x, output projection."""
         return self.gated_output(y, self.output_gate(x), x.dtype)
 
-    def _gates(self, x: torch.Tensor, state: MemoryState):
-        """Per-token ``(lr, log_eta, log_keep)`` ``[B, H, T]`` and the state's new ``chunk_gates``."""
+    def _gates(self, x: torch.Tensor, state: MemoryState, fused: bool = False):
+        """Per-token ``(lr, log_eta, log_keep)`` ``[B, H, T]`` and the state's new ``chunk_gates``. ``fused``
+        (where the kernels run; per-token gates): one fused kernel each way
+        (:func:`memtrain.kernels.titans.prologue.gates`), the same function."""
         B, T, _ = x.shape
-        g = self.to_gates(x).to(self.inner_dtype).view(B, T, 3, self.heads).permute(0, 3, 1, 2)  # [B, H, T, 3]
+        g = self.to_gates(x)
+        if fused and self.gate_mode == "token":
+            from memtrain.kernels.titans.prologue import gates
+
+            return (*gates(g, self.heads, self.max_lr, self.max_momentum), None)
+        g = g.to(self.inner_dtype).view(B, T, 3, self.heads).permute(0, 3, 1, 2)  # [B, H, T, 3]
         chunk_gates = None
         if self.gate_mode == "chunk":
             C, pos = self.chunk_size, state.pos
@@ -329,7 +344,7 @@ class NeuralMemory(nn.Module):
         conv_in = torch.cat([state.conv_cache.to(qkv.dtype), qkv], dim=1)
         conv_cache = conv_in[:, conv_in.shape[1] - (self.conv_kernel - 1):]
         q, k, v = self._qkv_heads(self._conv(conv_in), algorithm)
-        lr, log_eta, log_keep, chunk_gates = self._gates(x, state)
+        lr, log_eta, log_keep, chunk_gates = self._gates(x, state, self._kernels_read_half(qkv, algorithm))
         y, new_state = self.scan(q, k, v, lr, log_eta, log_keep, state, self.chunk_size, algorithm, self.kernel,
                                  qkv.dtype)
         return y, replace(new_state, chunk_gates=chunk_gates, conv_cache=conv_cache)
