@@ -113,6 +113,21 @@ def test_a_capped_phase_stops_inside_its_clipped_timeout_and_gets_its_env(tmp_pa
     assert report["phases"][0]["argv"][-2] == "--max-seconds"  # the JSON records the command that ran
 
 
+def test_a_failed_guard_phase_sets_its_environment_for_the_later_phases(tmp_path):
+    """A phase with ``on_failure_env`` that fails (here: exits 1) sets those variables for every phase after it,
+    and its record says so; one that passes sets nothing."""
+    show = _py("import os, json; print(json.dumps({'v': os.environ.get('MEMTRAIN_GUARD_PROBE')}))")
+    for code, want in (("raise SystemExit(1)", "0"), ("pass", None)):
+        phases = [gc.Phase("guard", _py(code), 30, on_failure_env={"MEMTRAIN_GUARD_PROBE": "0"}),
+                  gc.Phase("after", show, 30), gc.Phase("later", show, 30)]
+        report = gc.run_plan(phases, tmp_path / str(want), 60, env={k: v for k, v in os.environ.items()
+                                                                     if k != "MEMTRAIN_GUARD_PROBE"})
+        guard, after, later = report["phases"]
+        assert guard["status"] == ("failed" if want else "ok")
+        assert guard.get("set_for_later_phases") == ({"MEMTRAIN_GUARD_PROBE": "0"} if want else None)
+        assert after["results"] == later["results"] == [{"v": want}]
+
+
 def test_main_exit_status_and_unknown_phase(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(gc, "PLAN", [gc.Phase("a_one", _py("print('{\"x\": 1}')"), 30),
                                      gc.Phase("b_two", _py("import sys; sys.exit(1)"), 30)])
@@ -164,11 +179,17 @@ def test_the_real_plan_names_existing_files_and_loadable_recipes(capsys):
             idx = [int(i) for i in p.argv[p.argv.index("--configs") + 1].split(",")]
             assert max(idx) < len(bench.FULL)
     assert gc.select(gc.PLAN, "recipe_")[0].name == "recipe_400m_mag"
-    # 15 device minutes: the two recipes owed 52 steps, then eager and compiled MAC side by side (the compiled
+    # 15 device minutes: the fused prologue's tests (every recipe runs it), the two recipes owed 52 steps, then
+    # eager and compiled MAC side by side (the compiled
     # launches asynchronous: its tokens/s is what it measures), then the layer target and the kernels' launches
     # (register-resident or any-depth at the recipes' shapes)
-    assert names[:9] == ["env", "recipe_400m_mag", "recipe_340m_mac", "recipe_170m_mac", "recipe_170m_mac_compiled",
-                         "recipe_170m_mac_cudagraphs", "titans_layer", "titans_kernel_tune", "recipe_760m_mal"]
+    assert names[:10] == ["env", "titans_prologue", "recipe_400m_mag", "recipe_340m_mac", "recipe_170m_mac",
+                          "recipe_170m_mac_compiled", "recipe_170m_mac_cudagraphs", "titans_layer", "titans_kernel_tune",
+                          "recipe_760m_mal"]
+    guard = gc.select(gc.PLAN, "titans_prologue")[0]
+    from memtrain.model.titans.memory import FUSED_PROLOGUE_ENV
+
+    assert guard.on_failure_env == {FUSED_PROLOGUE_ENV: "0"} and "tests/test_titans_kernel.py" in guard.argv
     assert "CUDA_LAUNCH_BLOCKING" not in gc.select(gc.PLAN, "recipe_170m_mac_compiled")[0].env
 
 

@@ -301,6 +301,10 @@ def test_kernel_half_precision_layer_hands_the_kernels_half_precision_qkv(monkey
     mem.gate_mode = ref.gate_mode = "chunk"  # the gates of a chunk's first token: PyTorch's form (one fused kernel)
     y2, _ = mem(x.half())
     assert fused == ["qkv_heads"] and _rel(y2.float(), ref(x)[0]) < 2e-2
+    fused.clear()
+    monkeypatch.setenv("MEMTRAIN_TITANS_FUSED_PROLOGUE", "0")  # the switch: PyTorch's form, the same function
+    y3, _ = mem(x.half())
+    assert fused == [] and seen[-1] == [(torch.float16, True)] * 3 and _rel(y3.float(), y2.float()) < 5e-3
 
 
 @pytest.mark.parametrize("depth,gate_mode", [(2, "token"), (1, "chunk"), (3, "token")])

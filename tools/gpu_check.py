@@ -6,8 +6,10 @@ train each paper-scale Titans recipe 50+ steps -- so it is one script, in priori
 writes its results as it goes and stops starting phases when its time budget runs out. The results
 of the phases that finished come back even when the command is killed.
 
-What. ``PLAN`` lists the phases, most important first (issue 11: the two paper-scale Titans recipes still
-owed 52 optimizer steps at the recipes' learning rate after a 2-step warm-up -- the setting under which
+What. ``PLAN`` lists the phases, most important first (after a guard: the Titans layer's fused prologue, new
+since the last GPU run and taken by every Titans recipe, is tested compiled first, and if that fails the later
+phases run with ``MEMTRAIN_TITANS_FUSED_PROLOGUE=0``, a phase's ``on_failure_env``; issue 11: the two
+paper-scale Titans recipes still owed 52 optimizer steps at the recipes' learning rate after a 2-step warm-up -- the setting under which
 titans-400m-mag once diverged -- each with one profiled step, titans-170m-mac eager, with its blocks
 compiled and with them replayed as CUDA graphs, the layer benchmark's target configuration, the kernels' launch
 sweep (register-resident or any-depth), titans-760m-mal, larger micro-batches, the compiled Titans kernels at
@@ -69,6 +71,8 @@ class Phase:
     about: str = ""
     capped: bool = False  # takes ``--max-seconds`` (train_throughput.py): given its timeout less CAP_MARGIN_S
     env: dict = dataclasses.field(default_factory=dict)  # set for this phase's process only
+    # set for every later phase when this one does not pass (a guard: e.g. turn off a code path that failed here)
+    on_failure_env: dict = dataclasses.field(default_factory=dict)
 
 
 CAP_MARGIN_S = 30.0  # a capped phase's process start (imports) and last step after its cap, before its timeout
@@ -118,6 +122,12 @@ PLAN: list[Phase] = [
     # the two recipes owed 52 steps, then eager and compiled 170m-mac side by side (whether compiling pays);
     # a second, shorter one the layer target and what follows.
     Phase("env", [PY, "tools/gpu_check.py", "--env"], 60, about="device, driver, torch / triton versions"),
+    # Every Titans recipe runs the fused prologue (new since the last GPU run): its tests first, compiled, and if
+    # they fail the later phases run with it off (PyTorch's form) rather than every recipe failing the same way.
+    Phase("titans_prologue", _pytest("tests/test_titans_kernel.py", "-k", "prologue and not compiles"), 90, "pytest",
+          "the memory layer's fused prologue kernels (q/k/v, gates) against float64, compiled; on failure the "
+          "later phases set MEMTRAIN_TITANS_FUSED_PROLOGUE=0",
+          on_failure_env={"MEMTRAIN_TITANS_FUSED_PROLOGUE": "0"}),
     # Measured on an H200 (2026-11-26): 400m-mag's first step 62 s then 0.83 s/step; 340m-mac 1.4 s/step.
     _recipe_phase("titans-400m-mag", 170),
     _recipe_phase("titans-340m-mac", 180),
@@ -297,7 +307,11 @@ def run_plan(phases: list[Phase], out_dir: Path, budget_s: float, min_start_s: f
                 report["phases"].append({"name": phase.name, "about": phase.about, "argv": phase.argv,
                                          "status": "skipped", "reason": f"{max(left, 0):.0f} s of the budget left"})
             else:
-                report["phases"].append(run_phase(phase, min(phase.timeout_s, left), log, env))
+                rec = run_phase(phase, min(phase.timeout_s, left), log, env)
+                if rec["status"] != "ok" and phase.on_failure_env:
+                    env = {**(os.environ if env is None else env), **phase.on_failure_env}
+                    rec["set_for_later_phases"] = phase.on_failure_env
+                report["phases"].append(rec)
             report["elapsed_s"] = round(time.monotonic() - t0, 1)
             _write_json(path, report)
     return report

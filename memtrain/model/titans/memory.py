@@ -73,6 +73,7 @@ benchmarks); it returns the same result as ``"chunked"``.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import replace
 from typing import Callable, Optional
 
@@ -85,6 +86,14 @@ from memtrain.model.titans.inner_loop import ALGORITHMS, memory_scan, mlp_forwar
 from memtrain.model.titans.state import MemoryState
 
 GATE_MODES = ("token", "chunk")
+# MEMTRAIN_TITANS_FUSED_PROLOGUE=0 keeps the prologue (q/k/v and gates) in PyTorch where the scan kernels run: a
+# switch for a GPU where the fused prologue fails (the GPU check sets it when its prologue tests fail there).
+FUSED_PROLOGUE_ENV = "MEMTRAIN_TITANS_FUSED_PROLOGUE"
+
+
+def fused_prologue() -> bool:
+    """Whether the layer's prologue runs as :mod:`memtrain.kernels.titans.prologue`'s kernels where the scan's do."""
+    return os.environ.get(FUSED_PROLOGUE_ENV, "1") != "0"
 
 
 
@@ -258,7 +267,7 @@ class NeuralMemory(nn.Module):
         the kernels run, all of it is one fused kernel each way (:func:`memtrain.kernels.titans.prologue.qkv_heads`,
         a custom operator: one node in a compiled block's graph, so compiled and eager blocks compute the same)."""
         half = self._kernels_read_half(qkv, algorithm)
-        if half:
+        if half and fused_prologue():
             from memtrain.kernels.titans.prologue import qkv_heads
             return qkv_heads(qkv, self.heads, self.value_norm, qkv.dtype)
         B, T, _ = qkv.shape
@@ -344,7 +353,8 @@ class NeuralMemory(nn.Module):
         conv_in = torch.cat([state.conv_cache.to(qkv.dtype), qkv], dim=1)
         conv_cache = conv_in[:, conv_in.shape[1] - (self.conv_kernel - 1):]
         q, k, v = self._qkv_heads(self._conv(conv_in), algorithm)
-        lr, log_eta, log_keep, chunk_gates = self._gates(x, state, self._kernels_read_half(qkv, algorithm))
+        fused = fused_prologue() and self._kernels_read_half(qkv, algorithm)
+        lr, log_eta, log_keep, chunk_gates = self._gates(x, state, fused)
         y, new_state = self.scan(q, k, v, lr, log_eta, log_keep, state, self.chunk_size, algorithm, self.kernel,
                                  qkv.dtype)
         return y, replace(new_state, chunk_gates=chunk_gates, conv_cache=conv_cache)
