@@ -184,8 +184,8 @@ def test_the_real_plan_names_existing_files_and_loadable_recipes(capsys):
     # launches asynchronous: its tokens/s is what it measures), then the layer target and the kernels' launches
     # (register-resident or any-depth at the recipes' shapes)
     assert names[:10] == ["env", "titans_prologue", "recipe_400m_mag", "recipe_340m_mac", "recipe_170m_mac",
-                          "recipe_170m_mac_compiled", "recipe_170m_mac_cudagraphs", "titans_layer", "titans_kernel_tune",
-                          "recipe_760m_mal"]
+                          "recipe_170m_mac_compiled", "recipe_170m_mac_cudagraphs", "titans_layer",
+                          "titans_kernel_tune", "recipe_760m_mal"]
     guard = gc.select(gc.PLAN, "titans_prologue")[0]
     from memtrain.model.titans.memory import FUSED_PROLOGUE_ENV
 

@@ -6,19 +6,18 @@ train each paper-scale Titans recipe 50+ steps -- so it is one script, in priori
 writes its results as it goes and stops starting phases when its time budget runs out. The results
 of the phases that finished come back even when the command is killed.
 
-What. ``PLAN`` lists the phases, most important first (after a guard: the Titans layer's fused prologue, new
-since the last GPU run and taken by every Titans recipe, is tested compiled first, and if that fails the later
-phases run with ``MEMTRAIN_TITANS_FUSED_PROLOGUE=0``, a phase's ``on_failure_env``; issue 11: the two
-paper-scale Titans recipes still owed 52 optimizer steps at the recipes' learning rate after a 2-step warm-up -- the setting under which
-titans-400m-mag once diverged -- each with one profiled step, titans-170m-mac eager, with its blocks
-compiled and with them replayed as CUDA graphs, the layer benchmark's target configuration, the kernels' launch
-sweep (register-resident or any-depth), titans-760m-mal, larger micro-batches, the compiled Titans kernels at
-the recipes' shapes), then the rest of the layer benchmark, the whole kernel test file compiled, the GPU tier,
-the routed-attention kernels and the anchor's throughput). Each
-phase is a subprocess in its own process group with its own timeout, clipped to what is left of
-``--budget``; a phase that times out is killed (SIGTERM, then SIGKILL) and the next starts. The training phases get
-``--max-seconds`` (their timeout less ``CAP_MARGIN_S``) so they stop early and still report. After every phase
-``OUT/gpu_check.json`` is rewritten (atomically) with every phase so far: status (``ok``, ``failed``,
+What. ``PLAN`` lists the phases, most important first (after a guard: the Titans layer's fused prologue, new since
+the last GPU run and taken by every Titans recipe, is tested compiled first, and if that fails the later phases run
+with ``MEMTRAIN_TITANS_FUSED_PROLOGUE=0``, a phase's ``on_failure_env``; issue 11: the two paper-scale Titans
+recipes still owed 52 optimizer steps at the recipes' learning rate after a 2-step warm-up -- the setting under
+which titans-400m-mag once diverged -- each with one profiled step, titans-170m-mac eager, with its blocks compiled
+and with them replayed as CUDA graphs, the layer benchmark's target configuration, the kernels' launch sweep
+(register-resident or any-depth), titans-760m-mal, larger micro-batches, the compiled Titans kernels at the
+recipes' shapes), then the rest of the layer benchmark, the whole kernel test file compiled, the GPU tier, the
+routed-attention kernels and the anchor's throughput). Each phase is a subprocess in its own process group with its
+own timeout, clipped to what is left of ``--budget``; a phase that times out is killed (SIGTERM, then SIGKILL) and
+the next starts. The training phases get ``--max-seconds`` (their timeout less ``CAP_MARGIN_S``) so they stop early
+and still report. After every phase ``OUT/gpu_check.json`` is rewritten (atomically) with every phase so far: status (``ok``, ``failed``,
 ``timeout``, ``skipped``), exit code, seconds, the JSON lines the phase printed (benchmarks), the
 pytest summary line (tests) and the last lines of its output; ``OUT/gpu_check.log`` holds each
 phase's full output. A short table is printed last. Exit status 0 when every phase ran and passed.

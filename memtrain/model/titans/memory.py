@@ -96,7 +96,6 @@ def fused_prologue() -> bool:
     return os.environ.get(FUSED_PROLOGUE_ENV, "1") != "0"
 
 
-
 def scan_uses_kernels(q: torch.Tensor, state: MemoryState, algorithm: str, kernel: str,
                       io_dtype: torch.dtype) -> bool:
     """Whether :func:`run_scan` with these arguments runs the Triton kernels (``q`` ``[B, H, T, head_dim]``)."""
