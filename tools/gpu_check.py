@@ -12,15 +12,15 @@ with ``MEMTRAIN_TITANS_FUSED_PROLOGUE=0``, a phase's ``on_failure_env``; issue 1
 recipes still owed 52 optimizer steps at the recipes' learning rate after a 2-step warm-up -- the setting under
 which titans-400m-mag once diverged -- each with one profiled step, titans-170m-mac eager, with its blocks compiled
 and with them replayed as CUDA graphs, the layer benchmark's target configuration, the kernels' launch sweep
-(register-resident or any-depth), titans-760m-mal, larger micro-batches, the compiled Titans kernels at the
-recipes' shapes), then the rest of the layer benchmark, the whole kernel test file compiled, the GPU tier, the
+(register-resident or any-depth), titans-760m-mal, larger micro-batches, the compiled Titans kernels at the recipes'
+shapes), then the rest of the layer benchmark, the whole kernel test file compiled, the GPU tier, the
 routed-attention kernels and the anchor's throughput). Each phase is a subprocess in its own process group with its
 own timeout, clipped to what is left of ``--budget``; a phase that times out is killed (SIGTERM, then SIGKILL) and
 the next starts. The training phases get ``--max-seconds`` (their timeout less ``CAP_MARGIN_S``) so they stop early
-and still report. After every phase ``OUT/gpu_check.json`` is rewritten (atomically) with every phase so far:
-status (``ok``, ``failed``, ``timeout``, ``skipped``), exit code, seconds, the JSON lines the phase printed (benchmarks), the
-pytest summary line (tests) and the last lines of its output; ``OUT/gpu_check.log`` holds each
-phase's full output. A short table is printed last. Exit status 0 when every phase ran and passed.
+and still report. After every phase ``OUT/gpu_check.json`` is rewritten (atomically) with every phase so far: status
+(``ok``, ``failed``, ``timeout``, ``skipped``), exit code, seconds, the JSON lines the phase printed (benchmarks),
+the pytest summary line (tests) and the last lines of its output; ``OUT/gpu_check.log`` holds each phase's full
+output. A short table is printed last. Exit status 0 when every phase ran and passed.
 
 How, on a lent GPU machine (see ``../shared/gpu/README.md``; here first: ``make install``,
 ``bash ../shared/gpu/make-bundle.sh --titans-pytorch`` and ``python3 tools/gpu_check.py --prepare``, which
