@@ -206,18 +206,21 @@ def _(x, dy, heads, norm_v):
     return x.new_empty_strided(x.shape, x.stride())
 
 
-def _qkv_setup(ctx, inputs, output):
-    x, heads, norm_v, _ = inputs
-    ctx.save_for_backward(x)
-    ctx.heads, ctx.norm_v = heads, norm_v
+def _register_backward(fwd, bwd) -> None:
+    """``fwd(x, a, b, c)``'s autograd: ``x`` saved, ``a`` and ``b`` kept, the gradient of ``x`` is
+    ``bwd(x, grad, a, b)`` (the other arguments are not differentiable)."""
+    def setup(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+        ctx.args = inputs[1:3]
+
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return bwd(x, grad, *ctx.args), None, None, None
+
+    fwd.register_autograd(backward, setup_context=setup)
 
 
-def _qkv_backward(ctx, dy):
-    (x,) = ctx.saved_tensors
-    return _qkv_bwd(x, dy, ctx.heads, ctx.norm_v), None, None, None
-
-
-_qkv_fwd.register_autograd(_qkv_backward, setup_context=_qkv_setup)
+_register_backward(_qkv_fwd, _qkv_bwd)  # kept: heads, norm_v
 
 
 def qkv_heads(x: torch.Tensor, heads: int, norm_v: bool, out_dtype: torch.dtype):
@@ -258,18 +261,7 @@ def _(g, dout, heads, max_lr):
     return torch.empty_like(g, memory_format=torch.contiguous_format)
 
 
-def _gates_setup(ctx, inputs, output):
-    g, heads, max_lr, _ = inputs
-    ctx.save_for_backward(g)
-    ctx.heads, ctx.max_lr = heads, max_lr
-
-
-def _gates_backward(ctx, dout):
-    (g,) = ctx.saved_tensors
-    return _gates_bwd(g, dout, ctx.heads, ctx.max_lr), None, None, None
-
-
-_gates_fwd.register_autograd(_gates_backward, setup_context=_gates_setup)
+_register_backward(_gates_fwd, _gates_bwd)  # kept: heads, max_lr
 
 
 def gates(g: torch.Tensor, heads: int, max_lr: float, max_momentum: float):

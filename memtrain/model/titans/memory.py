@@ -258,14 +258,14 @@ class NeuralMemory(nn.Module):
     def _queries(self, q: torch.Tensor) -> torch.Tensor:
         return F.normalize(F.silu(self._heads(q)).to(self.inner_dtype), dim=-1)
 
-    def _qkv_heads(self, qkv: torch.Tensor, algorithm: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _qkv_heads(self, qkv: torch.Tensor, half: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``q, k, v`` ``[B, H, T, head_dim]`` from the convolved ``[B, T, 3*inner]`` in one pass over all three:
         SiLU, the inner dtype, L2 norm per head (q, k; v too with ``value_norm``), as :meth:`_queries` per part.
         One copy lays them out contiguously per head for the inner loop, in the dtype it reads them in: the
         activations' half precision where the Triton kernels run (:func:`run_scan`), else the inner dtype. Where
         the kernels run, all of it is one fused kernel each way (:func:`memtrain.kernels.titans.prologue.qkv_heads`,
-        a custom operator: one node in a compiled block's graph, so compiled and eager blocks compute the same)."""
-        half = self._kernels_read_half(qkv, algorithm)
+        a custom operator: one node in a compiled block's graph, so compiled and eager blocks compute the same).
+        ``half``: whether the kernels run and read half precision (:meth:`_kernels_read_half`)."""
         if half and fused_prologue():
             from memtrain.kernels.titans.prologue import qkv_heads
             return qkv_heads(qkv, self.heads, self.value_norm, qkv.dtype)
@@ -351,9 +351,9 @@ class NeuralMemory(nn.Module):
         qkv = self.to_qkv(x)
         conv_in = torch.cat([state.conv_cache.to(qkv.dtype), qkv], dim=1)
         conv_cache = conv_in[:, conv_in.shape[1] - (self.conv_kernel - 1):]
-        q, k, v = self._qkv_heads(self._conv(conv_in), algorithm)
-        fused = fused_prologue() and self._kernels_read_half(qkv, algorithm)
-        lr, log_eta, log_keep, chunk_gates = self._gates(x, state, fused)
+        half = self._kernels_read_half(qkv, algorithm)
+        q, k, v = self._qkv_heads(self._conv(conv_in), half)
+        lr, log_eta, log_keep, chunk_gates = self._gates(x, state, half and fused_prologue())
         y, new_state = self.scan(q, k, v, lr, log_eta, log_keep, state, self.chunk_size, algorithm, self.kernel,
                                  qkv.dtype)
         return y, replace(new_state, chunk_gates=chunk_gates, conv_cache=conv_cache)
