@@ -32,6 +32,7 @@ reproducible. On the meta device no initialisation happens (parameter counting o
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -141,9 +142,28 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+FUSED_ROPE_ENV = "MEMTRAIN_FUSED_ROPE"
+FUSED_ROPE_DEVICES = ("cuda",)  # where the fused kernel runs (tests add "cpu" under TRITON_INTERPRET=1)
+
+
+def fused_rope_applies(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether :func:`apply_rope` runs :func:`memtrain.kernels.rope.rope` (one Triton kernel each way) for these
+    tensors: on a GPU, eagerly (a compiled graph fuses the formula itself), float32 / half-precision ``x`` and
+    float32 tables without gradient, unless ``MEMTRAIN_FUSED_ROPE=0``."""
+    return (x.device.type in FUSED_ROPE_DEVICES and x.dim() == 4 and x.shape[-1] % 2 == 0
+            and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and cos.dtype == sin.dtype == torch.float32 and not (cos.requires_grad or sin.requires_grad)
+            and not torch.compiler.is_compiling() and os.environ.get(FUSED_ROPE_ENV, "1") != "0")
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` ``[B, T, H, D]`` by RoPE (rotate-half convention) in fp32 (float64 inputs stay
-    float64); returns x's dtype."""
+    float64); returns x's dtype. Eagerly on a GPU as one fused kernel each way (:func:`fused_rope_applies`;
+    7 device ops each way in this form)."""
+    if fused_rope_applies(x, cos, sin):
+        from memtrain.kernels.rope import rope
+
+        return rope(x, cos, sin)
     xf = x.to(torch.promote_types(x.dtype, torch.float32))
     return (xf * cos + _rotate_half(xf) * sin).to(x.dtype)
 

@@ -21,7 +21,8 @@ import io
 import re
 from typing import Optional
 
-KERNELS = ("fwd", "bwd", "coef_fwd", "coef_bwd", "qkv_fwd", "qkv_bwd", "gates_fwd", "gates_bwd")
+KERNELS = ("fwd", "bwd", "coef_fwd", "coef_bwd", "qkv_fwd", "qkv_bwd", "gates_fwd", "gates_bwd", "rope_fwd",
+           "rope_bwd")
 # The scan kernels' integer arguments; every other non-constexpr argument is a pointer.
 _INTS = {"NC", "Tp", "N_LAST", "SAVE_EVERY", "NSAVE", "C", "D", "H1"}
 _HALF = {"Q", "K", "V"}  # q, k, v reach the kernels in the activations' half precision in training
@@ -40,8 +41,8 @@ def compile_kernel(kernel: str, depth: int = 2, head_dim: int = 64, hidden: int 
                    any_depth: Optional[bool] = None) -> dict:
     """Compile one Titans kernel for ``sm_<arch>`` and report it: ``kernel`` one of :data:`KERNELS` (the scan's
     forward / backward at ``depth`` -- the register-resident pair at depth 1-2, the any-depth pair at 3+ or where
-    ``any_depth`` -- the chunk coefficients' at ``chunk``, or the layer's prologue, q/k/v at ``head_dim`` and the
-    gates for up to 21 heads), ``head_dim`` and ``hidden`` (the memory's widths),
+    ``any_depth`` -- the chunk coefficients' at ``chunk``, the layer's prologue, q/k/v at ``head_dim`` and the
+    gates for up to 21 heads, or RoPE's pair at ``head_dim``), ``head_dim`` and ``hidden`` (the memory's widths),
     ``num_warps`` (default: what the kernels launch with), ``half`` the dtype of q / k / v (``bf16``, ``fp16`` or
     ``fp32``).
     Returns the arguments with ``shared`` (bytes per program), ``registers`` (per thread), ``spill_stores`` and
@@ -55,7 +56,17 @@ def compile_kernel(kernel: str, depth: int = 2, head_dim: int = 64, hidden: int 
 
     if kernel not in KERNELS:
         raise ValueError(f"unknown kernel {kernel!r}; expected one of {', '.join(KERNELS)}")
-    if kernel.startswith(("qkv", "gates")):  # the prologue (memtrain.kernels.titans.prologue): 12 heads of head_dim
+    if kernel.startswith("rope"):  # memtrain.kernels.rope (every model's RoPE; MAC's retrieved keys): float32 tables
+        from memtrain.kernels import rope
+
+        fn = rope._rope_kernel
+        ptr = {"fp32": "*fp32", "bf16": "*bf16", "fp16": "*fp16"}[half]
+        consts = dict(INVERSE=kernel == "rope_bwd", BT=rope.BLOCK_T, BD=max(16, triton.next_power_of_2(head_dim // 2)))
+        typed = {"X": ptr, "Y": ptr, "COS": "*fp32", "SIN": "*fp32"}
+        launch = {"num_warps": num_warps or 4, "num_stages": 3}  # Triton's defaults, as the kernel launches
+        sig = {n: "constexpr" if n in consts else typed.get(n, "i32") for n in fn.arg_names}
+        scan = False
+    elif kernel.startswith(("qkv", "gates")):  # the prologue (memtrain.kernels.titans.prologue): 12 heads of head_dim
         from memtrain.kernels.titans import prologue
 
         fn = getattr(prologue, f"_{kernel}_kernel")
