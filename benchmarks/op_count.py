@@ -6,11 +6,11 @@ titans, with the recipe's fused loss), runs one forward and backward on one synt
 ``TorchDispatchMode``, every ATen op that runs a kernel on a GPU: views, ``detach``, ``empty`` /
 ``_unsafe_view`` (allocations and metadata) and ``promote_types`` (host-side) are left out. Triton launches of
 the Titans kernels and of RoPE's (``memtrain.kernels.rope``, which ``apply_rope`` runs on a GPU) are counted too
-(and the custom operators around them not again), and ``F.rms_norm`` as CUDA runs it (one fused kernel each way where input and gain share a dtype; :class:`_FusedRMSNorm`), not as CPU's
-formula. Prints one JSON line: ``ops_forward``, ``ops_backward``, ``ops_total``, ``triton_launches``, the
-forward's ops per module class (``forward_by_module``, with the memory layer's
-pieces and the kernels' coefficient set-up named), the most frequent ops, and ``ops_per_token`` at the
-recipe's micro-batch (the count does not depend on the batch size).
+(and the custom operators around them not again), and ``F.rms_norm`` as CUDA runs it (one fused kernel each way
+where input and gain share a dtype; :class:`_FusedRMSNorm`), not as CPU's formula. Prints one JSON line:
+``ops_forward``, ``ops_backward``, ``ops_total``, ``triton_launches``, the forward's ops per module class
+(``forward_by_module``, with the memory layer's pieces and the kernels' coefficient set-up named), the most
+frequent ops, and ``ops_per_token`` at the recipe's micro-batch (the count does not depend on the batch size).
 
 Why. Each eager op costs the host a few microseconds of dispatch and launch whatever its size; a model
 whose step issues more ops than the GPU can absorb in that time is launch-bound, not FLOP-bound. The count
@@ -149,7 +149,7 @@ def _label_calls(owner, attr: str, label: str, where: list[str]) -> None:
 
 def count(recipe, dtype: torch.dtype) -> dict:
     from memtrain.kernels import rope
-    from memtrain.kernels.titans import prologue, triton_deep, triton_kernels
+    from memtrain.kernels.titans import output, prologue, triton_deep, triton_kernels
     from memtrain.model import anchor, build
     from memtrain.model.titans import attention, memory
 
@@ -157,7 +157,7 @@ def count(recipe, dtype: torch.dtype) -> dict:
     for mod, names in ((triton_kernels, ("_fwd_kernel", "_bwd_kernel", "_coef_fwd_kernel", "_coef_bwd_kernel")),
                        (triton_deep, ("_fwd_deep_kernel", "_bwd_deep_kernel")),
                        (prologue, ("_qkv_fwd_kernel", "_qkv_bwd_kernel", "_gates_fwd_kernel", "_gates_bwd_kernel")),
-                       (rope, ("_rope_kernel",))):
+                       (output, ("_out_fwd_kernel", "_out_bwd_kernel")), (rope, ("_rope_kernel",))):
         for name in names:
             setattr(mod, name, _StubLaunch(name, launches))
     anchor.FUSED_ROPE_DEVICES = ("cpu", "cuda")  # apply_rope as on a GPU: the fused kernel (stubbed)

@@ -179,7 +179,7 @@ def test_the_real_plan_names_existing_files_and_loadable_recipes(capsys):
             idx = [int(i) for i in p.argv[p.argv.index("--configs") + 1].split(",")]
             assert max(idx) < len(bench.FULL)
     assert gc.select(gc.PLAN, "recipe_")[0].name == "recipe_400m_mag"
-    # 15 device minutes: the fused prologue's and RoPE's tests (every recipe runs them), the two recipes owed 52 steps, then
+    # 15 device minutes: the fused kernels' tests (every recipe runs them), the two recipes owed 52 steps, then
     # eager and compiled MAC side by side (the compiled
     # launches asynchronous: its tokens/s is what it measures), then the layer target and the kernels' launches
     # (register-resident or any-depth at the recipes' shapes)
@@ -188,9 +188,9 @@ def test_the_real_plan_names_existing_files_and_loadable_recipes(capsys):
                           "titans_kernel_tune", "recipe_760m_mal"]
     guard = gc.select(gc.PLAN, "fused_kernels")[0]
     from memtrain.model.anchor import FUSED_ROPE_ENV
-    from memtrain.model.titans.memory import FUSED_PROLOGUE_ENV
+    from memtrain.model.titans.memory import FUSED_OUTPUT_ENV, FUSED_PROLOGUE_ENV
 
-    assert guard.on_failure_env == {FUSED_PROLOGUE_ENV: "0", FUSED_ROPE_ENV: "0"}
+    assert guard.on_failure_env == {FUSED_PROLOGUE_ENV: "0", FUSED_OUTPUT_ENV: "0", FUSED_ROPE_ENV: "0"}
     assert "tests/test_titans_kernel.py" in guard.argv and "tests/test_rope_kernel.py" in guard.argv
     assert "CUDA_LAUNCH_BLOCKING" not in gc.select(gc.PLAN, "recipe_170m_mac_compiled")[0].env
 
@@ -248,13 +248,17 @@ def _op_count(*overrides: str) -> dict:
 def test_op_count_counts_the_structure_not_the_widths():
     """benchmarks/op_count.py on titans-cpu-mac (4 blocks, 4 MAC segments of 32 tokens): one forward and one
     backward launch of the scan, of the coefficients and of the prologue's two kernels per block and segment, and
-    RoPE's (counted as launches, not once more as the custom operators around them), and the same op counts at two
-    widths -- the count depends on layers and segments, so small widths give a paper recipe's count."""
+    the output stage's and RoPE's (counted as launches, not once more as the custom operators around them), and
+    the same op counts at two widths -- the count depends on layers and segments, so small widths give a paper
+    recipe's count."""
     a = _op_count()
     launches = dict(a["triton_launches"])
     # RoPE (memtrain.kernels.rope), forward and backward: per block the queries, the segments' own keys, and each
     # segment's retrieved keys
     assert launches.pop("_rope_kernel") == 2 * 4 * (2 + 4), a["triton_launches"]
+    # the memory's output stage (memtrain.kernels.titans.output): per block each segment's read and the writes'
+    # outputs after the loop
+    assert (launches.pop("_out_fwd_kernel"), launches.pop("_out_bwd_kernel")) == (4 * 5, 4 * 5), a["triton_launches"]
     assert launches == {f"_{k}_kernel": 16 for k in ("fwd", "bwd", "coef_fwd", "coef_bwd", "qkv_fwd", "qkv_bwd",
                                                      "gates_fwd", "gates_bwd")}
     assert not [op for op, _ in a["top_ops"] if op.startswith("titans_")], a["top_ops"]

@@ -274,8 +274,8 @@ def test_kernel_half_precision_inputs_close_to_float32():
 def test_kernel_half_precision_layer_hands_the_kernels_half_precision_qkv(monkeypatch):
     """With half-precision activations and the kernels running, the layer lays q, k, v out per head in the
     activations' dtype in the same (fused) kernel (contiguous, what the kernels read; nothing left for run_scan to
-    cast), the gates in the other fused kernel, and the whole layer stays within rounding of its float32 form
-    with the PyTorch inner loop."""
+    cast), the gates in the other fused kernel, the output stage in a third, and the whole layer stays within
+    rounding of its float32 form with the PyTorch inner loop; each switch turns its kernels off."""
     torch.manual_seed(torch.seed() % 2**31)
     mem = NeuralMemory(24, heads=3, depth=2, chunk_size=4, kernel="triton").to(DEVICE)
     ref = NeuralMemory(24, heads=3, depth=2, chunk_size=4, kernel="torch").to(DEVICE)
@@ -290,21 +290,28 @@ def test_kernel_half_precision_layer_hands_the_kernels_half_precision_qkv(monkey
     mem.scan = spy
     from memtrain.kernels.titans import prologue
 
+    from memtrain.kernels.titans import output
+
     fused = []
-    for name in ("qkv_heads", "gates"):
-        monkeypatch.setattr(prologue, name, lambda *a, _f=getattr(prologue, name), _n=name: fused.append(_n) or _f(*a))
+    for mod, name in ((prologue, "qkv_heads"), (prologue, "gates"), (output, "gated_norm")):
+        monkeypatch.setattr(mod, name, lambda *a, _f=getattr(mod, name), _n=name: fused.append(_n) or _f(*a))
     x = torch.randn(2, 11, 24, device=DEVICE)
     y, _ = mem(x.half())
-    assert seen == [[(torch.float16, True)] * 3] and fused == ["qkv_heads", "gates"]  # the fused prologue
+    # the fused prologue and output stage
+    assert seen == [[(torch.float16, True)] * 3] and fused == ["qkv_heads", "gates", "gated_norm"]
     assert y.dtype == torch.float16 and _rel(y.float(), ref(x)[0]) < 2e-2
     fused.clear()
     mem.gate_mode = ref.gate_mode = "chunk"  # the gates of a chunk's first token: PyTorch's form (one fused kernel)
     y2, _ = mem(x.half())
-    assert fused == ["qkv_heads"] and _rel(y2.float(), ref(x)[0]) < 2e-2
+    assert fused == ["qkv_heads", "gated_norm"] and _rel(y2.float(), ref(x)[0]) < 2e-2
     fused.clear()
-    monkeypatch.setenv("MEMTRAIN_TITANS_FUSED_PROLOGUE", "0")  # the switch: PyTorch's form, the same function
+    monkeypatch.setenv("MEMTRAIN_TITANS_FUSED_PROLOGUE", "0")  # the switches: PyTorch's form, the same function
     y3, _ = mem(x.half())
-    assert fused == [] and seen[-1] == [(torch.float16, True)] * 3 and _rel(y3.float(), y2.float()) < 5e-3
+    assert fused == ["gated_norm"] and seen[-1] == [(torch.float16, True)] * 3 and _rel(y3.float(), y2.float()) < 5e-3
+    fused.clear()
+    monkeypatch.setenv("MEMTRAIN_TITANS_FUSED_OUTPUT", "0")
+    y4, _ = mem(x.half())
+    assert fused == [] and _rel(y4.float(), y2.float()) < 5e-3
 
 
 @pytest.mark.parametrize("depth,gate_mode", [(2, "token"), (1, "chunk"), (3, "token")])
@@ -418,6 +425,73 @@ def test_kernel_prologue_custom_operators_pass_opcheck():
     torch.library.opcheck(prologue._qkv_fwd, (x.transpose(1, 2), 3, False, torch.float32))
     g = torch.randn(2, 19, 12, device=DEVICE, requires_grad=True)
     torch.library.opcheck(prologue._gates_fwd, (g, 4, 0.01, math.log(0.9)))
+
+
+# -- the memory layer's output stage (memtrain.kernels.titans.output) --------------------------------------------
+
+
+@pytest.fixture
+def poisoned_output(monkeypatch):
+    from memtrain.kernels.titans import output
+
+    def nan_empty(*shape, device, dtype):
+        return torch.full(shape, float("nan"), device=device, dtype=dtype)
+
+    monkeypatch.setattr(output, "_empty", nan_empty)
+    return output
+
+
+def _gated_output_torch(y, w, gate):
+    """NeuralMemory.gated_output's PyTorch form up to the projection."""
+    n = F.rms_norm(y.transpose(1, 2), (y.shape[-1],)) * w.to(y.dtype)
+    return n.flatten(2).to(gate.dtype) * gate
+
+
+@pytest.mark.parametrize("y_dtype,gate_dtype,w_dtype", [
+    (torch.float32, torch.float32, torch.float32), (torch.float32, torch.bfloat16, torch.bfloat16),
+    (torch.float32, torch.float16, torch.float32), (torch.bfloat16, torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize("hd", [5, 17])
+def test_kernel_output_gated_norm_matches_torch(poisoned_output, y_dtype, gate_dtype, w_dtype, hd):
+    """The fused output stage (per-head RMSNorm, gain, cast, gate) against PyTorch's form in the same dtypes (to one
+    rounding of the output dtype) and float64 (within it), odd head size and count, a length across the 32-token
+    blocks, retrievals in MAC's transposed layout and a gate sliced from a longer one; the gradients of the
+    retrievals, the gain and the gate against float64 autograd within the dtypes' rounding; every element of every
+    output (the gain's per-program partial sums included) written."""
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    B, H, T = 2, 3, 37
+    y = (3 * torch.randn(B, T, H, hd, generator=gen)).to(DEVICE, y_dtype).transpose(1, 2).requires_grad_(True)
+    w = (1 + 0.5 * torch.randn(H, hd, generator=gen)).to(DEVICE, w_dtype).requires_grad_(True)
+    gate_full = torch.sigmoid(torch.randn(B, T + 5, H * hd, generator=gen)).to(DEVICE, gate_dtype)
+    gate = gate_full[:, 5:].requires_grad_(True)
+    z = poisoned_output.gated_norm(y, w, gate)
+    assert z.dtype == gate_dtype and z.shape == (B, T, H * hd) and z.is_contiguous() and torch.isfinite(z).all()
+    eps_out = torch.finfo(gate_dtype).eps
+    torch.testing.assert_close(z, _gated_output_torch(y.detach(), w.detach(), gate.detach()), rtol=2 * eps_out,
+                               atol=2 * eps_out)
+    y64, w64, g64 = (t.detach().double().requires_grad_(True) for t in (y, w, gate))
+    z64 = (F.rms_norm(y64.transpose(1, 2), (hd,), eps=torch.finfo(y_dtype).eps) * w64).flatten(2) * g64
+    tol = 3 * max(eps_out, torch.finfo(y_dtype).eps, torch.finfo(w_dtype).eps)
+    assert _rel(z, z64) < tol, _rel(z, z64)
+    dz = torch.randn(B, H * hd, T, generator=gen).to(DEVICE, gate_dtype).transpose(1, 2)  # strided, as any
+    grads = torch.autograd.grad(z, (y, w, gate), dz)
+    refs = torch.autograd.grad(z64, (y64, w64, g64), dz.double())
+    for name, got, want, t in zip("ywg", grads, refs, (y, w, gate)):
+        assert got.dtype == t.dtype and got.shape == t.shape and torch.isfinite(got).all(), name
+        assert _rel(got, want) < tol, (name, _rel(got, want))
+
+
+def test_kernel_output_custom_operators_pass_opcheck():
+    """The output stage's custom operator and its backward: schemas, fake implementations, autograd registration,
+    AOTAutograd against eager (``torch.library.opcheck``), with strided retrievals and gate; shapes that do not
+    fit are one error."""
+    from memtrain.kernels.titans import output
+
+    y = torch.randn(2, 9, 3, 6, device=DEVICE).transpose(1, 2).requires_grad_(True)
+    w = torch.randn(3, 6, device=DEVICE, requires_grad=True)
+    g = torch.rand(2, 12, 18, device=DEVICE)[:, 3:].requires_grad_(True)
+    torch.library.opcheck(output._out_fwd, (y, w, g, 1e-6))
+    with pytest.raises(ValueError, match="do not match"):
+        output.gated_norm(y, w[:, :5], g)
 
 
 def _unspecialised(kernel) -> set:
@@ -643,15 +717,17 @@ def test_kernel_compiles_for_an_h100_within_its_shared_memory():
 
 
 def test_kernel_prologue_compiles_for_an_h100_without_spills():
-    """The prologue's four kernels compiled ahead of time for sm_90 (bf16 at head size 64, the gates of 12 heads,
-    as the recipes): within an H100's shared memory, no register spilled (each program holds a 32-token tile)."""
+    """The prologue's four kernels and the output stage's two compiled ahead of time for sm_90 (bf16 at head size
+    64, the gates of 12 heads, as the recipes): within an H100's shared memory, no register spilled (each program
+    holds a 32-token tile)."""
     import json
     import os
     import subprocess
     import sys
 
     code = ("import json; from memtrain.kernels.titans.aot import compile_kernel; print(json.dumps([compile_kernel(k, "
-            "head_dim=64, half='bf16') for k in ('qkv_fwd', 'qkv_bwd', 'gates_fwd', 'gates_bwd')]))")
+            "head_dim=64, half='bf16') for k in ('qkv_fwd', 'qkv_bwd', 'gates_fwd', 'gates_bwd', 'out_fwd', "
+            "'out_bwd')]))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]

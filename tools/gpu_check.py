@@ -6,13 +6,12 @@ train each paper-scale Titans recipe 50+ steps -- so it is one script, in priori
 writes its results as it goes and stops starting phases when its time budget runs out. The results
 of the phases that finished come back even when the command is killed.
 
-What. ``PLAN`` lists the phases, most important first (after a guard: the Titans layer's fused prologue and the
-fused RoPE, new since the last GPU run and taken by every Titans recipe, are tested compiled first, and if that
-fails the later phases run with ``MEMTRAIN_TITANS_FUSED_PROLOGUE=0`` and ``MEMTRAIN_FUSED_ROPE=0``, a phase's
-``on_failure_env``; issue 11: the two paper-scale Titans
-recipes still owed 52 optimizer steps at the recipes' learning rate after a 2-step warm-up -- the setting under
-which titans-400m-mag once diverged -- each with one profiled step, titans-170m-mac eager, with its blocks compiled
-and with them replayed as CUDA graphs, the layer benchmark's target configuration, the kernels' launch sweep
+What. ``PLAN`` lists the phases, most important first (after a guard: the Titans layer's fused prologue and output
+stage and the fused RoPE, new since the last GPU run and taken by every Titans recipe, are tested compiled first,
+and if that fails the later phases run with them off, a phase's ``on_failure_env``; issue 11: the two paper-scale
+Titans recipes still owed 52 optimizer steps at the recipes' learning rate after a 2-step warm-up -- the setting
+under which titans-400m-mag once diverged -- each with one profiled step, titans-170m-mac eager, with its blocks
+compiled and with them replayed as CUDA graphs, the layer benchmark's target configuration, the kernels' launch sweep
 (register-resident or any-depth), titans-760m-mal, larger micro-batches, the compiled Titans kernels at the recipes'
 shapes), then the rest of the layer benchmark, the whole kernel test file compiled, the GPU tier, the
 routed-attention kernels and the anchor's throughput). Each phase is a subprocess in its own process group with its
@@ -122,14 +121,16 @@ PLAN: list[Phase] = [
     # the two recipes owed 52 steps, then eager and compiled 170m-mac side by side (whether compiling pays);
     # a second, shorter one the layer target and what follows.
     Phase("env", [PY, "tools/gpu_check.py", "--env"], 60, about="device, driver, torch / triton versions"),
-    # Every Titans recipe runs the fused prologue and every model the fused RoPE (both new since the last GPU run):
-    # their tests first, compiled, and if they fail the later phases run with both off (PyTorch's forms) rather
-    # than every recipe failing the same way.
+    # Every Titans recipe runs the fused prologue and output stage and every model the fused RoPE (all new since
+    # the last GPU run): their tests first, compiled, and if they fail the later phases run with them off
+    # (PyTorch's forms) rather than every recipe failing the same way.
     Phase("fused_kernels", _pytest("tests/test_titans_kernel.py", "tests/test_rope_kernel.py", "-k",
-                                   "(prologue or rope) and not compiles"), 100, "pytest",
-          "the memory layer's fused prologue kernels (q/k/v, gates) and the fused RoPE against float64, compiled; "
-          "on failure the later phases set MEMTRAIN_TITANS_FUSED_PROLOGUE=0 and MEMTRAIN_FUSED_ROPE=0",
-          on_failure_env={"MEMTRAIN_TITANS_FUSED_PROLOGUE": "0", "MEMTRAIN_FUSED_ROPE": "0"}),
+                                   "(prologue or output or rope) and not compiles"), 100, "pytest",
+          "the memory layer's fused prologue (q/k/v, gates) and output stage and the fused RoPE against float64, "
+          "compiled; on failure the later phases set MEMTRAIN_TITANS_FUSED_PROLOGUE=0, "
+          "MEMTRAIN_TITANS_FUSED_OUTPUT=0 and MEMTRAIN_FUSED_ROPE=0",
+          on_failure_env={"MEMTRAIN_TITANS_FUSED_PROLOGUE": "0", "MEMTRAIN_TITANS_FUSED_OUTPUT": "0",
+                          "MEMTRAIN_FUSED_ROPE": "0"}),
     # Measured on an H200 (2026-11-26): 400m-mag's first step 62 s then 0.83 s/step; 340m-mac 1.4 s/step.
     _recipe_phase("titans-400m-mag", 170),
     _recipe_phase("titans-340m-mac", 180),

@@ -21,8 +21,8 @@ import io
 import re
 from typing import Optional
 
-KERNELS = ("fwd", "bwd", "coef_fwd", "coef_bwd", "qkv_fwd", "qkv_bwd", "gates_fwd", "gates_bwd", "rope_fwd",
-           "rope_bwd")
+KERNELS = ("fwd", "bwd", "coef_fwd", "coef_bwd", "qkv_fwd", "qkv_bwd", "gates_fwd", "gates_bwd", "out_fwd",
+           "out_bwd", "rope_fwd", "rope_bwd")
 # The scan kernels' integer arguments; every other non-constexpr argument is a pointer.
 _INTS = {"NC", "Tp", "N_LAST", "SAVE_EVERY", "NSAVE", "C", "D", "H1"}
 _HALF = {"Q", "K", "V"}  # q, k, v reach the kernels in the activations' half precision in training
@@ -42,9 +42,9 @@ def compile_kernel(kernel: str, depth: int = 2, head_dim: int = 64, hidden: int 
     """Compile one Titans kernel for ``sm_<arch>`` and report it: ``kernel`` one of :data:`KERNELS` (the scan's
     forward / backward at ``depth`` -- the register-resident pair at depth 1-2, the any-depth pair at 3+ or where
     ``any_depth`` -- the chunk coefficients' at ``chunk``, the layer's prologue, q/k/v at ``head_dim`` and the
-    gates for up to 21 heads, or RoPE's pair at ``head_dim``), ``head_dim`` and ``hidden`` (the memory's widths),
-    ``num_warps`` (default: what the kernels launch with), ``half`` the dtype of q / k / v (``bf16``, ``fp16`` or
-    ``fp32``).
+    gates for up to 21 heads, its output stage at ``head_dim``, or RoPE's pair at ``head_dim``), ``head_dim`` and
+    ``hidden`` (the memory's widths), ``num_warps`` (default: what the kernels launch with), ``half`` the dtype of
+    q / k / v (``bf16``, ``fp16`` or ``fp32``).
     Returns the arguments with ``shared`` (bytes per program), ``registers`` (per thread), ``spill_stores`` and
     ``spill_loads`` (bytes of spill instructions in the compiled code, per thread)."""
     import triton
@@ -64,6 +64,17 @@ def compile_kernel(kernel: str, depth: int = 2, head_dim: int = 64, hidden: int 
         consts = dict(INVERSE=kernel == "rope_bwd", BT=rope.BLOCK_T, BD=max(16, triton.next_power_of_2(head_dim // 2)))
         typed = {"X": ptr, "Y": ptr, "COS": "*fp32", "SIN": "*fp32"}
         launch = {"num_warps": num_warps or 4, "num_stages": 3}  # Triton's defaults, as the kernel launches
+        sig = {n: "constexpr" if n in consts else typed.get(n, "i32") for n in fn.arg_names}
+        scan = False
+    elif kernel.startswith("out"):  # the layer's output stage (memtrain.kernels.titans.output): float32 retrievals
+        from memtrain.kernels.titans import output, prologue
+
+        fn = getattr(output, f"_{kernel}_kernel")
+        ptr = {"fp32": "*fp32", "bf16": "*bf16", "fp16": "*fp16"}[half]
+        consts = dict(BT=prologue.BLOCK_T, BD=prologue._block(head_dim))
+        typed = {"Y": "*fp32", "DY": "*fp32", "W": ptr, "G": ptr, "Z": ptr, "DZ": ptr, "DG": ptr, "DW": "*fp32",
+                 "eps": "fp32"}
+        launch = {"num_warps": num_warps or 4, "num_stages": 3}  # Triton's defaults, as the kernels launch
         sig = {n: "constexpr" if n in consts else typed.get(n, "i32") for n in fn.arg_names}
         scan = False
     elif kernel.startswith(("qkv", "gates")):  # the prologue (memtrain.kernels.titans.prologue): 12 heads of head_dim
