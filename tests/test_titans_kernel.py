@@ -256,6 +256,31 @@ def test_kernel_carries_state_across_calls_at_any_split(depth):
         assert _rel(a, b) < 1e-4
 
 
+@pytest.mark.parametrize("depth", [2, 3])
+def test_kernel_missing_output_gradients_read_shared_zeros(depth, monkeypatch):
+    """A loss that reads only ``y`` leaves the end state's and the chunk-start weights' gradients missing: eagerly
+    the backward operators read one shared zero tensor per shape (no zero-fill per call), which stays zero after
+    repeated backwards, and the gradients equal those with the missing ones given as explicit zeros."""
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    ins = [x.float().requires_grad_(True) for x in _inputs(gen, 2, 9, 5, 6, depth)]
+    q, k, v, lr, log_eta, log_keep, *state = ins
+    w, s = state[:depth], state[depth:]
+    shared, handed = triton_kernels._shared_zeros, []
+    monkeypatch.setattr(triton_kernels, "_shared_zeros", lambda *key: handed.append(shared(*key)) or handed[-1])
+    grads = []
+    for _ in range(2):
+        y, w_end, s_end, wg = titans_kernels.scan(q, k, v, lr, log_eta, log_keep, w, s, w, 0, 4, kernel="triton")
+        grads.append(torch.autograd.grad((y * y).sum(), ins))
+    per_backward = len(handed) // 2
+    assert per_backward >= 2 and len(handed) == 2 * per_backward  # the end state and chunk-start weights at least
+    assert [id(t) for t in handed[:per_backward]] == [id(t) for t in handed[per_backward:]]  # the same tensors
+    assert all(t.dtype == torch.float32 and not t.any() for t in handed)  # still zero after two backwards
+    y, w_end, s_end, wg = titans_kernels.scan(q, k, v, lr, log_eta, log_keep, w, s, w, 0, 4, kernel="triton")
+    explicit = torch.autograd.grad((y * y).sum() + sum((0 * t).sum() for t in (*w_end, *s_end, *wg)), ins)
+    for a, b, c in zip(*grads, explicit):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
 def test_kernel_half_precision_inputs_close_to_float32():
     """Half-precision q, k, v: half-precision dot products with float32 accumulation and state, within rounding.
     float16 here: the same code path as bfloat16 but for the cast, and the Triton interpreter computes bfloat16
@@ -466,18 +491,20 @@ def test_kernel_output_gated_norm_matches_torch(poisoned_output, y_dtype, gate_d
     z = poisoned_output.gated_norm(y, w, gate)
     assert z.dtype == gate_dtype and z.shape == (B, T, H * hd) and z.is_contiguous() and torch.isfinite(z).all()
     eps_out = torch.finfo(gate_dtype).eps
-    torch.testing.assert_close(z, _gated_output_torch(y.detach(), w.detach(), gate.detach()), rtol=2 * eps_out,
-                               atol=2 * eps_out)
+    if y_dtype == torch.float32:  # CPU's rms_norm of a bf16 tensor rounds intermediates (CUDA's, as here, does not)
+        torch.testing.assert_close(z, _gated_output_torch(y.detach(), w.detach(), gate.detach()), rtol=2 * eps_out,
+                                   atol=2 * eps_out)
     y64, w64, g64 = (t.detach().double().requires_grad_(True) for t in (y, w, gate))
     z64 = (F.rms_norm(y64.transpose(1, 2), (hd,), eps=torch.finfo(y_dtype).eps) * w64).flatten(2) * g64
-    tol = 3 * max(eps_out, torch.finfo(y_dtype).eps, torch.finfo(w_dtype).eps)
-    assert _rel(z, z64) < tol, _rel(z, z64)
+    tol = 4 * max(eps_out, torch.finfo(y_dtype).eps)  # three roundings at most, element by element
+    torch.testing.assert_close(z.double(), z64.detach(), rtol=tol, atol=tol)
     dz = torch.randn(B, H * hd, T, generator=gen).to(DEVICE, gate_dtype).transpose(1, 2)  # strided, as any
     grads = torch.autograd.grad(z, (y, w, gate), dz)
     refs = torch.autograd.grad(z64, (y64, w64, g64), dz.double())
     for name, got, want, t in zip("ywg", grads, refs, (y, w, gate)):
         assert got.dtype == t.dtype and got.shape == t.shape and torch.isfinite(got).all(), name
-        assert _rel(got, want) < tol, (name, _rel(got, want))
+        # float32 sums over the tokens (the gain's) and the head (the norm's): 1e-5 at float32
+        assert _rel(got, want) < max(tol, 1e-5), (name, _rel(got, want))
 
 
 def test_kernel_output_custom_operators_pass_opcheck():

@@ -38,6 +38,7 @@ kernels run on CPU tensors (the tests do).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -579,11 +580,24 @@ def _dense(*xs: torch.Tensor) -> list[torch.Tensor]:
     return [x.contiguous() for x in xs]
 
 
+@functools.lru_cache(maxsize=16)
+def _shared_zeros(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """A float32 zero tensor, allocated once per shape and device and handed to every backward that lacks that
+    gradient: the backward operators only read their gradient arguments (the any-depth one clones its end-state
+    gradients before its kernel updates them), so it stays zero."""
+    return torch.zeros(shape, device=device)
+
+
 def _grads_or_zeros(grads, shapes, device) -> list[torch.Tensor]:
     """The gradients of a custom operator's outputs (``None`` for an output the loss does not reach, as
     ``set_materialize_grads(False)`` leaves them), zeros of ``shapes`` where missing: the kernels read every
-    one."""
-    return [torch.zeros(shape, device=device) if g is None else g for g, shape in zip(grads, shapes)]
+    one. Eagerly the zeros are shared (:func:`_shared_zeros`: no memset per call; eager MAC lacks the chunk-start
+    weights' gradients in every call, 240 zero-fills per ``titans-170m-mac`` sequence); while a graph is traced
+    (AOTAutograd's backward) they are fresh, as a traced graph holds no real tensors."""
+    tracing = torch.compiler.is_compiling() or torch._guards.detect_fake_mode() is not None
+    zeros = (lambda shape: torch.zeros(shape, device=device)) if tracing else (
+        lambda shape: _shared_zeros(tuple(shape), torch.device(device)))
+    return [zeros(shape) if g is None else g for g, shape in zip(grads, shapes)]
 
 
 def _coef_setup(ctx, inputs, output):
