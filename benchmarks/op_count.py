@@ -126,7 +126,8 @@ def rms_norm_fused(counter: _Counter):
     def fused(x, normalized_shape, weight=None, eps=None):
         if weight is not None and weight.dtype != x.dtype:  # CUDA's composite fallback: its formula, counted
             return rms_norm(x, normalized_shape, weight, eps)
-        return _FusedRMSNorm.apply(counter, rms_norm, x, weight, tuple(normalized_shape), eps)
+        # CUDA's kernel takes a contiguous input: a strided one is copied first (counted)
+        return _FusedRMSNorm.apply(counter, rms_norm, x.contiguous(), weight, tuple(normalized_shape), eps)
 
     F.rms_norm = fused
     try:

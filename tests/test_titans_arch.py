@@ -379,6 +379,34 @@ def test_the_layers_attentions_keep_one_converted_mask(variant):
     assert len(saved) == calls and len(storages) == 1, (saved, len(storages))
 
 
+def test_mac_projects_keys_and_values_with_one_stacked_weight():
+    """MAC's keys and values (the segments', the persistent tokens', each segment's retrieved rows) come from one
+    GEMM with ``wk`` and ``wv`` stacked (``kv_weight``, built once per block forward): the same keys, values and
+    gradients of both weights as the two projections, in float64."""
+    from memtrain.model.titans.attention import PrefixAttention
+
+    torch.manual_seed(0)
+    model = build(tiny("mac", n_layers=2)).double()
+    attn = model.blocks[0].attn
+    x = torch.randn(2, 7, attn.wk.in_features, dtype=torch.float64)
+    cos, sin = model.rope(torch.arange(7).expand(2, 7))
+    cos, sin = cos.double(), sin.double()
+    per = [attn.keys_values(x, cos, sin), attn.keys_values(x, cos, sin, attn.kv_weight())]
+    for a, b in zip(*per):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    grads = [torch.autograd.grad(sum((t * t).sum() for t in kv), [attn.wk.weight, attn.wv.weight]) for kv in per]
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    calls = []
+    stacked = PrefixAttention.kv_weight
+    PrefixAttention.kv_weight = lambda self: calls.append(self) or stacked(self)
+    try:
+        model(tokens(T=64))
+    finally:
+        PrefixAttention.kv_weight = stacked
+    assert calls == [b.attn for b in model.blocks]  # once per block forward, not per segment
+
+
 def test_mask_builders_against_brute_force():
     T, W, P = 11, 4, 2
     doc = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 2, 2, 2]])

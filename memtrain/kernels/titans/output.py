@@ -15,7 +15,8 @@ one launch and the sum of the gain's per-program partial gradients backward (det
 
 Precision: the forward rounds where PyTorch's form does (the norm's output and its product with the gain to
 ``y``'s dtype, that product to the gate's, the gated result to it again), with float32 arithmetic between, so it
-matches to float32 rounding. ``eps`` is ``F.rms_norm``'s default, the machine epsilon of ``y``'s dtype. The
+matches to float32 rounding. ``eps`` is ``F.rms_norm``'s default, the machine epsilon of its float32 arithmetic
+(also for half-precision ``y``: CPU's and CUDA's implementations both take the accumulation type's). The
 backward is float32 throughout and rounds only its outputs, where PyTorch's form rounds the gradient of the
 pre-gate product to the activations' bf16: it is the more precise of the two. The gate's dtype is the output's
 (``gated_output``'s ``dtype``; :func:`gated_norm` checks it). Under ``TRITON_INTERPRET=1`` the same kernels run on
@@ -149,7 +150,7 @@ def gated_norm(y: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor) -> tor
     if weight.shape != (H, HD) or gate.shape != (B, T, H * HD):
         raise ValueError(f"gated_norm: y {tuple(y.shape)}, weight {tuple(weight.shape)} and gate {tuple(gate.shape)} "
                          "do not match ([B, H, T, d], [H, d], [B, T, H*d])")
-    return _out_fwd(y, weight, gate, torch.finfo(y.dtype).eps)
+    return _out_fwd(y, weight, gate, torch.finfo(torch.float32).eps)  # F.rms_norm's default, any input dtype
 
 
 __all__ = ["gated_norm"]

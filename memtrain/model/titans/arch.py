@@ -223,17 +223,18 @@ class TitansBlock(nn.Module):
         mem, attn = self.memory, self.attn
         sizes = [b - a for a, b in ctx.segments]
         queries = attn.queries(u, ctx.cos, ctx.sin).split(sizes, dim=1)
-        keys, values = (t.split(sizes, dim=1) for t in attn.keys_values(u, ctx.cos, ctx.sin))
+        wkv = attn.kv_weight()  # wk and wv as one GEMM per call (each segment's retrieved rows below)
+        keys, values = (t.split(sizes, dim=1) for t in attn.keys_values(u, ctx.cos, ctx.sin, wkv))
         retrieval_q = mem.segment_queries(u, sizes[0]).split(sizes, dim=2)
         retrieval_gate = mem.output_gate(u).split(sizes, dim=1)
         prefix_k = prefix_v = None
         if p is not None:  # keys [P (unrotated) | h_t | S_t]; h_t[j] at token j's position
-            prefix_k, prefix_v = attn.keys_values(self.norm1(p))
+            prefix_k, prefix_v = attn.keys_values(self.norm1(p), kv_weight=wkv)
         per_segment_output = self.compiled  # see above
         ys, ms = [], []
         for i, (mask, (cos, sin)) in enumerate(zip(ctx.segment_masks, ctx.segment_rope)):
             h = mem.gated_output(mem.read(retrieval_q[i], state), retrieval_gate[i], u.dtype)  # M*_{t-1}(q_t)
-            h_k, h_v = attn.keys_values(h, cos, sin)
+            h_k, h_v = attn.keys_values(h, cos, sin, wkv)
             k, v = [h_k, keys[i]], [h_v, values[i]]
             if prefix_k is not None:
                 k, v = [prefix_k, *k], [prefix_v, *v]

@@ -25,6 +25,7 @@ import inspect
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from memtrain.model.anchor import Attention, apply_rope
@@ -136,12 +137,22 @@ class PrefixAttention(Attention):
         B, T, _ = x.shape
         return apply_rope(self.q_norm(self.wq(x)).view(B, T, self.n_heads, self.head_dim), cos, sin)
 
-    def keys_values(self, x: torch.Tensor, cos: Optional[torch.Tensor] = None,
-                    sin: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Normalised keys and values ``[B, T, KV, hd]`` of ``x``; the keys rotated by ``cos``/``sin`` if given."""
+    def kv_weight(self) -> torch.Tensor:
+        """``wk``'s and ``wv``'s weights stacked ``[2 * kv_width, d]``, for :meth:`keys_values` over many inputs
+        (MAC's segments): one GEMM per call each way instead of two, and one weight gradient to accumulate."""
+        return torch.cat([self.wk.weight, self.wv.weight])
+
+    def keys_values(self, x: torch.Tensor, cos: Optional[torch.Tensor] = None, sin: Optional[torch.Tensor] = None,
+                    kv_weight: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Normalised keys and values ``[B, T, KV, hd]`` of ``x``; the keys rotated by ``cos``/``sin`` if given;
+        ``kv_weight``: :meth:`kv_weight`, computed once by the caller (the same projections)."""
         B, T, _ = x.shape
-        k = self.k_norm(self.wk(x)).view(B, T, self.n_kv_heads, self.head_dim)
-        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
+        if kv_weight is None:
+            k, v = self.wk(x), self.wv(x)
+        else:
+            k, v = F.linear(x, kv_weight).split(self.n_kv_heads * self.head_dim, dim=-1)
+        k = self.k_norm(k).view(B, T, self.n_kv_heads, self.head_dim)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim)
         return (k if cos is None else apply_rope(k, cos, sin)), v
 
     def attend_heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
