@@ -18,9 +18,9 @@ Precision: the forward rounds where PyTorch's form does (the norm's output and i
 matches to float32 rounding. ``eps`` is ``F.rms_norm``'s default, the machine epsilon of its float32 arithmetic
 (also for half-precision ``y``: CPU's and CUDA's implementations both take the accumulation type's). The
 backward is float32 throughout and rounds only its outputs, where PyTorch's form rounds the gradient of the
-pre-gate product to the activations' bf16: it is the more precise of the two. The gate's dtype is the output's
-(``gated_output``'s ``dtype``; :func:`gated_norm` checks it). Under ``TRITON_INTERPRET=1`` the same kernels run on
-CPU tensors (tests/test_titans_kernel.py).
+pre-gate product to the activations' bf16: it is the more precise of the two. The output has the gate's dtype
+(``gated_output`` takes this path only where that is its ``dtype``). Under ``TRITON_INTERPRET=1`` the same kernels
+run on CPU tensors (tests/test_titans_kernel.py).
 """
 
 from __future__ import annotations
