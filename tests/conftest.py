@@ -110,3 +110,16 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def poison_empty(monkeypatch):
+    """``poison_empty(module)``: the Triton kernels' wrapper module's ``_empty`` (every buffer its kernels write)
+    returns NaN-filled tensors for this test, so an element a kernel leaves unwritten shows in the result."""
+    def nan_empty(*shape, device, dtype=torch.float32):
+        return torch.full(shape, float("nan"), device=device, dtype=dtype)
+
+    def poison(module):
+        monkeypatch.setattr(module, "_empty", nan_empty)
+        return module
+    return poison

@@ -20,14 +20,10 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 @pytest.fixture
-def rope_kernel(monkeypatch):
+def rope_kernel(poison_empty):
     from memtrain.kernels import rope
 
-    def nan_empty(*shape, device, dtype):
-        return torch.full(shape, float("nan"), device=device, dtype=dtype)
-
-    monkeypatch.setattr(rope, "_empty", nan_empty)
-    return rope
+    return poison_empty(rope)
 
 
 @pytest.fixture

@@ -25,11 +25,8 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # compile
 
 
 @pytest.fixture(autouse=True)
-def poisoned_buffers(monkeypatch):
-    def nan_empty(*shape, device, dtype=torch.float32):
-        return torch.full(shape, float("nan"), device=device, dtype=dtype)
-
-    monkeypatch.setattr(triton_kernels, "_empty", nan_empty)
+def poisoned_buffers(poison_empty):
+    poison_empty(triton_kernels)
 
 
 def _inputs(gen, N, T, D, hidden, depth, dtype=torch.float64):
@@ -369,14 +366,10 @@ def test_kernel_neural_memory_layer_matches_torch(depth, gate_mode):
 
 
 @pytest.fixture
-def poisoned_prologue(monkeypatch):
+def poisoned_prologue(poison_empty):
     from memtrain.kernels.titans import prologue
 
-    def nan_empty(*shape, device, dtype):
-        return torch.full(shape, float("nan"), device=device, dtype=dtype)
-
-    monkeypatch.setattr(prologue, "_empty", nan_empty)
-    return prologue
+    return poison_empty(prologue)
 
 
 def _qkv_reference(x, heads, norm_v):
@@ -456,14 +449,10 @@ def test_kernel_prologue_custom_operators_pass_opcheck():
 
 
 @pytest.fixture
-def poisoned_output(monkeypatch):
+def poisoned_output(poison_empty):
     from memtrain.kernels.titans import output
 
-    def nan_empty(*shape, device, dtype):
-        return torch.full(shape, float("nan"), device=device, dtype=dtype)
-
-    monkeypatch.setattr(output, "_empty", nan_empty)
-    return output
+    return poison_empty(output)
 
 
 def _gated_output_torch(y, w, gate):
