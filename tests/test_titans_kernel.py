@@ -15,6 +15,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from memtrain.kernels import titans as titans_kernels
 from memtrain.kernels.titans import reference, triton_kernels
@@ -372,6 +373,18 @@ def poisoned_prologue(poison_empty):
     return poison_empty(prologue)
 
 
+class _OpNames(TorchDispatchMode):
+    """The names of the ATen and memtrain operators that run within it (``names``, in order)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
 def _qkv_reference(x, heads, norm_v):
     """NeuralMemory._qkv_heads' formula in float64 from ``x``'s SiLU as ``F.silu`` rounds it: [3, B, H, T, hd]."""
     B, T, C = x.shape
@@ -398,27 +411,39 @@ def test_kernel_prologue_qkv_heads_matches_torch(poisoned_prologue, dtype, norm_
         assert got.dtype == dtype and got.shape == (B, H, T, hd) and got.is_contiguous()
         assert torch.isfinite(got).all() and _rel(got, want) < tol, _rel(got, want)
     cot = torch.randn(3, B, H, T, hd, generator=gen).to(DEVICE)
-    (dx,) = torch.autograd.grad(sum((t.float() * c).sum() for t, c in zip((q, k, v), cot)), x)
     x64 = x.detach().double().requires_grad_(True)
     B_, T_, C_ = x64.shape
     a = F.silu(x64).view(B_, T_, 3, H, hd)
     a = torch.cat([F.normalize(a[:, :, :2], dim=-1), F.normalize(a[:, :, 2:], dim=-1) if norm_v else a[:, :, 2:]], 2)
-    (dx_ref,) = torch.autograd.grad((a.permute(2, 0, 3, 1, 4) * cot.double()).sum(), x64)
-    assert dx.dtype == dtype and torch.isfinite(dx).all() and _rel(dx, dx_ref) < tol, _rel(dx, dx_ref)
-    assert dx.stride() == x.stride()  # the convolution's layout: its backward takes the gradient without a copy
+    a = a.permute(2, 0, 3, 1, 4)
+    for used in ((0, 1, 2), (0,), (1,), (2,)):  # all three outputs reach the loss, or one (the others' are zeros)
+        with _OpNames() as ops:
+            (dx,) = torch.autograd.grad(sum((q, k, v)[i].float().mul(cot[i]).sum() for i in used), x,
+                                        retain_graph=True)
+        assert "stack" not in ops.names and ops.names.count("titans_qkv_heads_bwd") == 1, ops.names
+        (dx_ref,) = torch.autograd.grad(sum((a[i] * cot[i].double()).sum() for i in used), x64, retain_graph=True)
+        assert dx.dtype == dtype and torch.isfinite(dx).all() and _rel(dx, dx_ref) < tol, (used, _rel(dx, dx_ref))
+        assert dx.stride() == x.stride()  # the convolution's layout: its backward takes the gradient without a copy
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # the interpreter's sigmoid at |g| >> 1: 0 or 1
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_kernel_prologue_gates_match_torch(poisoned_prologue, dtype):
+@pytest.mark.parametrize("dtype, strided", [(torch.float32, False), (torch.float16, False), (torch.bfloat16, False),
+                                            (torch.bfloat16, True)])
+def test_kernel_prologue_gates_match_torch(poisoned_prologue, dtype, strided):
     """The fused gate prologue (theta = max_lr sigmoid, log eta = logsigmoid + log max_momentum, log(1 - alpha) =
     logsigmoid(-g), the per-head layout) against float64: pre-activations up to +-40 (logsigmoid's tails), a
-    length across the 32-token blocks; float32 outputs to 1e-5, the gradient to 1e-5 (float32 input) or within
+    length across the 32-token blocks, ``strided``: the columns of a wider projection (as eager MAC's stacked
+    q/k/v and gate projection gives them); float32 outputs to 1e-5, the gradient to 1e-5 (float32 input) or within
     the input dtype's rounding."""
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     B, T, H = 3, 45, 5
     g = (torch.randn(B, T, 3 * H, generator=gen) * torch.tensor([1.0, 8.0, 40.0]).repeat_interleave(T * 3 * H // 3)
-         .view(1, T, 3 * H)[:, :, torch.randperm(3 * H, generator=gen)]).to(DEVICE, dtype).requires_grad_(True)
+         .view(1, T, 3 * H)[:, :, torch.randperm(3 * H, generator=gen)]).to(DEVICE, dtype)
+    if strided:
+        g = torch.cat([torch.randn(B, T, 7, dtype=dtype, device=DEVICE), g], dim=-1).requires_grad_(True)[..., 7:]
+        assert not g.is_contiguous()
+    else:
+        g.requires_grad_(True)
     max_lr, max_m = 0.003, 0.95
     lr, log_eta, log_keep = poisoned_prologue.gates(g, H, max_lr, max_m)
     g64 = g.detach().double().requires_grad_(True)
@@ -428,10 +453,16 @@ def test_kernel_prologue_gates_match_torch(poisoned_prologue, dtype):
         assert got.dtype == torch.float32 and got.shape == (B, H, T) and got.is_contiguous()
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-7)
     cot = torch.randn(3, B, H, T, generator=gen, dtype=torch.float64).to(DEVICE)
-    (dg,) = torch.autograd.grad(sum((t * c.float()).sum() for t, c in zip((lr, log_eta, log_keep), cot)), g)
-    (dg_ref,) = torch.autograd.grad(sum((t * c).sum() for t, c in zip(ref, cot)), g64)
-    assert dg.dtype == dtype and torch.isfinite(dg).all()
-    assert _rel(dg, dg_ref) < (1e-5 if dtype == torch.float32 else 1e-2), _rel(dg, dg_ref)
+    out = (lr, log_eta, log_keep)
+    for used in ((0, 1, 2), (0,), (1,), (2,)):  # all three gates reach the loss, or one (the others' are zeros)
+        with _OpNames() as ops:
+            (dg,) = torch.autograd.grad(sum((out[i] * cot[i].float()).sum() for i in used), g, retain_graph=True)
+        assert "stack" not in ops.names and ops.names.count("titans_gates_bwd") == 1, ops.names
+        if strided:  # the kernels read the slice where it lies (no copy of it either way)
+            assert not [n for n in ops.names if n in ("clone", "contiguous", "copy_")], ops.names
+        (dg_ref,) = torch.autograd.grad(sum((ref[i] * cot[i]).sum() for i in used), g64, retain_graph=True)
+        assert dg.dtype == dtype and torch.isfinite(dg).all()
+        assert _rel(dg, dg_ref) < (1e-5 if dtype == torch.float32 else 1e-2), (used, _rel(dg, dg_ref))
 
 
 def test_kernel_prologue_custom_operators_pass_opcheck():

@@ -84,10 +84,11 @@ def compile_kernel(kernel: str, depth: int = 2, head_dim: int = 64, hidden: int 
         ptr = {"fp32": "*fp32", "bf16": "*bf16", "fp16": "*fp16"}[half]
         if kernel.startswith("qkv"):
             consts = dict(NORM_V=True, BT=prologue.BLOCK_T, BD=prologue._block(head_dim))
-            typed = {"X": ptr, "DX": ptr, "Y": ptr, "DY": ptr}
+            typed = {n: ptr for n in ("X", "DX", "Q", "K", "V", "DQ", "DK", "DV")}
         else:
             consts = dict(BT=prologue.BLOCK_T, BG=prologue._block(3 * 12))
-            typed = {"G": ptr, "DG": ptr, "OUT": "*fp32", "DOUT": "*fp32", "max_lr": "fp32", "log_max_momentum": "fp32"}
+            typed = {"G": ptr, "DG": ptr, "max_lr": "fp32", "log_max_momentum": "fp32",
+                     **{n: "*fp32" for n in ("LR", "LOG_ETA", "LOG_KEEP", "DLR", "DLOG_ETA", "DLOG_KEEP")}}
         launch = {"num_warps": num_warps or 4, "num_stages": 3}  # Triton's defaults, as the kernels launch
         sig = {n: "constexpr" if n in consts else typed.get(n, "i32") for n in fn.arg_names}
         scan = False

@@ -12,11 +12,11 @@ projections and the gate projection into what the scan kernels read:
   ``log(1 - alpha) = logsigmoid(-g_2)`` ``[B, H, T]`` in float32 from the gate projection's ``[B, T, 3 * H]``.
   PyTorch's form (``NeuralMemory._gates``, per-token gates): 8 ops forward, about 8 backward.
 
-Each is one custom operator (:mod:`torch.library`) with a registered backward operator, so eager autograd issues
-one launch each way (plus the stack that joins the three outputs' gradients) and a compiled block's graph keeps
-it as one node (eager and compiled blocks compute the same). Eager ``titans-170m-mac`` runs the pair 96 times
-per forward (12 blocks x 8 segments): 3,264 fewer device ops per sequence, 14,515 -> 11,251
-(``benchmarks/op_count.py``).
+Each is one custom operator (:mod:`torch.library`) with three separate outputs and a registered backward operator
+that reads the three gradients, so eager autograd issues one launch each way (no stack joins the outputs'
+gradients) and a compiled block's graph keeps it as one node (eager and compiled blocks compute the same). Eager
+``titans-170m-mac`` runs the pair 96 times per forward (12 blocks x 8 segments): 3,264 fewer device ops per
+sequence, 14,515 -> 11,251 (``benchmarks/op_count.py``).
 
 Precision: the arithmetic is float32 (inputs upcast). SiLU's output is rounded to the input's dtype before the
 norm, as ``F.silu`` on a half-precision tensor returns it, so the forward matches PyTorch's form to float32
@@ -61,28 +61,46 @@ def _qkv_rows(X, n, part, h, t0, T, sxb, sxt, sxc, INNER, HD, BT: tl.constexpr, 
 
 
 @triton.jit
-def _qkv_fwd_kernel(X, Y, B, T, sxb, sxt, sxc, H, HD, NORM_V: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
-    """One program per (sequence, part, head) and ``BT`` tokens: ``Y[part, n, h, t, :]``."""
+def _store_part(Q, K, V, part, off, val, m):
+    """``val`` at ``off`` of whichever of ``Q``, ``K``, ``V`` part 0, 1, 2 is (one store runs, two are masked off)."""
+    tl.store(Q + off, val.to(Q.dtype.element_ty), mask=m & (part == 0))
+    tl.store(K + off, val.to(K.dtype.element_ty), mask=m & (part == 1))
+    tl.store(V + off, val.to(V.dtype.element_ty), mask=m & (part == 2))
+
+
+@triton.jit
+def _load_part(Q, K, V, part, off, m):
+    """``_store_part``'s read: float32 of whichever of ``Q``, ``K``, ``V`` part 0, 1, 2 is."""
+    q = tl.load(Q + off, mask=m & (part == 0), other=0.0).to(tl.float32)
+    k = tl.load(K + off, mask=m & (part == 1), other=0.0).to(tl.float32)
+    v = tl.load(V + off, mask=m & (part == 2), other=0.0).to(tl.float32)
+    return q + k + v
+
+
+@triton.jit
+def _qkv_fwd_kernel(X, Q, K, V, T, sxb, sxt, sxc, H, HD, NORM_V: tl.constexpr, BT: tl.constexpr,
+                    BD: tl.constexpr):
+    """One program per (sequence, part, head) and ``BT`` tokens: ``Q``, ``K`` or ``V`` ``[n, h, t, :]``."""
     pid = tl.program_id(0)
     n, part, h = pid // (3 * H), (pid // H) % 3, pid % H
     x, m, offs_t, offs_d = _qkv_rows(X, n, part, h, tl.program_id(1) * BT, T, sxb, sxt, sxc, H * HD, HD, BT, BD)
     a, _ = _silu_rounded(X, x)
     norm = tl.sqrt(tl.sum(a * a, axis=1))
     scale = tl.where((part < 2) | NORM_V, 1.0 / tl.maximum(norm, 1e-12), 1.0)
-    off = (((part * B + n) * H + h) * T + offs_t[:, None]) * HD + offs_d[None, :]
-    tl.store(Y + off, (a * scale[:, None]).to(Y.dtype.element_ty), mask=m)
+    off = ((n * H + h) * T + offs_t[:, None]) * HD + offs_d[None, :]
+    _store_part(Q, K, V, part, off, a * scale[:, None], m)
 
 
 @triton.jit
-def _qkv_bwd_kernel(X, DY, DX, B, T, sxb, sxt, sxc, H, HD, NORM_V: tl.constexpr, BT: tl.constexpr,
+def _qkv_bwd_kernel(X, DQ, DK, DV, DX, T, sxb, sxt, sxc, H, HD, NORM_V: tl.constexpr, BT: tl.constexpr,
                     BD: tl.constexpr):
-    """The gradient of ``X`` from that of ``Y``, recomputing the forward; ``DX`` has ``X``'s strides."""
+    """The gradient of ``X`` from those of ``Q``, ``K``, ``V``, recomputing the forward; ``DX`` has ``X``'s
+    strides."""
     pid = tl.program_id(0)
     n, part, h = pid // (3 * H), (pid // H) % 3, pid % H
     x, m, offs_t, offs_d = _qkv_rows(X, n, part, h, tl.program_id(1) * BT, T, sxb, sxt, sxc, H * HD, HD, BT, BD)
     a, s = _silu_rounded(X, x)
-    off = (((part * B + n) * H + h) * T + offs_t[:, None]) * HD + offs_d[None, :]
-    dy = tl.load(DY + off, mask=m, other=0.0).to(tl.float32)
+    dy = _load_part(DQ, DK, DV, part, ((n * H + h) * T + offs_t[:, None]) * HD + offs_d[None, :], m)
     norm = tl.sqrt(tl.sum(a * a, axis=1))
     # y = a / max(|a|, eps), eps = 1e-12 (F.normalize's): (dy - u (u . dy)) / |a| above eps, dy / eps at or
     # below it (the clamp holds the norm constant there)
@@ -103,34 +121,37 @@ def _log_sigmoid(u):
 
 
 @triton.jit
-def _gate_rows(G, n, t0, T, H, BT: tl.constexpr, BG: tl.constexpr):
-    """``BT`` tokens' ``3 * H`` gate pre-activations of sequence ``n`` (float32), the mask, which gate (0 theta,
-    1 eta, 2 alpha) and head each column is, the token offsets."""
+def _gate_rows(G, n, t0, T, sgb, sgt, H, BT: tl.constexpr, BG: tl.constexpr):
+    """``BT`` tokens' ``3 * H`` gate pre-activations of sequence ``n`` (float32; ``G``'s strides between sequences
+    and tokens ``sgb``, ``sgt``, columns adjacent), the mask, which gate (0 theta, 1 eta, 2 alpha) and head each
+    column is, the token offsets."""
     offs_t = t0 + tl.arange(0, BT)
     col = tl.arange(0, BG)
     m = (offs_t[:, None] < T) & (col[None, :] < 3 * H)
-    g = tl.load(G + (n * T + offs_t[:, None]) * (3 * H) + col[None, :], mask=m, other=0.0).to(tl.float32)
+    g = tl.load(G + n * sgb + offs_t[:, None] * sgt + col[None, :], mask=m, other=0.0).to(tl.float32)
     return g, m, col // H, col % H, offs_t
 
 
 @triton.jit
-def _gates_fwd_kernel(G, OUT, B, T, H, max_lr, log_max_momentum, BT: tl.constexpr, BG: tl.constexpr):
-    """One program per sequence and ``BT`` tokens: ``OUT[j, n, h, t]``, j = theta, log eta, log(1 - alpha)."""
+def _gates_fwd_kernel(G, LR, LOG_ETA, LOG_KEEP, T, sgb, sgt, H, max_lr, log_max_momentum, BT: tl.constexpr,
+                      BG: tl.constexpr):
+    """One program per sequence and ``BT`` tokens: ``[n, h, t]`` of theta, log eta and log(1 - alpha)."""
     n = tl.program_id(0)
-    g, m, j, h, offs_t = _gate_rows(G, n, tl.program_id(1) * BT, T, H, BT, BG)
+    g, m, j, h, offs_t = _gate_rows(G, n, tl.program_id(1) * BT, T, sgb, sgt, H, BT, BG)
     j2 = j[None, :]
     out = tl.where(j2 == 0, max_lr * tl.sigmoid(g),
                    tl.where(j2 == 1, _log_sigmoid(g) + log_max_momentum, _log_sigmoid(-g)))
-    tl.store(OUT + ((j2 * B + n) * H + h[None, :]) * T + offs_t[:, None], out, mask=m)
+    _store_part(LR, LOG_ETA, LOG_KEEP, j2, (n * H + h[None, :]) * T + offs_t[:, None], out, m)
 
 
 @triton.jit
-def _gates_bwd_kernel(G, DOUT, DG, B, T, H, max_lr, BT: tl.constexpr, BG: tl.constexpr):
-    """The gradient of ``G`` from that of ``OUT`` [3, B, H, T]."""
+def _gates_bwd_kernel(G, DLR, DLOG_ETA, DLOG_KEEP, DG, T, sgb, sgt, H, max_lr, BT: tl.constexpr,
+                      BG: tl.constexpr):
+    """The gradient of ``G`` (written contiguous ``[B, T, 3 * H]``) from those of the three gates [B, H, T]."""
     n = tl.program_id(0)
-    g, m, j, h, offs_t = _gate_rows(G, n, tl.program_id(1) * BT, T, H, BT, BG)
+    g, m, j, h, offs_t = _gate_rows(G, n, tl.program_id(1) * BT, T, sgb, sgt, H, BT, BG)
     j2 = j[None, :]
-    dout = tl.load(DOUT + ((j2 * B + n) * H + h[None, :]) * T + offs_t[:, None], mask=m, other=0.0)
+    dout = _load_part(DLR, DLOG_ETA, DLOG_KEEP, j2, (n * H + h[None, :]) * T + offs_t[:, None], m)
     s = tl.sigmoid(g)
     # d theta / dg = max_lr s (1 - s); d logsigmoid(g) / dg = 1 - s; d logsigmoid(-g) / dg = -s
     dg = dout * tl.where(j2 == 0, max_lr * s * (1.0 - s), tl.where(j2 == 1, 1.0 - s, -s))
@@ -162,19 +183,20 @@ def _block(x: int) -> int:
 
 
 @torch.library.custom_op("memtrain::titans_qkv_heads", mutates_args=())
-def _qkv_fwd(x: torch.Tensor, heads: int, norm_v: bool, out_dtype: torch.dtype) -> torch.Tensor:
+def _qkv_fwd(x: torch.Tensor, heads: int, norm_v: bool,
+             out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     B, T, C = x.shape
     hd = C // (3 * heads)
-    y = _empty(3, B, heads, T, hd, device=x.device, dtype=out_dtype)
-    _qkv_fwd_kernel[_grid(B, T, 3 * heads)](x, y, B, T, *x.stride(), heads, hd, NORM_V=norm_v, BT=BLOCK_T,
+    q, k, v = (_empty(B, heads, T, hd, device=x.device, dtype=out_dtype) for _ in range(3))
+    _qkv_fwd_kernel[_grid(B, T, 3 * heads)](x, q, k, v, T, *x.stride(), heads, hd, NORM_V=norm_v, BT=BLOCK_T,
                                             BD=_block(hd))
-    return y
+    return q, k, v
 
 
 @_qkv_fwd.register_fake
 def _(x, heads, norm_v, out_dtype):
     B, T, C = x.shape
-    return x.new_empty(3, B, heads, T, C // (3 * heads), dtype=out_dtype)
+    return tuple(x.new_empty(B, heads, T, C // (3 * heads), dtype=out_dtype) for _ in range(3))
 
 
 def _dense_like(x: torch.Tensor) -> torch.Tensor:
@@ -191,31 +213,35 @@ def _dense_like(x: torch.Tensor) -> torch.Tensor:
 
 
 @torch.library.custom_op("memtrain::titans_qkv_heads_bwd", mutates_args=())
-def _qkv_bwd(x: torch.Tensor, dy: torch.Tensor, heads: int, norm_v: bool) -> torch.Tensor:
+def _qkv_bwd(x: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, heads: int,
+             norm_v: bool) -> torch.Tensor:
     B, T, C = x.shape
     x = _dense_like(x)
     dx = _empty_strided(x.shape, x.stride(), device=x.device, dtype=x.dtype)
-    _qkv_bwd_kernel[_grid(B, T, 3 * heads)](x, dy.contiguous(), dx, B, T, *x.stride(), heads, C // (3 * heads),
-                                            NORM_V=norm_v, BT=BLOCK_T, BD=_block(C // (3 * heads)))
+    _qkv_bwd_kernel[_grid(B, T, 3 * heads)](x, dq.contiguous(), dk.contiguous(), dv.contiguous(), dx, T,
+                                            *x.stride(), heads, C // (3 * heads), NORM_V=norm_v, BT=BLOCK_T,
+                                            BD=_block(C // (3 * heads)))
     return dx
 
 
 @_qkv_bwd.register_fake
-def _(x, dy, heads, norm_v):
+def _(x, dq, dk, dv, heads, norm_v):
     x = _dense_like(x)
     return x.new_empty_strided(x.shape, x.stride())
 
 
 def _register_backward(fwd, bwd) -> None:
-    """``fwd(x, a, b, c)``'s autograd: ``x`` saved, ``a`` and ``b`` kept, the gradient of ``x`` is
-    ``bwd(x, grad, a, b)`` (the other arguments are not differentiable)."""
+    """``fwd(x, a, b, c)``'s autograd (three outputs): ``x`` saved, ``a`` and ``b`` kept, the gradient of ``x`` is
+    ``bwd(x, grad_0, grad_1, grad_2, a, b)`` (the other arguments are not differentiable). The three outputs are
+    separate tensors, so their gradients reach the backward operator as autograd delivers them: no stack joins
+    them (a gradient the loss does not reach arrives as zeros)."""
     def setup(ctx, inputs, output):
         ctx.save_for_backward(inputs[0])
         ctx.args = inputs[1:3]
 
-    def backward(ctx, grad):
+    def backward(ctx, g0, g1, g2):
         (x,) = ctx.saved_tensors
-        return bwd(x, grad, *ctx.args), None, None, None
+        return bwd(x, g0, g1, g2, *ctx.args), None, None, None
 
     fwd.register_autograd(backward, setup_context=setup)
 
@@ -226,38 +252,48 @@ _register_backward(_qkv_fwd, _qkv_bwd)  # kept: heads, norm_v
 def qkv_heads(x: torch.Tensor, heads: int, norm_v: bool, out_dtype: torch.dtype):
     """``q, k, v`` ``[B, heads, T, head_dim]`` (contiguous, ``out_dtype``) from ``x`` ``[B, T, 3 * heads *
     head_dim]`` (any strides): ``normalize(silu(x_part))`` per head, v unnormalised unless ``norm_v``."""
-    return _qkv_fwd(x, heads, norm_v, out_dtype).unbind(0)
+    return _qkv_fwd(x, heads, norm_v, out_dtype)
 
 
 # -- gates -------------------------------------------------------------------------------------------
 
 
+def _rows(g: torch.Tensor) -> torch.Tensor:
+    """``g`` ``[B, T, 3 * heads]`` as the gate kernels read it: any strides between sequences and tokens (MAC's gate
+    projection is a column slice of a wider one), adjacent columns."""
+    return g if g.stride(-1) == 1 else g.contiguous()
+
+
 @torch.library.custom_op("memtrain::titans_gates", mutates_args=())
-def _gates_fwd(g: torch.Tensor, heads: int, max_lr: float, log_max_momentum: float) -> torch.Tensor:
+def _gates_fwd(g: torch.Tensor, heads: int, max_lr: float,
+               log_max_momentum: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     B, T, _ = g.shape
-    out = _empty(3, B, heads, T, device=g.device, dtype=torch.float32)
-    _gates_fwd_kernel[_grid(B, T, 1)](g.contiguous(), out, B, T, heads, max_lr, log_max_momentum, BT=BLOCK_T,
-                                      BG=_block(3 * heads))
-    return out
+    lr, log_eta, log_keep = (_empty(B, heads, T, device=g.device, dtype=torch.float32) for _ in range(3))
+    g = _rows(g)
+    _gates_fwd_kernel[_grid(B, T, 1)](g, lr, log_eta, log_keep, T, g.stride(0), g.stride(1), heads, max_lr,
+                                      log_max_momentum, BT=BLOCK_T, BG=_block(3 * heads))
+    return lr, log_eta, log_keep
 
 
 @_gates_fwd.register_fake
 def _(g, heads, max_lr, log_max_momentum):
     B, T, _ = g.shape
-    return g.new_empty(3, B, heads, T, dtype=torch.float32)
+    return tuple(g.new_empty(B, heads, T, dtype=torch.float32) for _ in range(3))
 
 
 @torch.library.custom_op("memtrain::titans_gates_bwd", mutates_args=())
-def _gates_bwd(g: torch.Tensor, dout: torch.Tensor, heads: int, max_lr: float) -> torch.Tensor:
+def _gates_bwd(g: torch.Tensor, dlr: torch.Tensor, dlog_eta: torch.Tensor, dlog_keep: torch.Tensor, heads: int,
+               max_lr: float) -> torch.Tensor:
     B, T, _ = g.shape
     dg = _empty(*g.shape, device=g.device, dtype=g.dtype)
-    _gates_bwd_kernel[_grid(B, T, 1)](g.contiguous(), dout.float().contiguous(), dg, B, T, heads, max_lr,
-                                      BT=BLOCK_T, BG=_block(3 * heads))
+    g = _rows(g)
+    _gates_bwd_kernel[_grid(B, T, 1)](g, *(d.float().contiguous() for d in (dlr, dlog_eta, dlog_keep)), dg, T,
+                                      g.stride(0), g.stride(1), heads, max_lr, BT=BLOCK_T, BG=_block(3 * heads))
     return dg
 
 
 @_gates_bwd.register_fake
-def _(g, dout, heads, max_lr):
+def _(g, dlr, dlog_eta, dlog_keep, heads, max_lr):
     return torch.empty_like(g, memory_format=torch.contiguous_format)
 
 
@@ -267,7 +303,7 @@ _register_backward(_gates_fwd, _gates_bwd)  # kept: heads, max_lr
 def gates(g: torch.Tensor, heads: int, max_lr: float, max_momentum: float):
     """``(theta, log eta, log(1 - alpha))``, each ``[B, heads, T]`` float32, from the gate projection ``g``
     ``[B, T, 3 * heads]`` (``[theta | eta | alpha]`` pre-activations, one per head)."""
-    return _gates_fwd(g, heads, max_lr, math.log(max_momentum)).unbind(0)
+    return _gates_fwd(g, heads, max_lr, math.log(max_momentum))
 
 
 __all__ = ["gates", "qkv_heads"]
