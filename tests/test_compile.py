@@ -264,14 +264,16 @@ def test_titans_compiled_blocks_with_the_triton_kernels_are_one_graph(variant, d
     whole block, MAC's loop over segments included, into one graph with the scan as nodes: no graph break, one
     frame for both blocks (memory depth 1 and 2; the any-depth kernels' operators pass opcheck's AOTAutograd
     test in tests/test_titans_kernel.py, and run 7 s per step here). The traced model (Dynamo's graph run
-    eagerly) equals the eager kernel model, and the PyTorch form to the kernels' float32 rounding, outputs and
-    every gradient."""
+    eagerly) equals the eager kernel model in the compiled blocks' form, and the PyTorch form to the kernels'
+    float32 rounding, outputs and every gradient."""
     from torch._dynamo.testing import CompileCounterWithBackend, EagerAndRecordGraphs
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()  # torch 2.11's reset keeps the graph-break counts of earlier tests
     torch_model, eager, traced = (_titans(variant, kernel=k, memory_depth=depth) for k in ("torch", "triton", "triton"))
+    for block in eager.blocks:  # compiled blocks' form of MAC (per-segment output stage, autograd's per-use sums)
+        block.compiled = True
     record = EagerAndRecordGraphs()
     counter = CompileCounterWithBackend(record)
     traced.compile_blocks(backend=counter)

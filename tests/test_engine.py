@@ -196,6 +196,82 @@ def test_parameters_start_aligned_in_deepspeeds_flat_buffers(tmp_path):
     assert result["2-fp32-True"]["optimizer"] == "DeepSpeedZeroOptimizer"
 
 
+_GROUPED = r"""
+import json, os, sys
+import torch, torch.distributed as dist
+import torch.nn.functional as F
+from memtrain.config import recipe_from_dict
+from memtrain.model import build
+from memtrain.model.titans import arch, memory
+from memtrain.parallel import engine as eng
+
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+dist.init_process_group("gloo", rank=0, world_size=1)
+grouped_linear = arch.grouped_linear
+plain = lambda w, b=None, enabled=True: (lambda x: F.linear(x, w, b))
+result = {}
+for stage, prec in ((1, "bf16"), (2, "fp32")):
+    recipe = recipe_from_dict({}, ["model.type=titans", "model.titans.variant=mac", "model.d_model=48",
+                                   "model.n_layers=2", "model.n_heads=2", "model.titans.memory_heads=2",
+                                   "model.titans.segment_len=8", "model.titans.persistent_tokens=2",
+                                   "model.ffn_dim=64", "model.vocab_size=64", "data.tokenizer.vocab_size=64",
+                                   "model.max_seq_len=32", "data.seq_len=32", "train.global_batch_tokens=64",
+                                   "train.micro_batch_size=2", "train.optimizer.lr=0.5", "train.optimizer.eps=1.0",
+                                   "train.schedule.warmup=0",
+                                   f"parallel.zero_stage={stage}"])
+    ids = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(1))
+    for grouped in (True, False):
+        arch.grouped_linear = memory.grouped_linear = grouped_linear if grouped else plain
+        torch.manual_seed(0)
+        engine, *_ = eng.initialize(build(recipe.model), recipe, 1, prec)
+        start = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+        losses = []
+        for _ in range(3):
+            loss = engine(ids, labels=ids.roll(-1, 1)).loss_sum.float() / ids.numel()
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        end = {n: p.detach().float() for n, p in engine.module.named_parameters()}
+        result[f"{stage}-{prec}-{grouped}"] = {
+            "losses": losses, "params": {n: end[n].flatten()[:64].tolist() for n in end},
+            "unchanged": [n for n in end if torch.equal(end[n], start[n])]}
+print("RESULT", json.dumps(result))
+"""
+
+
+@pytest.mark.slow
+def test_mac_grouped_weight_gradients_train_through_deepspeed(tmp_path):
+    """Eager MAC computes each per-segment projection's weight gradient once (memtrain.model.grouped_linear) and
+    delivers it through autograd once per weight, which DeepSpeed's gradient hooks see: under ZeRO-1 bf16
+    (BF16_Optimizer, bf16 weights, no autocast, as training on a GPU runs) and ZeRO-2 fp32, three optimizer steps
+    give the losses and parameters of autograd's per-use sums (fp32 to 1e-5; bf16 within its rounding), and every
+    parameter moved. AdamW's eps is 1, so that its updates are about lr times the gradients (at eps 1e-8 they are
+    about lr times their signs, and rounding flips those of gradients near zero)."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run = subprocess.run([sys.executable, "-c", _GROUPED, str(port)], capture_output=True, text=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.split("RESULT ", 1)[1])
+    for key, rel in (("2-fp32", 1e-5), ("1-bf16", 2e-2)):
+        grouped, plain = result[f"{key}-True"], result[f"{key}-False"]
+        # bf16 weights: updates below half an ulp of a weight leave it (as the gate biases, about -4.6) unchanged
+        assert grouped["unchanged"] == plain["unchanged"] == ([] if key == "2-fp32" else plain["unchanged"]), (
+            key, grouped["unchanged"], plain["unchanged"])
+        assert grouped["losses"] == pytest.approx(plain["losses"], rel=rel), key
+        assert grouped["losses"][-1] < grouped["losses"][0], key
+        if key == "2-fp32":
+            for name, values in plain["params"].items():
+                assert grouped["params"][name] == pytest.approx(values, rel=1e-5, abs=1e-6), name
+
+
 def test_compiled_blocks_refuse_a_parameter_off_the_alignment():
     """The trainer's check before compiled blocks run on CUDA: one line naming the parameter, how far off it
     is and the way out (model.compile=false); nothing when every parameter starts aligned."""

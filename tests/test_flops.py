@@ -73,7 +73,8 @@ def _sequential(model: torch.nn.Module) -> torch.nn.Module:
     for m in model.modules():
         if isinstance(m, NeuralMemory):
             # every write (MAC calls write directly; MAG / MAL / LMM through forward), whatever it asks for
-            m.write = lambda x, state=None, algorithm=None, m=m: NeuralMemory.write(m, x, state, "sequential")
+            m.write = lambda x, state=None, algorithm=None, m=m, **kw: NeuralMemory.write(m, x, state, "sequential",
+                                                                                      **kw)
     return model
 
 

@@ -267,7 +267,8 @@ def test_op_count_counts_the_structure_not_the_widths():
     assert a["ops_per_token"] == round(a["ops_total"] / (16 * 128), 3)
     by_module = a["forward_by_module"]
     assert by_module["NeuralMemory.read"] > 0 and by_module["PrefixAttention.attend_heads"] > 0
-    # the gates are the gate projection (counted under Linear) and one fused launch: no op of their own
+    # the gates are the gate projection (MAC: stacked with to_qkv, counted under NeuralMemory.write) and one fused
+    # launch that reads its columns where they lie: no op of their own
     assert "NeuralMemory._gates" not in by_module, by_module
     b = _op_count("model.d_model=64", "model.ffn_dim=96")
     counts = ("ops_forward", "ops_backward")

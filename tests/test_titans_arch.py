@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from memtrain.config import ModelConfig, RecipeError, TitansConfig, load_recipe, recipe_from_dict
 from memtrain.data.loader import document_ids
@@ -251,8 +252,8 @@ def test_mac_retrieves_with_the_memory_before_each_segment():
         reads.append((q, state, out))
         return out
 
-    def spy_write(x, state=None, algorithm="chunked"):
-        out, new = write(x, state, algorithm)
+    def spy_write(x, state=None, algorithm="chunked", proj=None):
+        out, new = write(x, state, algorithm, proj)
         writes.append((x, state, new))
         return out, new
 
@@ -341,6 +342,46 @@ def test_mac_block_is_the_per_segment_computation(T, np_, docs, carried, compile
             torch.testing.assert_close(g, r, rtol=1e-9, atol=1e-11, msg=name)
 
 
+@pytest.mark.parametrize("recompute", [False, True])
+def test_mac_computes_each_per_segment_weight_gradient_once(monkeypatch, recompute):
+    """Eagerly, MAC's per-segment projections (the memory's ``to_qkv`` and ``to_gates`` stacked, with the gates'
+    bias, and ``to_out``; the attention's stacked ``wk``/``wv`` and ``wo``) get their weight gradients from one GEMM
+    each over all segments' rows (:mod:`memtrain.model.grouped_linear`): every gradient of a two-block model
+    equals autograd's per-use sums in float64, with the blocks recomputed in backward or not, and the backward runs
+    one weight-gradient GEMM per projection and block instead of one per use: ``uses - 1`` fewer, ``segments - 1``
+    for each of the four, one more for ``to_out`` (the final output stage) and two more for ``wkv`` (the segments'
+    own and the persistent tokens' keys and values)."""
+    from memtrain.model.titans import arch, memory
+
+    ids = tokens(T=37)
+    n_seg = len(segment_bounds(37, SEG))
+    runs = []
+    for grouped in (True, False):
+        if not grouped:  # the plain projection wherever a group would be made
+            plain = lambda w, b=None, enabled=True: (lambda x: F.linear(x, w, b))  # noqa: E731
+            monkeypatch.setattr(arch, "grouped_linear", plain)
+            monkeypatch.setattr(memory, "grouped_linear", plain)
+        m = exact("mac", n_layers=2)
+        m.set_activation_checkpointing(recompute)
+        m.train()
+        loss = m(ids, labels=ids.roll(-1, 1)).loss_sum
+        mms = []
+
+        class Mm(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func.overloadpacket.__name__ in ("mm", "addmm"):
+                    mms.append(func)
+                return func(*args, **(kwargs or {}))
+
+        with Mm():
+            grads = torch.autograd.grad(loss, list(m.parameters()))
+        runs.append((grads, len(mms)))
+    (grads, mms), (ref, ref_mms) = runs
+    for (name, _), g, r in zip(m.named_parameters(), grads, ref):
+        torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-12, msg=name)
+    assert ref_mms - mms == 2 * (4 * (n_seg - 1) + 1 + 2), (mms, ref_mms)
+
+
 @pytest.mark.parametrize("variant, split", [("mac", 16), ("mac", 24), ("lmm", 13)])
 def test_carried_memory_continues_the_sequence(variant, split):
     """MAC split on a segment boundary (and LMM anywhere) with the memory states carried equals one pass."""
@@ -391,7 +432,7 @@ def test_mac_projects_keys_and_values_with_one_stacked_weight():
     x = torch.randn(2, 7, attn.wk.in_features, dtype=torch.float64)
     cos, sin = model.rope(torch.arange(7).expand(2, 7))
     cos, sin = cos.double(), sin.double()
-    per = [attn.keys_values(x, cos, sin), attn.keys_values(x, cos, sin, attn.kv_weight())]
+    per = [attn.keys_values(x, cos, sin), attn.keys_values(x, cos, sin, lambda r: F.linear(r, attn.kv_weight()))]
     for a, b in zip(*per):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
     grads = [torch.autograd.grad(sum((t * t).sum() for t in kv), [attn.wk.weight, attn.wv.weight]) for kv in per]

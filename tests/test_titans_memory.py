@@ -99,7 +99,7 @@ def test_chunk_gates_are_constant_within_a_chunk():
     m = make(2, 4, "chunk")
     x = inputs(10)
     state = m.init_state(2)
-    lr, log_eta, log_keep, stored = m._gates(x, state)
+    lr, log_eta, log_keep, stored = m._gates(m.to_gates(x), state)
     for g in (lr, log_eta, log_keep):
         for start in range(0, 10, 4):
             blk = g[:, :, start:start + 4]

@@ -163,6 +163,13 @@ PLAN: list[Phase] = [
                 "3.6), the shipped depth-2 pair spills 2.6 KB (forward) and 8.3 KB (backward) per thread at the "
                 "recipes' shapes, the any-depth kernels 0.2 KB and 7.0 KB: which is faster there"),
     _recipe_phase("titans-760m-mal", 130),
+    Phase("recipe_170m_mac_ungrouped",
+          _throughput("titans-170m-mac", "train.schedule.warmup=2", steps=20, extra=("--profile", "25")), 110,
+          capped=True, env={"MEMTRAIN_GROUPED_WGRAD": "0"},
+          about="titans-170m-mac with autograd's per-use weight gradients (MEMTRAIN_GROUPED_WGRAD=0: one GEMM per "
+                "segment and projection and their sums, 7,521 ops per sequence instead of 6,705), beside "
+                "recipe_170m_mac: what computing each per-segment projection's weight gradient once "
+                "(memtrain.model.grouped_linear) gains on a GPU"),
     _micro_batch_phase("titans-170m-mac", 8, 20, 130,
                        "eager MAC issues the same ops per micro-batch whatever its size, so if the host's "
                        "dispatch bounds it (step times varied 1.0-1.9 s on an H200) tokens/s nearly doubles; "

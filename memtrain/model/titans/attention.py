@@ -22,10 +22,9 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from memtrain.model.anchor import Attention, apply_rope
@@ -143,24 +142,28 @@ class PrefixAttention(Attention):
         return torch.cat([self.wk.weight, self.wv.weight])
 
     def keys_values(self, x: torch.Tensor, cos: Optional[torch.Tensor] = None, sin: Optional[torch.Tensor] = None,
-                    kv_weight: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    kv_proj: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Normalised keys and values ``[B, T, KV, hd]`` of ``x``; the keys rotated by ``cos``/``sin`` if given;
-        ``kv_weight``: :meth:`kv_weight`, computed once by the caller (the same projections)."""
+        ``kv_proj``: the projection by :meth:`kv_weight` (keys and values side by side), made once by the caller
+        (MAC: a :class:`~memtrain.model.grouped_linear.GroupedLinear` of it); None: ``wk`` and ``wv``."""
         B, T, _ = x.shape
-        if kv_weight is None:
+        if kv_proj is None:
             k, v = self.wk(x), self.wv(x)
         else:
-            k, v = F.linear(x, kv_weight).split(self.n_kv_heads * self.head_dim, dim=-1)
+            k, v = kv_proj(x).split(self.n_kv_heads * self.head_dim, dim=-1)
         k = self.k_norm(k).view(B, T, self.n_kv_heads, self.head_dim)
         v = v.view(B, T, self.n_kv_heads, self.head_dim)
         return (k if cos is None else apply_rope(k, cos, sin)), v
 
-    def attend_heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
-        """Attention of ``q`` over ``k``, ``v`` (``[B, T, heads, hd]``) under ``mask``, then ``wo``: ``[B, Tq, d]``.
-        Under autocast the norms return fp32 while ``v`` is bf16; attention runs in ``v``'s dtype."""
+    def attend_heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask,
+                     out_proj: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
+        """Attention of ``q`` over ``k``, ``v`` (``[B, T, heads, hd]``) under ``mask``, then ``wo`` (or ``out_proj``,
+        the same projection made by the caller): ``[B, Tq, d]``. Under autocast the norms return fp32 while ``v`` is
+        bf16; attention runs in ``v``'s dtype."""
         B, Tq = q.shape[:2]
         out = attend(q.to(v.dtype).transpose(1, 2), k.to(v.dtype).transpose(1, 2), v.transpose(1, 2), mask)
-        return self.wo(out.transpose(1, 2).reshape(B, Tq, self.n_heads * self.head_dim))
+        return (out_proj or self.wo)(out.transpose(1, 2).reshape(B, Tq, self.n_heads * self.head_dim))
 
 
 __all__ = ["PrefixAttention", "segment_mask", "sliding_window_mask", "window_allowed", "with_prefix"]

@@ -75,13 +75,14 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import replace
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from memtrain.kernels.titans import KERNELS, kernel_unsupported, use_triton
+from memtrain.model.grouped_linear import grouped_linear
 from memtrain.model.titans.inner_loop import ALGORITHMS, memory_scan, mlp_forward
 from memtrain.model.titans.state import MemoryState
 
@@ -142,6 +143,16 @@ def compiled_scan() -> Callable[..., tuple[torch.Tensor, MemoryState]]:
         return run(q, k, v, lr, log_eta, log_keep, state, chunk_size, algorithm, kernel, io_dtype)
 
     return scan
+
+
+class Projections(NamedTuple):
+    """The layer's projections of its input as callables: ``qkv_gates`` gives ``to_qkv``'s and ``to_gates``'
+    outputs, ``out`` is ``to_out``. Its modules (:meth:`NeuralMemory.projections`), or for a forward that calls the
+    layer's pieces many times (MAC's segments) one GEMM for both input projections and each weight's gradient
+    computed once (:meth:`NeuralMemory.projections` with ``grouped``)."""
+
+    qkv_gates: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    out: Callable[[torch.Tensor], torch.Tensor]
 
 
 class NeuralMemory(nn.Module):
@@ -245,6 +256,19 @@ class NeuralMemory(nn.Module):
     # traces it where the Triton kernels run and leaves the PyTorch form to run eagerly.
     scan = staticmethod(run_scan)
 
+    def projections(self, grouped: bool = False) -> Projections:
+        """The layer's projections: its modules, or with ``grouped`` (a caller of :meth:`write` and
+        :meth:`gated_output` per segment, once per forward) ``to_qkv`` and ``to_gates`` stacked into one projection
+        (one GEMM per call each way, one input gradient) and it and ``to_out`` as
+        :func:`~memtrain.model.grouped_linear.grouped_linear` (each weight's gradient one GEMM for all calls; plain
+        ``F.linear`` where that does not apply). The same functions either way."""
+        if not grouped:
+            return Projections(lambda x: (self.to_qkv(x), self.to_gates(x)), self.to_out)
+        gates = self.to_gates
+        split = [self.to_qkv.out_features, gates.out_features]
+        both = grouped_linear(torch.cat([self.to_qkv.weight, gates.weight]), F.pad(gates.bias, (split[0], 0)))
+        return Projections(lambda x: both(x).split(split, dim=-1), grouped_linear(self.to_out.weight))
+
     @property
     def inner_dtype(self) -> torch.dtype:
         """The inner loop's dtype: float32, or float64 when the parameters are float64."""
@@ -297,29 +321,30 @@ class NeuralMemory(nn.Module):
         """The output's sigmoid gate from ``x`` ``[B, T, dim]``: ``sigmoid(x W_G)`` ``[B, T, H*d]``."""
         return torch.sigmoid(self.to_out_gate(x))
 
-    def gated_output(self, y: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def gated_output(self, y: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype,
+                     proj: Optional[Projections] = None) -> torch.Tensor:
         """[B, H, T, d] retrievals -> per-head RMSNorm, times ``gate`` (:meth:`output_gate`) in ``dtype`` (the
-        gating input's), output projection: ``[B, T, dim]``. Row by row, so it may run once over several calls'
-        rows (MAC's segments). Where the scan kernels run (half-precision activations), eager or compiled: one fused
-        kernel each way up to the projection (:func:`memtrain.kernels.titans.output.gated_norm`; 5 ops forward,
-        about 9 backward in this form)."""
+        gating input's), output projection (``proj.out``; None: :meth:`projections`): ``[B, T, dim]``. Row by row,
+        so it may run once over several calls' rows (MAC's segments). Where the scan kernels run (half-precision
+        activations), eager or compiled: one fused kernel each way up to the projection
+        (:func:`memtrain.kernels.titans.output.gated_norm`; 5 ops forward, about 9 backward in this form)."""
+        to_out = self.to_out if proj is None else proj.out
         if gate.dtype == dtype and fused_output() and self._kernels_read_half(gate, "chunked"):
             from memtrain.kernels.titans.output import gated_norm
 
-            return self.to_out(gated_norm(y, self.out_norm, gate))
+            return to_out(gated_norm(y, self.out_norm, gate))
         y = F.rms_norm(y.transpose(1, 2), (self.head_dim,)) * self.out_norm.to(y.dtype)
-        return self.to_out(y.flatten(2).to(dtype) * gate)
+        return to_out(y.flatten(2).to(dtype) * gate)
 
     def _output(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """[B, H, T, d] retrievals -> per-head RMSNorm, sigmoid gate from x, output projection."""
         return self.gated_output(y, self.output_gate(x), x.dtype)
 
-    def _gates(self, x: torch.Tensor, state: MemoryState, fused: bool = False):
-        """Per-token ``(lr, log_eta, log_keep)`` ``[B, H, T]`` and the state's new ``chunk_gates``. ``fused``
-        (where the kernels run; per-token gates): one fused kernel each way
-        (:func:`memtrain.kernels.titans.prologue.gates`), the same function."""
-        B, T, _ = x.shape
-        g = self.to_gates(x)
+    def _gates(self, g: torch.Tensor, state: MemoryState, fused: bool = False):
+        """Per-token ``(lr, log_eta, log_keep)`` ``[B, H, T]`` and the state's new ``chunk_gates`` from the gate
+        projection ``g`` ``[B, T, 3 * heads]`` (``to_gates``' output). ``fused`` (where the kernels run; per-token
+        gates): one fused kernel each way (:func:`memtrain.kernels.titans.prologue.gates`), the same function."""
+        B, T, _ = g.shape
         if fused and self.gate_mode == "token":
             from memtrain.kernels.titans.prologue import gates
 
@@ -328,7 +353,7 @@ class NeuralMemory(nn.Module):
         chunk_gates = None
         if self.gate_mode == "chunk":
             C, pos = self.chunk_size, state.pos
-            first = (pos + torch.arange(T, device=x.device)) // C * C - pos  # chunk start, relative
+            first = (pos + torch.arange(T, device=g.device)) // C * C - pos  # chunk start, relative
             if pos % C:
                 if state.chunk_gates is None:
                     raise ValueError("gate_mode 'chunk' continuing a partial chunk needs state.chunk_gates")
@@ -354,21 +379,23 @@ class NeuralMemory(nn.Module):
         y, new_state = self.write(x, state, algorithm)
         return self._output(y, x), new_state
 
-    def write(self, x: torch.Tensor, state: Optional[MemoryState] = None,
-              algorithm: str = "chunked") -> tuple[torch.Tensor, MemoryState]:
+    def write(self, x: torch.Tensor, state: Optional[MemoryState] = None, algorithm: str = "chunked",
+              proj: Optional[Projections] = None) -> tuple[torch.Tensor, MemoryState]:
         """:meth:`forward` before its output stage: ``(y [B, H, T, head_dim], new_state)``, the retrievals
-        ``M_t(q_t)`` that :meth:`gated_output` turns into ``forward``'s output."""
+        ``M_t(q_t)`` that :meth:`gated_output` turns into ``forward``'s output. ``proj``: the projections to use
+        (None: :meth:`projections`; eager MAC passes grouped ones, made once per block forward)."""
+        proj = proj or self.projections()
         if algorithm not in ALGORITHMS:
             raise ValueError(f"unknown algorithm {algorithm!r}; expected one of {', '.join(ALGORITHMS)}")
         B, T, _ = x.shape
         if state is None:
             state = self.init_state(B, x.device)
-        qkv = self.to_qkv(x)
+        qkv, g = proj.qkv_gates(x)
         conv_in = torch.cat([state.conv_cache.to(qkv.dtype), qkv], dim=1)
         conv_cache = conv_in[:, conv_in.shape[1] - (self.conv_kernel - 1):]
         half = self._kernels_read_half(qkv, algorithm)
         q, k, v = self._qkv_heads(self._conv(conv_in), half)
-        lr, log_eta, log_keep, chunk_gates = self._gates(x, state, half and fused_prologue())
+        lr, log_eta, log_keep, chunk_gates = self._gates(g, state, half and fused_prologue())
         y, new_state = self.scan(q, k, v, lr, log_eta, log_keep, state, self.chunk_size, algorithm, self.kernel,
                                  qkv.dtype)
         return y, replace(new_state, chunk_gates=chunk_gates, conv_cache=conv_cache)
@@ -406,4 +433,4 @@ class NeuralMemory(nn.Module):
             return mlp_forward(weights, q)
 
 
-__all__ = ["GATE_MODES", "NeuralMemory"]
+__all__ = ["GATE_MODES", "NeuralMemory", "Projections"]
