@@ -5,6 +5,8 @@
 - a bf16 training step of a tiny anchor and of each memory family (hierarchical memories with their
   bank, Titans LMM / MAC / MAG / MAL, MemoryLlama): bf16 logits within bf16 rounding of fp32, finite
   gradients that reach the memory's parameters, and a loss that falls over a few steps;
+- eager MAC's grouped per-segment weight gradients (memtrain.model.grouped_linear) in bf16, as close to fp32
+  as autograd's per-use sums;
 - ``torch.compile`` against eager: outputs and every parameter's gradient; and Titans blocks compiled
   regionally (``model.compile: true``, the Triton kernels eager inside) in bf16, as close to fp32 as
   eager bf16 is.
@@ -237,6 +239,29 @@ def test_compiled_model_equals_eager_outputs_and_gradients(device, family):
     assert grads[0].keys() == grads[1].keys() and grads[0]
     for n in grads[0]:
         assert rel_err(grads[1][n], grads[0][n]) < 1e-4, n
+
+
+def test_titans_mac_grouped_weight_gradients_in_bf16(device, monkeypatch):
+    """Eager MAC in bf16 (``kernel: auto``: the Triton kernels on a GPU) computes each per-segment projection's
+    weight gradient once for all segments (memtrain.model.grouped_linear: one GEMM with fp32 accumulation, one
+    rounding); autograd's per-use sums (``MEMTRAIN_GROUPED_WGRAD=0``) round each use's GEMM and each sum to bf16.
+    Against an fp32 model with the same weights, the grouped gradients are as close as the per-use sums (at most
+    1.5x their error, or 1e-2) and the logits equal. The GPU check runs this first and switches grouping off
+    for its later phases should it fail."""
+    x, doc, grouped, per_use = _batch_and_twin("titans-mac", device, torch.bfloat16, seed=5, eot=23)
+    ref = _Family("titans-mac", device, torch.float32).model
+    ref.load_state_dict(grouped.state_dict())  # the bf16 weights, held in fp32
+    runs = [_logits_and_grads(ref, x, doc), _logits_and_grads(grouped, x, doc)]
+    monkeypatch.setenv("MEMTRAIN_GROUPED_WGRAD", "0")
+    runs.append(_logits_and_grads(per_use, x, doc))
+    (_, g_ref), (out_g, g_g), (out_u, g_u) = runs
+    assert torch.equal(out_g, out_u)  # the forward is the same GEMMs
+    projections = [n for n in g_ref if n.endswith(("to_qkv.weight", "to_gates.weight", "to_gates.bias",
+                                                   "to_out.weight", "attn.wk.weight", "attn.wv.weight",
+                                                   "attn.wo.weight"))]
+    assert len(projections) == 2 * 7, projections
+    for n in g_ref:
+        assert rel_err(g_g[n], g_ref[n]) < max(1.5 * rel_err(g_u[n], g_ref[n]), 1e-2), n
 
 
 @pytest.mark.parametrize("family", ["titans-mac", "titans-mal"])

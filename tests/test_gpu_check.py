@@ -183,8 +183,8 @@ def test_the_real_plan_names_existing_files_and_loadable_recipes(capsys):
     # eager and compiled MAC side by side (the compiled
     # launches asynchronous: its tokens/s is what it measures), then the layer target and the kernels' launches
     # (register-resident or any-depth at the recipes' shapes)
-    assert names[:10] == ["env", "fused_kernels", "recipe_400m_mag", "recipe_340m_mac", "recipe_170m_mac",
-                          "recipe_170m_mac_compiled", "recipe_170m_mac_cudagraphs", "titans_layer",
+    assert names[:11] == ["env", "fused_kernels", "grouped_wgrad", "recipe_400m_mag", "recipe_340m_mac",
+                          "recipe_170m_mac", "recipe_170m_mac_compiled", "recipe_170m_mac_cudagraphs", "titans_layer",
                           "titans_kernel_tune", "recipe_760m_mal"]
     guard = gc.select(gc.PLAN, "fused_kernels")[0]
     from memtrain.model.anchor import FUSED_ROPE_ENV
@@ -192,6 +192,11 @@ def test_the_real_plan_names_existing_files_and_loadable_recipes(capsys):
 
     assert guard.on_failure_env == {FUSED_PROLOGUE_ENV: "0", FUSED_OUTPUT_ENV: "0", FUSED_ROPE_ENV: "0"}
     assert "tests/test_titans_kernel.py" in guard.argv and "tests/test_rope_kernel.py" in guard.argv
+    from memtrain.model.grouped_linear import GROUPED_ENV
+
+    grouped = gc.select(gc.PLAN, "grouped_wgrad")[0]
+    assert grouped.on_failure_env == {GROUPED_ENV: "0"} and "tests/test_gpu.py" in grouped.argv
+    assert gc.select(gc.PLAN, "recipe_170m_mac_ungrouped")[0].env == {GROUPED_ENV: "0"}
     assert "CUDA_LAUNCH_BLOCKING" not in gc.select(gc.PLAN, "recipe_170m_mac_compiled")[0].env
 
 
