@@ -342,15 +342,18 @@ def test_mac_block_is_the_per_segment_computation(T, np_, docs, carried, compile
             torch.testing.assert_close(g, r, rtol=1e-9, atol=1e-11, msg=name)
 
 
-@pytest.mark.parametrize("recompute", [False, True])
-def test_mac_computes_each_per_segment_weight_gradient_once(monkeypatch, recompute):
+@pytest.mark.parametrize("recompute, norm", [(False, "layernorm"), (True, "layernorm"), (False, "rmsnorm"),
+                                             (True, "rmsnorm")])
+def test_mac_computes_each_per_segment_weight_gradient_once(monkeypatch, recompute, norm):
     """Eagerly, MAC's per-segment projections (the memory's ``to_qkv`` and ``to_gates`` stacked, with the gates'
     bias, and ``to_out``; the attention's stacked ``wk``/``wv`` and ``wo``) get their weight gradients from one GEMM
     each over all segments' rows (:mod:`memtrain.model.grouped_linear`): every gradient of a two-block model
     equals autograd's per-use sums in float64, with the blocks recomputed in backward or not, and the backward runs
     one weight-gradient GEMM per projection and block instead of one per use: ``uses - 1`` fewer, ``segments - 1``
     for each of the four, one more for ``to_out`` (the final output stage) and two more for ``wkv`` (the segments'
-    own and the persistent tokens' keys and values)."""
+    own and the persistent tokens' keys and values). What each segment uses whole (the persistent tokens' keys and
+    values, the memory's convolution and ``out_norm``, and with ``rmsnorm`` the key norm's gain) reaches it through
+    :func:`~memtrain.model.grouped_linear.fan_out`, also undone in the reference run."""
     from memtrain.model.titans import arch, memory
 
     ids = tokens(T=37)
@@ -361,7 +364,10 @@ def test_mac_computes_each_per_segment_weight_gradient_once(monkeypatch, recompu
             plain = lambda w, b=None, enabled=True: (lambda x: F.linear(x, w, b))  # noqa: E731
             monkeypatch.setattr(arch, "grouped_linear", plain)
             monkeypatch.setattr(memory, "grouped_linear", plain)
-        m = exact("mac", n_layers=2)
+            same = lambda x, n, enabled=True: (x,) * n  # noqa: E731
+            monkeypatch.setattr(arch, "fan_out", same)
+            monkeypatch.setattr(memory, "fan_out", same)
+        m = exact("mac", n_layers=2, norm=norm)
         m.set_activation_checkpointing(recompute)
         m.train()
         loss = m(ids, labels=ids.roll(-1, 1)).loss_sum

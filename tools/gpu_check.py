@@ -173,7 +173,7 @@ PLAN: list[Phase] = [
           _throughput("titans-170m-mac", "train.schedule.warmup=2", steps=20, extra=("--profile", "25")), 110,
           capped=True, env={"MEMTRAIN_GROUPED_WGRAD": "0"},
           about="titans-170m-mac with autograd's per-use weight gradients (MEMTRAIN_GROUPED_WGRAD=0: one GEMM per "
-                "segment and projection and their sums, 7,521 ops per sequence instead of 6,705), beside "
+                "segment and projection and their sums, 7,521 ops per sequence instead of 6,309), beside "
                 "recipe_170m_mac: what computing each per-segment projection's weight gradient once "
                 "(memtrain.model.grouped_linear) gains on a GPU"),
     _micro_batch_phase("titans-170m-mac", 8, 20, 130,

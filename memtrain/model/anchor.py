@@ -97,12 +97,15 @@ class RMSNorm(nn.Module):
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == self.weight.dtype:
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+    def forward(self, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``weight``: the gain to use instead of the module's (an alias of it, e.g. from
+        :func:`memtrain.model.grouped_linear.fan_out`)."""
+        weight = self.weight if weight is None else weight
+        if x.dtype == weight.dtype:
+            return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
         xf = x.to(torch.promote_types(x.dtype, torch.float32))  # mixed dtypes (F.rms_norm would warn)
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return y.type_as(x) * self.weight
+        return y.type_as(x) * weight
 
 
 def make_norm(kind: str, dim: int, eps: float) -> nn.Module:

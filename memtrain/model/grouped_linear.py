@@ -1,4 +1,5 @@
-"""One weight applied to many inputs in a forward, its gradient computed once in backward: :class:`GroupedLinear`.
+"""One weight applied to many inputs in a forward, its gradient computed once in backward: :class:`GroupedLinear`;
+and one tensor used many times, its gradients summed in one op: :func:`fan_out`.
 
 Why. Eager MAC (:meth:`memtrain.model.titans.arch.TitansBlock._mac`) runs the same projections once per segment:
 the memory's ``to_qkv``, ``to_gates`` and ``to_out``, the attention's stacked key/value weight and ``wo`` (8
@@ -25,6 +26,12 @@ weight's dtype), a weight that needs a gradient and ``MEMTRAIN_GROUPED_WGRAD`` n
 result equals autograd's sum of per-use gradients up to the order of additions (tests/test_grouped_linear.py:
 float64 to 1e-12, with a bias, uses the loss does not reach, partial backwards and activation checkpointing).
 Not twice differentiable (``once_differentiable``).
+
+:func:`fan_out` is the same idea where a tensor itself, not a projection, is used many times (MAC's persistent
+tokens' keys and values, one concatenation per segment; the memory's convolution weight and bias, one convolution
+per segment): autograd adds the ``k`` uses' gradients one by one (``k - 1`` adds); ``fan_out(x, k)`` gives each
+use its own alias of ``x`` and sums their gradients with one stack and one sum (accumulated in float32 for bf16,
+rounded once).
 """
 
 from __future__ import annotations
@@ -99,9 +106,41 @@ class GroupedLinear:
         return dy.t() @ x, (dy.sum(0) if self.has_bias else None)
 
 
-# MEMTRAIN_GROUPED_WGRAD=0 leaves every weight gradient to autograd's per-use sums: a switch for comparing the two
-# on a GPU (tools/gpu_check.py, recipe_170m_mac_ungrouped), and a way back should grouping misbehave there.
+# MEMTRAIN_GROUPED_WGRAD=0 leaves every gradient to autograd's per-use sums (grouped_linear and fan_out are then
+# plain): a switch for comparing the two on a GPU (tools/gpu_check.py, recipe_170m_mac_ungrouped), and a way back
+# should grouping misbehave there.
 GROUPED_ENV = "MEMTRAIN_GROUPED_WGRAD"
+
+
+class _FanOut(torch.autograd.Function):
+    """``n`` aliases of ``x``; backward: the sum of their gradients (those autograd delivers) in one op."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, n: int):
+        ctx.set_materialize_grads(False)  # an alias the loss does not reach adds nothing (no zeros made for it)
+        return tuple(x.view_as(x) for _ in range(n))
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *grads):
+        grads = [g for g in grads if g is not None]
+        if not grads:
+            return None, None
+        return (grads[0] if len(grads) == 1 else torch.stack(grads).sum(0)), None
+
+
+def _applies(x: torch.Tensor, enabled: bool) -> bool:
+    return (enabled and torch.is_grad_enabled() and x.requires_grad and not torch.compiler.is_compiling()
+            and not torch.is_autocast_enabled(x.device.type) and os.environ.get(GROUPED_ENV, "1") != "0")
+
+
+def fan_out(x: torch.Tensor, n: int, enabled: bool = True) -> tuple[torch.Tensor, ...]:
+    """``n`` tensors equal to ``x`` for ``n`` uses, whose gradients reach ``x`` as one sum (module docstring) where
+    it applies (as :func:`grouped_linear`: ``enabled``, eager, gradients on, autocast off, ``x`` needs its gradient,
+    ``MEMTRAIN_GROUPED_WGRAD`` not ``0``), else ``x`` itself ``n`` times."""
+    if n > 1 and _applies(x, enabled):
+        return _FanOut.apply(x, n)
+    return (x,) * n
 
 
 def grouped_linear(weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
@@ -109,10 +148,9 @@ def grouped_linear(weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
     """A :class:`GroupedLinear` where it applies (``enabled``, eager, gradients on, autocast off, a weight that
     needs its gradient, ``MEMTRAIN_GROUPED_WGRAD`` not ``0``), else ``F.linear`` with these arguments: the same
     function either way."""
-    if (enabled and torch.is_grad_enabled() and weight.requires_grad and not torch.compiler.is_compiling()
-            and not torch.is_autocast_enabled(weight.device.type) and os.environ.get(GROUPED_ENV, "1") != "0"):
+    if _applies(weight, enabled):
         return GroupedLinear(weight, bias)
     return lambda x: F.linear(x, weight, bias)
 
 
-__all__ = ["GROUPED_ENV", "GroupedLinear", "grouped_linear"]
+__all__ = ["GROUPED_ENV", "GroupedLinear", "fan_out", "grouped_linear"]

@@ -101,7 +101,7 @@ from memtrain.model.anchor import (
     ModelOutput, RMSNorm, RotaryEmbedding, SwiGLU, _trunc_normal_, make_norm, position_ids_from_doc_ids,
 )
 from memtrain.model.attention import AttentionMask
-from memtrain.model.grouped_linear import grouped_linear
+from memtrain.model.grouped_linear import fan_out, grouped_linear
 from memtrain.model.titans.attention import PrefixAttention, segment_mask, sliding_window_mask
 from memtrain.model.titans.memory import NeuralMemory, compiled_scan
 from memtrain.model.titans.state import MemoryState
@@ -227,26 +227,33 @@ class TitansBlock(nn.Module):
         # The projections used per segment, made once: wk and wv stacked (one GEMM per call; the memory's to_qkv
         # and to_gates likewise), and eagerly each weight's gradient computed once for all segments' rows
         # (grouped_linear: one GEMM where autograd runs one per use and sums them; about 1,150 of 170m-mac's device
-        # ops per sequence). Compiled blocks keep autograd's per-use gradients, so that eager blocks in their
-        # form (``compiled`` set) compute what they do.
+        # ops per sequence), the gradients of what each segment uses whole (the persistent tokens' keys and values,
+        # the memory's convolution and output gain, the key norm's gain) summed in one op (fan_out). Compiled
+        # blocks keep autograd's per-use gradients, so that eager blocks in their form (``compiled`` set) compute
+        # what they do.
         grouped = not self.compiled
+        n_seg = len(ctx.segments)
         wkv = grouped_linear(attn.kv_weight(), enabled=grouped)
         wo = grouped_linear(attn.wo.weight, attn.wo.bias, enabled=grouped)
-        proj = mem.projections(grouped)
-        keys, values = (t.split(sizes, dim=1) for t in attn.keys_values(u, ctx.cos, ctx.sin, wkv))
+        proj = mem.projections(writes=n_seg, outputs=n_seg + 1) if grouped else mem.projections()
+        k_norm_calls = n_seg + 1 + (p is not None)  # the segments' own keys, the persistent tokens', each segment's h
+        k_gains = iter(fan_out(attn.k_norm.weight, k_norm_calls, grouped) if isinstance(attn.k_norm, RMSNorm)
+                       else [None] * k_norm_calls)
+        keys, values = (t.split(sizes, dim=1) for t in attn.keys_values(u, ctx.cos, ctx.sin, wkv, next(k_gains)))
         retrieval_q = mem.segment_queries(u, sizes[0]).split(sizes, dim=2)
         retrieval_gate = mem.output_gate(u).split(sizes, dim=1)
-        prefix_k = prefix_v = None
+        prefix_k = prefix_v = [None] * n_seg
         if p is not None:  # keys [P (unrotated) | h_t | S_t]; h_t[j] at token j's position
-            prefix_k, prefix_v = attn.keys_values(self.norm1(p), kv_proj=wkv)
+            prefix_k, prefix_v = (fan_out(t, n_seg, grouped)
+                                  for t in attn.keys_values(self.norm1(p), kv_proj=wkv, k_gain=next(k_gains)))
         per_segment_output = self.compiled  # see above
         ys, ms = [], []
         for i, (mask, (cos, sin)) in enumerate(zip(ctx.segment_masks, ctx.segment_rope)):
             h = mem.gated_output(mem.read(retrieval_q[i], state), retrieval_gate[i], u.dtype, proj)  # M*_{t-1}(q_t)
-            h_k, h_v = attn.keys_values(h, cos, sin, wkv)
+            h_k, h_v = attn.keys_values(h, cos, sin, wkv, next(k_gains))
             k, v = [h_k, keys[i]], [h_v, values[i]]
-            if prefix_k is not None:
-                k, v = [prefix_k, *k], [prefix_v, *v]
+            if p is not None:
+                k, v = [prefix_k[i], *k], [prefix_v[i], *v]
             y = attn.attend_heads(queries[i], torch.cat(k, dim=1), torch.cat(v, dim=1), mask, wo)
             # M_t = M_{t-1}(y_t); m[i] = M_{t,i}(q(y_t[i])), before its output stage when that is hoisted
             m, state = (mem(y, state) if per_segment_output else mem.write(y, state, proj=proj))

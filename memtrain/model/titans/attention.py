@@ -142,17 +142,19 @@ class PrefixAttention(Attention):
         return torch.cat([self.wk.weight, self.wv.weight])
 
     def keys_values(self, x: torch.Tensor, cos: Optional[torch.Tensor] = None, sin: Optional[torch.Tensor] = None,
-                    kv_proj: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                    kv_proj: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+                    k_gain: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Normalised keys and values ``[B, T, KV, hd]`` of ``x``; the keys rotated by ``cos``/``sin`` if given;
         ``kv_proj``: the projection by :meth:`kv_weight` (keys and values side by side), made once by the caller
-        (MAC: a :class:`~memtrain.model.grouped_linear.GroupedLinear` of it); None: ``wk`` and ``wv``."""
+        (MAC: a :class:`~memtrain.model.grouped_linear.GroupedLinear` of it); None: ``wk`` and ``wv``. ``k_gain``:
+        an alias of ``k_norm``'s gain to normalise with (an :class:`~memtrain.model.anchor.RMSNorm` ``k_norm``;
+        MAC: one per call from :func:`~memtrain.model.grouped_linear.fan_out`)."""
         B, T, _ = x.shape
         if kv_proj is None:
             k, v = self.wk(x), self.wv(x)
         else:
             k, v = kv_proj(x).split(self.n_kv_heads * self.head_dim, dim=-1)
-        k = self.k_norm(k).view(B, T, self.n_kv_heads, self.head_dim)
+        k = (self.k_norm(k) if k_gain is None else self.k_norm(k, k_gain)).view(B, T, self.n_kv_heads, self.head_dim)
         v = v.view(B, T, self.n_kv_heads, self.head_dim)
         return (k if cos is None else apply_rope(k, cos, sin)), v
 

@@ -82,7 +82,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memtrain.kernels.titans import KERNELS, kernel_unsupported, use_triton
-from memtrain.model.grouped_linear import grouped_linear
+from memtrain.model.grouped_linear import fan_out, grouped_linear
 from memtrain.model.titans.inner_loop import ALGORITHMS, memory_scan, mlp_forward
 from memtrain.model.titans.state import MemoryState
 
@@ -146,12 +146,16 @@ def compiled_scan() -> Callable[..., tuple[torch.Tensor, MemoryState]]:
 
 
 class Projections(NamedTuple):
-    """The layer's projections of its input as callables: ``qkv_gates`` gives ``to_qkv``'s and ``to_gates``'
-    outputs, ``out`` is ``to_out``. Its modules (:meth:`NeuralMemory.projections`), or for a forward that calls the
-    layer's pieces many times (MAC's segments) one GEMM for both input projections and each weight's gradient
-    computed once (:meth:`NeuralMemory.projections` with ``grouped``)."""
+    """The layer's parameterised maps as callables: ``qkv_gates`` gives ``to_qkv``'s and ``to_gates``' outputs,
+    ``conv`` is the write's convolution (:meth:`NeuralMemory._conv`), ``out_gain`` gives the output norm's gain
+    (``out_norm``) for one :meth:`NeuralMemory.gated_output` call, ``out`` is ``to_out``. Its modules
+    (:meth:`NeuralMemory.projections`), or for a forward that calls the layer's pieces many times (MAC's segments)
+    one GEMM for both input projections and each parameter's gradient computed or summed once
+    (:meth:`NeuralMemory.projections` with ``writes`` / ``outputs``)."""
 
     qkv_gates: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    conv: Callable[[torch.Tensor], torch.Tensor]
+    out_gain: Callable[[], torch.Tensor]
     out: Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -256,18 +260,26 @@ class NeuralMemory(nn.Module):
     # traces it where the Triton kernels run and leaves the PyTorch form to run eagerly.
     scan = staticmethod(run_scan)
 
-    def projections(self, grouped: bool = False) -> Projections:
-        """The layer's projections: its modules, or with ``grouped`` (a caller of :meth:`write` and
-        :meth:`gated_output` per segment, once per forward) ``to_qkv`` and ``to_gates`` stacked into one projection
-        (one GEMM per call each way, one input gradient) and it and ``to_out`` as
-        :func:`~memtrain.model.grouped_linear.grouped_linear` (each weight's gradient one GEMM for all calls; plain
-        ``F.linear`` where that does not apply). The same functions either way."""
-        if not grouped:
-            return Projections(lambda x: (self.to_qkv(x), self.to_gates(x)), self.to_out)
+    def projections(self, writes: int = 0, outputs: int = 0) -> Projections:
+        """The layer's projections, convolution and output gain: its modules, or for a caller that makes
+        ``writes`` calls of :meth:`write` and ``outputs`` of :meth:`gated_output` in one forward (MAC: one per
+        segment, and one more output stage) ``to_qkv`` and ``to_gates`` stacked into one projection (one GEMM per
+        call each way, one input gradient), it and ``to_out`` as
+        :func:`~memtrain.model.grouped_linear.grouped_linear` (each weight's gradient one GEMM for all calls), and
+        the convolution's weight and bias and ``out_norm`` through :func:`~memtrain.model.grouped_linear.fan_out`
+        (their gradients summed in one op each); plain where that does not apply. The same functions either
+        way."""
+        if not (writes or outputs):
+            return Projections(lambda x: (self.to_qkv(x), self.to_gates(x)), self._conv, lambda: self.out_norm,
+                               self.to_out)
         gates = self.to_gates
         split = [self.to_qkv.out_features, gates.out_features]
         both = grouped_linear(torch.cat([self.to_qkv.weight, gates.weight]), F.pad(gates.bias, (split[0], 0)))
-        return Projections(lambda x: both(x).split(split, dim=-1), grouped_linear(self.to_out.weight))
+        weights, biases = (iter(fan_out(p, writes)) for p in (self.conv.weight, self.conv.bias))
+        gains = iter(fan_out(self.out_norm, outputs))
+        return Projections(lambda x: both(x).split(split, dim=-1),
+                           lambda xp: self._conv(xp, params=(next(weights), next(biases))), lambda: next(gains),
+                           grouped_linear(self.to_out.weight))
 
     @property
     def inner_dtype(self) -> torch.dtype:
@@ -277,13 +289,15 @@ class NeuralMemory(nn.Module):
     def _heads(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, H*d] -> [B, H, T, d]
         return x.unflatten(-1, (self.heads, self.head_dim)).transpose(1, 2)
 
-    def _conv(self, xp: torch.Tensor, channels: Optional[slice] = None) -> torch.Tensor:
+    def _conv(self, xp: torch.Tensor, channels: Optional[slice] = None,
+              params: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
         """Causal depthwise convolution of ``xp`` [B, kernel-1+T, C], the input after its left context (the
         state's cache, or zeros): [B, T, C]. ``channels``: those of the convolution's ``3 * inner`` that ``xp``
         holds (None: all of them, the parameters themselves; a slice's backward would write a zero-filled
-        gradient of the whole parameter and copy its part in, per call)."""
+        gradient of the whole parameter and copy its part in, per call). ``params``: the weight and bias to use
+        (aliases of the module's, :meth:`projections`)."""
         xp = xp.transpose(1, 2)
-        weight, bias = self.conv.weight, self.conv.bias
+        weight, bias = params or (self.conv.weight, self.conv.bias)
         if channels is not None:
             weight, bias = weight[channels], bias[channels]
         return F.conv1d(xp, weight, bias, groups=xp.shape[1]).transpose(1, 2)
@@ -328,12 +342,12 @@ class NeuralMemory(nn.Module):
         so it may run once over several calls' rows (MAC's segments). Where the scan kernels run (half-precision
         activations), eager or compiled: one fused kernel each way up to the projection
         (:func:`memtrain.kernels.titans.output.gated_norm`; 5 ops forward, about 9 backward in this form)."""
-        to_out = self.to_out if proj is None else proj.out
+        to_out, gain = (self.to_out, self.out_norm) if proj is None else (proj.out, proj.out_gain())
         if gate.dtype == dtype and fused_output() and self._kernels_read_half(gate, "chunked"):
             from memtrain.kernels.titans.output import gated_norm
 
-            return to_out(gated_norm(y, self.out_norm, gate))
-        y = F.rms_norm(y.transpose(1, 2), (self.head_dim,)) * self.out_norm.to(y.dtype)
+            return to_out(gated_norm(y, gain, gate))
+        y = F.rms_norm(y.transpose(1, 2), (self.head_dim,)) * gain.to(y.dtype)
         return to_out(y.flatten(2).to(dtype) * gate)
 
     def _output(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -394,7 +408,7 @@ class NeuralMemory(nn.Module):
         conv_in = torch.cat([state.conv_cache.to(qkv.dtype), qkv], dim=1)
         conv_cache = conv_in[:, conv_in.shape[1] - (self.conv_kernel - 1):]
         half = self._kernels_read_half(qkv, algorithm)
-        q, k, v = self._qkv_heads(self._conv(conv_in), half)
+        q, k, v = self._qkv_heads(proj.conv(conv_in), half)
         lr, log_eta, log_keep, chunk_gates = self._gates(g, state, half and fused_prologue())
         y, new_state = self.scan(q, k, v, lr, log_eta, log_keep, state, self.chunk_size, algorithm, self.kernel,
                                  qkv.dtype)
