@@ -183,7 +183,7 @@ def test_the_real_plan_names_existing_files_and_loadable_recipes(capsys):
     # eager and compiled MAC side by side (the compiled
     # launches asynchronous: its tokens/s is what it measures), then the layer target and the kernels' launches
     # (register-resident or any-depth at the recipes' shapes)
-    assert names[:11] == ["env", "fused_kernels", "grouped_wgrad", "recipe_400m_mag", "recipe_340m_mac",
+    assert names[:11] == ["env", "fused_kernels", "recipe_400m_mag", "recipe_340m_mac", "grouped_wgrad",
                           "recipe_170m_mac", "recipe_170m_mac_compiled", "recipe_170m_mac_cudagraphs", "titans_layer",
                           "titans_kernel_tune", "recipe_760m_mal"]
     guard = gc.select(gc.PLAN, "fused_kernels")[0]
