@@ -19,6 +19,7 @@ import subprocess
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # Without a GPU, Triton kernels run under the interpreter. Set before anything imports triton: triton.language
 # builds its own jit functions (tl.sum, tl.max, ...) at import, in the mode the variable gives then.
@@ -123,3 +124,21 @@ def poison_empty(monkeypatch):
         monkeypatch.setattr(module, "_empty", nan_empty)
         return module
     return poison
+
+
+class _OpNames(TorchDispatchMode):
+    """Records the names of the operators (ATen's and custom ones) that run within it, in order: ``names``."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def op_names():
+    """``with op_names() as ops:`` records the operators that run inside the block in ``ops.names``."""
+    return _OpNames

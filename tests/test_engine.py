@@ -130,6 +130,24 @@ def test_groups_are_cut_after_each_parameter_off_the_alignment():
     assert split_for_alignment([{"params": [a, c, e], "role": "anchor"}]) == [{"params": [a, c, e], "role": "anchor"}]
 
 
+def _run_one_rank(script: str) -> dict:
+    """``script`` in a fresh Python as rank 0 of a one-process gloo group (its argv[1]: a free port); the JSON it
+    prints after ``RESULT ``."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run = subprocess.run([sys.executable, "-c", script, str(port)], capture_output=True, text=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.split("RESULT ", 1)[1])
+
+
 _ALIGN = r"""
 import json, os, sys
 import torch, torch.distributed as dist
@@ -172,19 +190,7 @@ def test_parameters_start_aligned_in_deepspeeds_flat_buffers(tmp_path):
     buffer per group. With the groups cut (the default), no parameter of a Titans model whose memory gate bias
     has 9 elements starts off a 16-byte boundary; uncut, the parameters after the first bias do (what made
     compiled Titans blocks fault with 'misaligned address' on the GPU). Training is the same either way."""
-    import json
-    import os
-    import socket
-    import subprocess
-    import sys
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    run = subprocess.run([sys.executable, "-c", _ALIGN, str(port)], capture_output=True, text=True,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    result = json.loads(run.stdout.split("RESULT ", 1)[1])
+    result = _run_one_rank(_ALIGN)
     for key in ("1-bf16", "2-fp32"):
         cut, uncut = result[f"{key}-True"], result[f"{key}-False"]
         assert cut["misaligned"] == [], (key, cut["misaligned"])
@@ -247,19 +253,7 @@ def test_mac_grouped_weight_gradients_train_through_deepspeed(tmp_path):
     give the losses and parameters of autograd's per-use sums (fp32 to 1e-5; bf16 within its rounding), and every
     parameter moved. AdamW's eps is 1, so that its updates are about lr times the gradients (at eps 1e-8 they are
     about lr times their signs, and rounding flips those of gradients near zero)."""
-    import json
-    import os
-    import socket
-    import subprocess
-    import sys
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    run = subprocess.run([sys.executable, "-c", _GROUPED, str(port)], capture_output=True, text=True,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    result = json.loads(run.stdout.split("RESULT ", 1)[1])
+    result = _run_one_rank(_GROUPED)
     for key, rel in (("2-fp32", 1e-5), ("1-bf16", 2e-2)):
         grouped, plain = result[f"{key}-True"], result[f"{key}-False"]
         # bf16 weights: updates below half an ulp of a weight leave it (as the gate biases, about -4.6) unchanged

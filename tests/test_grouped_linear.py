@@ -8,20 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from memtrain.model.grouped_linear import GroupedLinear, fan_out, grouped_linear
-
-
-class _OpNames(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.names = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
 
 
 def _params(bias: bool, seed: int = 0):
@@ -42,14 +31,14 @@ def _loss(project, xs):
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_grouped_linear_gradients_equal_autograd_per_use_sum(bias):
+def test_grouped_linear_gradients_equal_autograd_per_use_sum(bias, op_names):
     w, b, xs = _params(bias)
     ref = torch.autograd.grad(_loss(lambda x: F.linear(x, w, b), xs), [w, *xs] + ([b] if bias else []),
                               allow_unused=True)
     group = grouped_linear(w, b)
     assert isinstance(group, GroupedLinear)
     loss = _loss(group, xs)
-    with _OpNames() as ops:
+    with op_names() as ops:
         got = torch.autograd.grad(loss, [w, *xs] + ([b] if bias else []), allow_unused=True)
     for a, r in zip(got, ref):
         if r is None:
@@ -122,7 +111,7 @@ def test_grouped_linear_refuses_double_backward():
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
-def test_fan_out_sums_the_uses_gradients_in_one_op(dtype):
+def test_fan_out_sums_the_uses_gradients_in_one_op(dtype, op_names):
     """``fan_out(x, k)``: k aliases of ``x`` whose gradients reach ``x`` as one stack and one sum instead of
     ``k - 1`` adds; an alias the loss does not reach adds nothing. float64: equal to autograd's sum to 1e-12;
     bf16: as close to the float64 gradient as autograd's chain of bf16 adds (the sum accumulates in float32 and
@@ -136,7 +125,7 @@ def test_fan_out_sums_the_uses_gradients_in_one_op(dtype):
                    if i != 3)  # the fourth alias reaches no loss
 
     total = loss(fan_out(x, 5))
-    with _OpNames() as ops:
+    with op_names() as ops:
         got = torch.autograd.grad(total, x)[0]
     assert ops.names.count("add") == 0 and ops.names.count("stack") == 1 and ops.names.count("sum") == 1, ops.names
     if dtype == torch.float64:

@@ -212,21 +212,10 @@ def test_dense_mask_equals_is_causal_for_one_document():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_dense_mask_is_converted_once_and_gives_sdpas_own_result(dtype):
+def test_dense_mask_is_converted_once_and_gives_sdpas_own_result(dtype, op_names):
     """A dense boolean mask reaches SDPA as the additive mask SDPA itself would make of it (0 / -inf in the queries'
     dtype), converted on the first call and reused by later calls with the same mask object (every layer and MAC
     segment of a forward): outputs and gradients bitwise equal to SDPA given the boolean mask."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
-
     torch.manual_seed(0)
     doc = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2, 2], [0, 0, 0, 0, 0, 0, 1, 1, 1]])
     mask = build_attention_mask(doc, 9, "sdpa", torch.device("cpu"))
@@ -236,7 +225,7 @@ def test_dense_mask_is_converted_once_and_gives_sdpas_own_result(dtype):
         gy = torch.randn(2, 4, 9, 8, dtype=dtype)
         ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense)
         ref_grads = torch.autograd.grad(ref, (q, k, v), gy)
-        with Ops() as ops:
+        with op_names() as ops:
             out = attend(q, k, v, mask)
         grads = torch.autograd.grad(out, (q, k, v), gy)
         assert torch.equal(out, ref) and all(torch.equal(a, b) for a, b in zip(grads, ref_grads))

@@ -15,7 +15,6 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from memtrain.kernels import titans as titans_kernels
 from memtrain.kernels.titans import reference, triton_kernels
@@ -373,18 +372,6 @@ def poisoned_prologue(poison_empty):
     return poison_empty(prologue)
 
 
-class _OpNames(TorchDispatchMode):
-    """The names of the ATen and memtrain operators that run within it (``names``, in order)."""
-
-    def __init__(self):
-        super().__init__()
-        self.names = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
-
-
 def _qkv_reference(x, heads, norm_v):
     """NeuralMemory._qkv_heads' formula in float64 from ``x``'s SiLU as ``F.silu`` rounds it: [3, B, H, T, hd]."""
     B, T, C = x.shape
@@ -395,7 +382,7 @@ def _qkv_reference(x, heads, norm_v):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("norm_v", [False, True])
-def test_kernel_prologue_qkv_heads_matches_torch(poisoned_prologue, dtype, norm_v):
+def test_kernel_prologue_qkv_heads_matches_torch(poisoned_prologue, dtype, norm_v, op_names):
     """The fused q/k/v prologue (SiLU, L2 norm per head, layout, cast) against its PyTorch formula in float64: odd
     head size and head count, a length across the 32-token blocks, the convolution's transposed strides; outputs
     in ``dtype`` within its rounding, every element written; the gradient of the input within half-precision
@@ -417,7 +404,7 @@ def test_kernel_prologue_qkv_heads_matches_torch(poisoned_prologue, dtype, norm_
     a = torch.cat([F.normalize(a[:, :, :2], dim=-1), F.normalize(a[:, :, 2:], dim=-1) if norm_v else a[:, :, 2:]], 2)
     a = a.permute(2, 0, 3, 1, 4)
     for used in ((0, 1, 2), (0,), (1,), (2,)):  # all three outputs reach the loss, or one (the others' are zeros)
-        with _OpNames() as ops:
+        with op_names() as ops:
             (dx,) = torch.autograd.grad(sum((q, k, v)[i].float().mul(cot[i]).sum() for i in used), x,
                                         retain_graph=True)
         assert "stack" not in ops.names and ops.names.count("titans_qkv_heads_bwd") == 1, ops.names
@@ -429,7 +416,7 @@ def test_kernel_prologue_qkv_heads_matches_torch(poisoned_prologue, dtype, norm_
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # the interpreter's sigmoid at |g| >> 1: 0 or 1
 @pytest.mark.parametrize("dtype, strided", [(torch.float32, False), (torch.float16, False), (torch.bfloat16, False),
                                             (torch.bfloat16, True)])
-def test_kernel_prologue_gates_match_torch(poisoned_prologue, dtype, strided):
+def test_kernel_prologue_gates_match_torch(poisoned_prologue, dtype, strided, op_names):
     """The fused gate prologue (theta = max_lr sigmoid, log eta = logsigmoid + log max_momentum, log(1 - alpha) =
     logsigmoid(-g), the per-head layout) against float64: pre-activations up to +-40 (logsigmoid's tails), a
     length across the 32-token blocks, ``strided``: the columns of a wider projection (as eager MAC's stacked
@@ -455,7 +442,7 @@ def test_kernel_prologue_gates_match_torch(poisoned_prologue, dtype, strided):
     cot = torch.randn(3, B, H, T, generator=gen, dtype=torch.float64).to(DEVICE)
     out = (lr, log_eta, log_keep)
     for used in ((0, 1, 2), (0,), (1,), (2,)):  # all three gates reach the loss, or one (the others' are zeros)
-        with _OpNames() as ops:
+        with op_names() as ops:
             (dg,) = torch.autograd.grad(sum((out[i] * cot[i].float()).sum() for i in used), g, retain_graph=True)
         assert "stack" not in ops.names and ops.names.count("titans_gates_bwd") == 1, ops.names
         if strided:  # the kernels read the slice where it lies (no copy of it either way)
