@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from memtrain.config import load_recipe
 
@@ -198,6 +199,28 @@ def test_the_real_plan_names_existing_files_and_loadable_recipes(capsys):
     assert grouped.on_failure_env == {GROUPED_ENV: "0"} and "tests/test_gpu.py" in grouped.argv
     assert gc.select(gc.PLAN, "recipe_170m_mac_ungrouped")[0].env == {GROUPED_ENV: "0"}
     assert "CUDA_LAUNCH_BLOCKING" not in gc.select(gc.PLAN, "recipe_170m_mac_compiled")[0].env
+
+
+def test_layer_benchmark_builds_the_recipes_memory_whose_inner_loop_stays_finite():
+    """benchmarks/titans.py times the layer as the Titans recipes build it. Its first GPU run built it with
+    NeuralMemory's paper defaults, whose inner loop diverged at the target configuration (chunk 64), so its error
+    column came out NaN: here, at that configuration (one sequence of 2,048 tokens, the PyTorch form on CPU), the
+    output and every end-state tensor stay finite and small."""
+    from memtrain.config import TitansConfig
+
+    bench = _load("titans_bench", ROOT / "benchmarks" / "titans.py")
+    _, T, dim, H, depth, C = bench.FULL[0]
+    mem = bench.make_memory(dim, H, depth, C)
+    t = TitansConfig()
+    assert (mem.max_lr, mem.max_momentum, mem.value_norm) == (t.memory_max_lr, t.memory_max_momentum,
+                                                            t.memory_value_norm)
+    mem.kernel = "torch"
+    torch.manual_seed(0)
+    with torch.no_grad():
+        y, state = mem(torch.randn(1, T, dim))[:2]
+    assert torch.isfinite(y).all() and y.abs().max() < 10
+    tensors = [*state.weights, *state.momentum]
+    assert len(tensors) == 2 * depth and all(torch.isfinite(x).all() and x.abs().max() < 100 for x in tensors)
 
 
 def test_env_phase_prints_one_json_line():

@@ -8,6 +8,7 @@ slices them; every buffer the kernel writes starts as NaN; fresh random inputs p
 
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
@@ -143,8 +144,13 @@ def test_kernel_rope_compiles_for_an_h100_without_spills():
 
 def test_kernel_rope_in_models_gives_their_pytorch_result(fused_here):
     """A decoder and a Titans MAC model (whose segments rotate their retrieved keys, with sliced tables) in
-    float32: loss and every parameter's gradient with the fused kernel equal those of the PyTorch form to
-    float32 rounding, and the kernel ran for every rotation (forward and backward)."""
+    float32: loss and every parameter's gradient with the fused kernel are as close to the float64 model's (the
+    PyTorch form) as the float32 PyTorch form's are -- at most twice its error plus 1e-6 of the gradient's
+    largest element -- and the kernel ran for every rotation (forward and backward).
+
+    Compared against float64, not directly against the float32 PyTorch form: on an H200 the compiled kernel's
+    rounding (fused multiply-adds) differs from PyTorch's, and a direct comparison at rtol 1e-4 / atol 1e-6 failed
+    on ``blocks.0.attn.wo.weight`` while every gradient upstream of the rotations matched (2026-11-27)."""
     from memtrain.config import ModelConfig, TitansConfig
     from memtrain.kernels import rope
     from memtrain.model import build
@@ -168,27 +174,35 @@ def test_kernel_rope_in_models_gives_their_pytorch_result(fused_here):
                            2 * (2 + 3))):  # per block: queries and segment keys once, each segment's retrieved keys
         torch.manual_seed(0)
         model = build(cfg).to(DEVICE)
+        model64 = copy.deepcopy(model).double()
         ids = torch.randint(0, 64, (2, 24)).to(DEVICE)
 
-        def run(fused):
+        def run(m, fused):
             launches.clear()
             rope._rope_kernel = Count()
             os.environ[anchor.FUSED_ROPE_ENV] = "1" if fused else "0"
             try:
-                model.zero_grad()
-                loss = model(ids, labels=ids.roll(-1, 1)).loss_sum
+                m.zero_grad()
+                loss = m(ids, labels=ids.roll(-1, 1)).loss_sum
                 loss.backward()
             finally:
                 rope._rope_kernel = kernel
                 del os.environ[anchor.FUSED_ROPE_ENV]
-            return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            return loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
 
-        loss_f, grads_f = run(True)
+        loss_f, grads_f = run(model, True)
         assert launches.count(False) == per_pass and launches.count(True) == per_pass, (cfg.type, launches)
-        loss_t, grads_t = run(False)
+        loss_t, grads_t = run(model, False)
         assert launches == []
-        torch.testing.assert_close(loss_f, loss_t, rtol=1e-5, atol=1e-5)
-        assert grads_f.keys() == grads_t.keys() and len(grads_f) > 10
-        for name in grads_t:
-            torch.testing.assert_close(grads_f[name], grads_t[name], rtol=1e-4, atol=1e-6, msg=name)
+        loss_r, grads_r = run(model64, False)
+        assert grads_f.keys() == grads_t.keys() == grads_r.keys() and len(grads_f) > 10
+
+        def as_close_as_pytorch(name, f, t, r):
+            err_f, err_t = ((x.double() - r).abs().max().item() for x in (f, t))
+            bound = 2 * err_t + 1e-6 * r.abs().max().item()
+            assert err_f <= bound, f"{cfg.type} {name}: fused {err_f:.3g}, PyTorch form {err_t:.3g} from float64"
+
+        as_close_as_pytorch("loss", loss_f, loss_t, loss_r)
+        for name in grads_r:
+            as_close_as_pytorch(name, grads_f[name], grads_t[name], grads_r[name])
 
