@@ -7,13 +7,13 @@ writes its results as it goes and stops starting phases when its time budget run
 of the phases that finished come back even when the command is killed.
 
 What. ``PLAN`` lists the phases, most important first (after a guard: the Titans layer's fused prologue and output
-stage and the fused RoPE, new since the last GPU run and taken by every Titans recipe, are tested compiled first,
-and if that fails the later phases run with them off, a phase's ``on_failure_env``; issue 11: the two paper-scale
-Titans recipes still owed 52 optimizer steps at the recipes' learning rate after a 2-step warm-up -- the setting
-under which titans-400m-mag once diverged -- each with one profiled step, titans-170m-mac eager, with its blocks
-compiled and with them replayed as CUDA graphs, the layer benchmark's target configuration, the kernels' launch sweep
-(register-resident or any-depth), titans-760m-mal, larger micro-batches, the compiled Titans kernels at the recipes'
-shapes), then the rest of the layer benchmark, the whole kernel test file compiled, the GPU tier, the
+stage and the fused RoPE, taken by every Titans recipe, are tested compiled first, and if that fails the later
+phases run with them off, a phase's ``on_failure_env``; issue 11: titans-400m-mag, the one paper-scale Titans
+recipe still owed 52 optimizer steps at the recipes' learning rate after a 2-step warm-up -- the setting under which
+it once diverged -- with one profiled step, the layer benchmark's target configuration, titans-170m-mac eager, the
+kernels' launch sweep (register-resident or any-depth), titans-340m-mac and titans-760m-mal with the fused kernels,
+titans-170m-mac with its blocks compiled and with them replayed as CUDA graphs, larger micro-batches, the compiled
+Titans kernels at the recipes' shapes), then the rest of the layer benchmark, the whole kernel test file compiled, the GPU tier, the
 routed-attention kernels and the anchor's throughput). Each phase is a subprocess in its own process group with its
 own timeout, clipped to what is left of ``--budget``; a phase that times out is killed (SIGTERM, then SIGKILL) and
 the next starts. The training phases get ``--max-seconds`` (their timeout less ``CAP_MARGIN_S``) so they stop early
@@ -26,7 +26,7 @@ How, on a lent GPU machine (see ``../shared/gpu/README.md``; here first: ``make 
 ``bash ../shared/gpu/make-bundle.sh --titans-pytorch`` and ``python3 tools/gpu_check.py --prepare``, which
 adds pytest's wheels to ``.gpu/extra`` for an image without pytest; then carry ``.gpu``)::
 
-    source .gpu/setup.sh && python3 tools/gpu_check.py --out $OUT --budget 540     # timeout_s 600
+    source .gpu/setup.sh && python3 tools/gpu_check.py --out $OUT --budget 555     # timeout_s 600
     python3 tools/gpu_check.py --list                     # the plan, with its commands
     python3 tools/gpu_check.py --out DIR --phases recipe_  # only phases whose name starts so
 
@@ -117,13 +117,16 @@ def phase_argv(phase: Phase, timeout_s: float) -> list[str]:
 
 
 PLAN: list[Phase] = [
-    # A drawn session has 15 minutes of device time, machine start included: the first command (540 s) takes
-    # the two recipes owed 52 steps, then eager and compiled 170m-mac side by side (whether compiling pays);
-    # a second, shorter one the layer target and what follows.
+    # A drawn session has 15 minutes of device time, machine start included (about 35 s on 2026-11-27): the
+    # first command (555 s) takes the guards, the one recipe still owed 52 steps, the layer target and eager
+    # titans-170m-mac with the fused kernels on; a second (250 s) the kernels' launch sweep, which decides the
+    # next change to the scan's backward (half of every recipe's device time on an H200, 2026-11-27).
     Phase("env", [PY, "tools/gpu_check.py", "--env"], 60, about="device, driver, torch / triton versions"),
-    # Every Titans recipe runs the fused prologue and output stage and every model the fused RoPE (all new since
-    # the last GPU run): their tests first, compiled, and if they fail the later phases run with them off
-    # (PyTorch's forms) rather than every recipe failing the same way.
+    # Every Titans recipe runs the fused prologue and output stage and every model the fused RoPE: their tests
+    # first, compiled, and if they fail the later phases run with them off (PyTorch's forms) rather than every
+    # recipe failing the same way. On an H200 (2026-11-27) 31 of 32 passed; the RoPE-in-models test compared the
+    # kernel's float32 gradients with PyTorch's directly at 1e-4 and failed on rounding (it compares both with
+    # float64 since), so that run's recipes ran with all three off.
     Phase("fused_kernels", _pytest("tests/test_titans_kernel.py", "tests/test_rope_kernel.py", "-k",
                                    "(prologue or output or rope) and not compiles"), 100, "pytest",
           "the memory layer's fused prologue (q/k/v, gates) and output stage and the fused RoPE against float64, "
@@ -131,19 +134,34 @@ PLAN: list[Phase] = [
           "MEMTRAIN_TITANS_FUSED_OUTPUT=0 and MEMTRAIN_FUSED_ROPE=0",
           on_failure_env={"MEMTRAIN_TITANS_FUSED_PROLOGUE": "0", "MEMTRAIN_TITANS_FUSED_OUTPUT": "0",
                           "MEMTRAIN_FUSED_ROPE": "0"}),
-    # Measured on an H200 (2026-11-26): 400m-mag's first step 62 s then 0.83 s/step; 340m-mac 1.4 s/step.
-    _recipe_phase("titans-400m-mag", 170),
-    _recipe_phase("titans-340m-mac", 180),
-    # Eager MAC computes its per-segment weight gradients once (memtrain.model.grouped_linear, new since the last GPU
-    # run): checked in bf16 against the per-use sums and fp32; if that fails the later phases run without it. After
-    # the two recipes owed 52 steps (their device time first; 400m-mag does not group, 340m-mac does, so a failure
-    # here qualifies its numbers), before the rest of MAC.
+    # On an H200 (2026-11-27, fused kernels off): 400m-mag built in 20 s, its first step took 87 s (the scan
+    # kernels and flex attention compiling), then 0.74 s per step: 170 s gave 45 of its 52 steps. 340m-mac and
+    # 760m-mal ran their 52 there (1.07 and 0.92 s per step) and come later, for their figures with the fused kernels.
+    _recipe_phase("titans-400m-mag", 200),
+    # Eager MAC computes its per-segment weight gradients once (memtrain.model.grouped_linear): checked in bf16
+    # against the per-use sums and fp32 (passed on an H200, 2026-11-27); if that fails the later phases run without
+    # it. After 400m-mag (which does not group), before MAC.
     Phase("grouped_wgrad", _pytest("-m", "gpu", "tests/test_gpu.py", "-k", "grouped_weight_gradients"), 90,
           "pytest", "eager MAC's grouped per-segment weight gradients in bf16 (Triton kernels) against autograd's "
           "per-use sums and fp32; on failure the later phases set MEMTRAIN_GROUPED_WGRAD=0",
           on_failure_env={"MEMTRAIN_GROUPED_WGRAD": "0"}),
+    Phase("titans_layer", [PY, "benchmarks/titans.py", "--configs", "0", "--no-any-depth"], 180,
+          about="the layer target: B4 T2048 d512 8 heads depth 2 chunk 64, kernel vs torch chunked vs "
+                "sequential vs titans-pytorch (target: kernel >= 1M tokens/s, >= 10x titans-pytorch)"),
     _recipe_phase("titans-170m-mac", 110, steps=20,
-                  why="; the eager baseline of recipe_170m_mac_compiled (52 finite steps on an H200 already)"),
+                  why="; with the fused kernels on (19,850 tokens/s with them off on an H200, 2026-11-27) and the eager "
+                      "baseline of recipe_170m_mac_compiled"),
+    Phase("titans_kernel_tune", [PY, "benchmarks/titans_kernels.py", "--shapes", "mac,mag,layer", "--warps", "16"],
+          240,
+          about="the scan kernels alone at the recipes' shapes (mac and mag share compiled kernels) and the layer "
+                "target under the shipped num_warps and 16 (4 spills 2-3x more, --static), and the any-depth "
+                "kernels (state in memory) beside them: time, registers, spills, error against the shipped "
+                "launch. Compiled for sm_90 ahead of time (benchmarks/titans_kernels.py --static, Triton "
+                "3.6), the shipped depth-2 pair spills 2.6 KB (forward) and 8.3 KB (backward) per thread at the "
+                "recipes' shapes, the any-depth kernels 0.2 KB and 7.0 KB: which is faster there"),
+    _recipe_phase("titans-340m-mac", 130, why="; 52 finite steps on an H200 already (2026-11-27, fused kernels "
+                  "off): its figures with them on"),
+    _recipe_phase("titans-760m-mal", 130),
     Phase("recipe_170m_mac_compiled",
           _throughput("titans-170m-mac", "train.schedule.warmup=2", "model.compile=true", steps=20), 180,
           capped=True,
@@ -159,18 +177,6 @@ PLAN: list[Phase] = [
           about="titans-170m-mac with its compiled blocks replayed as CUDA graphs (model.compile_mode: "
                 "reduce-overhead: one launch per block forward and backward), beside recipe_170m_mac and "
                 "recipe_170m_mac_compiled: what is left of the host's dispatch cost"),
-    Phase("titans_layer", [PY, "benchmarks/titans.py", "--configs", "0", "--no-any-depth"], 180,
-          about="the layer target: B4 T2048 d512 8 heads depth 2 chunk 64, kernel vs torch chunked vs "
-                "sequential vs titans-pytorch (target: kernel >= 1M tokens/s, >= 10x titans-pytorch)"),
-    Phase("titans_kernel_tune", [PY, "benchmarks/titans_kernels.py", "--shapes", "mac,mag,layer", "--warps", "16"],
-          240,
-          about="the scan kernels alone at the recipes' shapes (mac and mag share compiled kernels) and the layer "
-                "target under the shipped num_warps and 16 (4 spills 2-3x more, --static), and the any-depth "
-                "kernels (state in memory) beside them: time, registers, spills, error against the shipped "
-                "launch. Compiled for sm_90 ahead of time (benchmarks/titans_kernels.py --static, Triton "
-                "3.6), the shipped depth-2 pair spills 2.6 KB (forward) and 8.3 KB (backward) per thread at the "
-                "recipes' shapes, the any-depth kernels 0.2 KB and 7.0 KB: which is faster there"),
-    _recipe_phase("titans-760m-mal", 130),
     Phase("recipe_170m_mac_ungrouped",
           _throughput("titans-170m-mac", "train.schedule.warmup=2", steps=20, extra=("--profile", "25")), 110,
           capped=True, env={"MEMTRAIN_GROUPED_WGRAD": "0"},
