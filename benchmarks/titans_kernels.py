@@ -26,10 +26,11 @@ any-depth kernels).
 
 ``--static`` needs no GPU: it compiles each shape's forward and backward kernels for an H100 / H200 (sm_90,
 Triton's own ptxas; :mod:`memtrain.kernels.titans.aot`) under each launch and prints their registers per
-thread, bytes of spill stores and loads per thread and shared memory, one JSON line per shape, kernels and
-launch; at depth 1-2 also the any-depth kernels (``kernels: triton_deep``), which keep the state in memory
-rather than in registers. Spills are the first thing to read about a launch: they put the state's registers in
-local memory inside the loop over chunks.
+thread, bytes of spill stores and loads per thread, shared memory and each innermost loop's instructions and
+local-memory loads and stores per iteration (``fwd_loops``, ``bwd_loops``: read from the compiled code), one JSON
+line per shape, kernels and launch; at depth 1-2 also the any-depth kernels (``kernels: triton_deep``), which keep
+the state in memory rather than in registers. Spills are the first thing to read about a launch: they put the
+state's registers in local memory inside the loop over chunks, and the loops' figures say how many run per chunk.
 
 Not part of the test suite; the timings mean something on a GPU only.
 """
@@ -178,8 +179,10 @@ def _compile(spec: tuple) -> dict:
 
 def static(warps: list[int], names: list[str], table: dict = SHAPES) -> int:
     """``--static``: each shape's kernels compiled for sm_90 under each launch, one JSON line per shape, kernels
-    (register-resident or any-depth) and ``num_warps``, with the forward's and backward's registers, spills and
-    shared memory. The compiles run in parallel (one process per core)."""
+    (register-resident or any-depth) and ``num_warps``, with the forward's and backward's registers, spills,
+    shared memory and innermost loops (instructions and local-memory loads and stores per iteration and thread:
+    the spills that run per chunk; :func:`memtrain.kernels.titans.aot.sass_loops`). The compiles run in parallel
+    (one process per core)."""
     import multiprocessing
 
     rows = []
@@ -208,7 +211,8 @@ def static(warps: list[int], names: list[str], table: dict = SHAPES) -> int:
                 failed += 1
                 continue
             rec["num_warps"] = r["num_warps"]
-            rec.update({f"{r['kernel']}_{k}": r[k] for k in ("registers", "spill_stores", "spill_loads", "shared")})
+            rec.update({f"{r['kernel']}_{k}": r[k] for k in ("registers", "spill_stores", "spill_loads", "shared",
+                                                             "loops")})
         mod = triton_deep if any_depth else triton_kernels
         shipped = any_depth == (shape[4] >= titans_kernels.DEEP_KERNEL_MIN_DEPTH)
         rec["default"] = shipped and (w is None or w == mod._launch_shape(shape[2], shape[3], shape[5])["num_warps"])

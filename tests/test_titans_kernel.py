@@ -751,6 +751,49 @@ def test_kernel_compiles_for_an_h100_within_its_shared_memory():
     # 4 warps spilled 24.9 KB (the scan kernels spill at these widths; README, "Registers and spills")
     assert [r["spill_stores"] for r in compiled[-2:]] == [0, 0], compiled[-2:]
     assert [r["num_warps"] for r in compiled[4:6]] == [16, 16] and compiled[4]["spill_stores"] <= 2048, compiled[4:6]
+    # the compiled code's innermost loops (aot.sass_loops): the depth-2 forward loops over chunks once, the backward
+    # twice (recomputing a group's chunk-start states, then the chunks in reverse), and their spills run there, per
+    # chunk; the coefficients' kernels (one chunk per program) have no loop
+    bwd, fwd = compiled[0]["loops"], compiled[2]["loops"]
+    assert len(bwd) == 2 and len(fwd) == 1, (bwd, fwd)
+    for loop in bwd + fwd:
+        assert 0 < loop["local_loads"] + loop["local_stores"] < loop["instructions"], loop
+    assert compiled[-2]["loops"] == [] and compiled[-1]["loops"] == []
+
+
+_SASS = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_0:
+        /*0010*/                   LDL.LU R4, [R1+0x10] ;
+.L_x_1:
+        /*0020*/                   FFMA R4, R4, R4, R2 ;
+        /*0030*/                   STL.128 [R1+0x20], R8 ;
+        /*0040*/              @!P0 BRA `(.L_x_1) ;
+        /*0050*/                   LDL R5, [R1+0x30] ;
+        /*0060*/               @P1 BRA `(.L_x_0) ;
+.L_x_2:
+        /*0070*/                   HFMA2.MMA R6, -RZ, RZ, 0, 0 ;
+        /*0080*/                   STL [R1], R6 ;
+        /*0090*/                   LDL.64 R6, [R1+0x8] ;
+        /*00a0*/                   BRA `(.L_x_2);
+        /*00b0*/              @!P2 BRA `(.L_x_3) ;
+.L_x_3:
+        /*00c0*/                   EXIT ;
+.L_x_4:
+        /*00d0*/                   BRA `(.L_x_4);
+"""
+
+
+def test_kernel_sass_loops_counts_each_innermost_loops_local_memory():
+    """:func:`memtrain.kernels.titans.aot.sass_loops` on SASS text as ``nvdisasm -c`` prints it: a back edge (to a
+    label at or before the branch) closes a loop; the outer loop at 0x10-0x60 holds the loop at 0x20-0x40, so only
+    that one and the loop at 0x70-0xa0 are innermost; a forward branch and the one-instruction trap at the end are
+    not loops. ``LDL.LU``, ``STL.128`` and ``LDL.64`` are local-memory accesses, ``HFMA2.MMA`` is not."""
+    from memtrain.kernels.titans.aot import sass_loops
+
+    assert sass_loops(_SASS) == [{"instructions": 3, "local_loads": 0, "local_stores": 1},
+                                 {"instructions": 4, "local_loads": 1, "local_stores": 1}]
+    assert sass_loops("") == []
 
 
 def test_kernel_prologue_compiles_for_an_h100_without_spills():

@@ -11,14 +11,23 @@ tests/test_titans_kernel.py checks the shared memory against an H100's limit and
 
     from memtrain.kernels.titans.aot import compile_kernel
     compile_kernel("bwd", depth=2, head_dim=64, hidden=128, chunk=16)
-    # {'kernel': 'bwd', 'depth': 2, ..., 'num_warps': 8, 'shared': 61440, 'registers': 255, 'spill_stores': ...}
+    # {'kernel': 'bwd', 'depth': 2, ..., 'num_warps': 8, 'shared': 61440, 'registers': 255, 'spill_stores': ...,
+    #  'loops': [{'instructions': 2299, 'local_loads': 446, 'local_stores': 222}, ...]}
+
+ptxas's spill figures count spill instructions once, wherever they are in the code. What a spill costs is how often
+it runs: ``loops`` reads the compiled code itself (SASS, disassembled with Triton's own ``nvdisasm``) and gives,
+for each innermost loop, its instructions and the local-memory loads and stores among them -- what every thread
+executes per iteration (for the scan kernels, per chunk).
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import os
 import re
+import subprocess
+import tempfile
 from typing import Optional
 
 KERNELS = ("fwd", "bwd", "coef_fwd", "coef_bwd", "qkv_fwd", "qkv_bwd", "gates_fwd", "gates_bwd", "out_fwd",
@@ -36,6 +45,60 @@ def _ptxas_figures(log: str) -> dict:
     return {"registers": int(m.group(3)), "spill_stores": int(m.group(1)), "spill_loads": int(m.group(2))}
 
 
+_SASS_ADDR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*)")
+_SASS_LABEL = re.compile(r"^\s*(\.L_x_\d+):")
+_SASS_BRANCH = re.compile(r"\bBRA\b\W*(\.L_x_\d+)")
+_SASS_LOCAL_LOAD = re.compile(r"\bLDL\b")
+_SASS_LOCAL_STORE = re.compile(r"\bSTL\b")
+
+
+def sass_loops(sass: str) -> list[dict]:
+    """The innermost loops of a kernel's SASS (``nvdisasm -c`` text), in code order: every back edge (a branch to a
+    label at or before it) closes a loop from that label to the branch, and a loop that holds no other is innermost
+    (a loop of one instruction, the trap at a kernel's end, is not counted). For each: ``instructions`` and the
+    local-memory ``local_loads`` (``LDL``) and ``local_stores`` (``STL``) among them: spilled registers, executed by
+    every thread in every iteration."""
+    labels, code, pending = {}, [], []
+    for line in sass.splitlines():
+        m = _SASS_LABEL.match(line)
+        if m:
+            pending.append(m.group(1))
+            continue
+        m = _SASS_ADDR.search(line)
+        if m:
+            addr = int(m.group(1), 16)
+            labels.update((name, addr) for name in pending)
+            pending = []
+            code.append((addr, m.group(2)))
+    spans = []
+    for addr, text in code:
+        m = _SASS_BRANCH.search(text)
+        if m and m.group(1) in labels and labels[m.group(1)] < addr:
+            spans.append((labels[m.group(1)], addr))
+    inner = [(lo, hi) for lo, hi in spans if not any((a, b) != (lo, hi) and lo <= a and b <= hi for a, b in spans)]
+    loops = []
+    for lo, hi in sorted(set(inner)):
+        body = [text for addr, text in code if lo <= addr <= hi]
+        loops.append({"instructions": len(body), "local_loads": sum(bool(_SASS_LOCAL_LOAD.search(t)) for t in body),
+                      "local_stores": sum(bool(_SASS_LOCAL_STORE.search(t)) for t in body)})
+    return loops
+
+
+def _loops(cubin: bytes) -> Optional[list[dict]]:
+    """:func:`sass_loops` of a compiled kernel, or None where Triton ships no ``nvdisasm``."""
+    import triton.backends.nvidia as nvidia
+
+    tool = os.path.join(os.path.dirname(nvidia.__file__), "bin", "nvdisasm")
+    if not os.access(tool, os.X_OK):
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        sass = subprocess.run([tool, "-c", path], capture_output=True, text=True, check=True, timeout=300).stdout
+    return sass_loops(sass)
+
+
 def compile_kernel(kernel: str, depth: int = 2, head_dim: int = 64, hidden: int = 128, chunk: int = 16, *,
                    num_warps: Optional[int] = None, arch: int = 90, half: str = "bf16",
                    any_depth: Optional[bool] = None) -> dict:
@@ -46,7 +109,9 @@ def compile_kernel(kernel: str, depth: int = 2, head_dim: int = 64, hidden: int 
     ``hidden`` (the memory's widths), ``num_warps`` (default: what the kernels launch with), ``half`` the dtype of
     q / k / v (``bf16``, ``fp16`` or ``fp32``).
     Returns the arguments with ``shared`` (bytes per program), ``registers`` (per thread), ``spill_stores`` and
-    ``spill_loads`` (bytes of spill instructions in the compiled code, per thread)."""
+    ``spill_loads`` (bytes of spill instructions in the compiled code, per thread) and ``loops`` (each innermost
+    loop's instructions and local-memory loads and stores per iteration and thread, :func:`sass_loops`; None
+    without ``nvdisasm``)."""
     import triton
     from triton import knobs
     from triton.backends.compiler import GPUTarget
@@ -124,7 +189,8 @@ def compile_kernel(kernel: str, depth: int = 2, head_dim: int = 64, hidden: int 
         knobs.nvidia.dump_ptxas_log, knobs.compilation.always_compile = saved
     return {"kernel": kernel, "depth": depth if scan else None, "any_depth": deep if scan else None,
             "head_dim": head_dim, "hidden": hidden, "chunk": chunk, "half": half, "capability": arch, **launch,
-            "shared": compiled.metadata.shared, **_ptxas_figures(log.getvalue())}
+            "shared": compiled.metadata.shared, **_ptxas_figures(log.getvalue()),
+            "loops": _loops(compiled.asm["cubin"])}
 
 
-__all__ = ["KERNELS", "compile_kernel"]
+__all__ = ["KERNELS", "compile_kernel", "sass_loops"]
