@@ -63,3 +63,29 @@ def test_slurm_helpers():
 def test_inconsistent_environment_is_a_launch_error(environ, message):
     with pytest.raises(LaunchError, match=message):
         discover(environ)
+
+
+@pytest.mark.parametrize("outcome", ["returns", "one_line_error", "diverged"])
+def test_cli_destroys_the_process_groups_a_command_started(outcome, monkeypatch, tmp_path):
+    """`memtrain` destroys the process groups a command started before it returns, whatever the command's outcome,
+    and keeps that outcome (exit code, one-line error). Left to interpreter finalisation, gloo's threads made a
+    rank that had finished a 2-rank run cleanly abort with SIGABRT ("terminate called without an active
+    exception"), so torchrun reported the run failed."""
+    import torch.distributed as tdist
+
+    from memtrain.errors import DivergenceError
+    from memtrain.launcher import cli
+
+    def run(argv):
+        tdist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+        tdist.new_group([0], backend="gloo")
+        if outcome == "one_line_error":
+            raise LaunchError("local rank 0 has no GPU")
+        if outcome == "diverged":
+            raise DivergenceError("the loss was not finite for 3 steps")
+        return 0
+
+    monkeypatch.setattr(cli, "run", run)
+    code = cli.main(["train", "recipe.yaml"])
+    assert code == {"returns": 0, "one_line_error": 2, "diverged": 3}[outcome]
+    assert not tdist.is_initialized()
