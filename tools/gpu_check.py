@@ -13,10 +13,10 @@ recipe still owed 52 optimizer steps at the recipes' learning rate after a 2-ste
 it once diverged -- with one profiled step, the layer benchmark's target configuration, titans-170m-mac eager, the
 kernels' launch sweep (register-resident or any-depth), titans-340m-mac and titans-760m-mal with the fused kernels,
 titans-170m-mac with its blocks compiled and with them replayed as CUDA graphs, larger micro-batches, the compiled
-Titans kernels at the recipes' shapes), then the rest of the layer benchmark, the whole kernel test file compiled, the GPU tier, the
-routed-attention kernels and the anchor's throughput). Each phase is a subprocess in its own process group with its
-own timeout, clipped to what is left of ``--budget``; a phase that times out is killed (SIGTERM, then SIGKILL) and
-the next starts. The training phases get ``--max-seconds`` (their timeout less ``CAP_MARGIN_S``) so they stop early
+Titans kernels at the recipes' shapes), then the rest of the layer benchmark, the whole kernel test file compiled,
+the GPU tier, the routed-attention kernels and the anchor's throughput). Each phase is a subprocess in its own
+process group with its own timeout, clipped to what is left of ``--budget``; a phase that times out is killed
+(SIGTERM, then SIGKILL) and the next starts. The training phases get ``--max-seconds`` (their timeout less ``CAP_MARGIN_S``) so they stop early
 and still report. After every phase ``OUT/gpu_check.json`` is rewritten (atomically) with every phase so far: status
 (``ok``, ``failed``, ``timeout``, ``skipped``), exit code, seconds, the JSON lines the phase printed (benchmarks),
 the pytest summary line (tests) and the last lines of its output; ``OUT/gpu_check.log`` holds each phase's full
@@ -149,8 +149,8 @@ PLAN: list[Phase] = [
           about="the layer target: B4 T2048 d512 8 heads depth 2 chunk 64, kernel vs torch chunked vs "
                 "sequential vs titans-pytorch (target: kernel >= 1M tokens/s, >= 10x titans-pytorch)"),
     _recipe_phase("titans-170m-mac", 110, steps=20,
-                  why="; with the fused kernels on (19,850 tokens/s with them off on an H200, 2026-11-27) and the eager "
-                      "baseline of recipe_170m_mac_compiled"),
+                  why="; with the fused kernels on (19,850 tokens/s with them off on an H200, 2026-11-27) and the "
+                      "eager baseline of recipe_170m_mac_compiled"),
     Phase("titans_kernel_tune", [PY, "benchmarks/titans_kernels.py", "--shapes", "mac,mag,layer", "--warps", "16"],
           240,
           about="the scan kernels alone at the recipes' shapes (mac and mag share compiled kernels) and the layer "
