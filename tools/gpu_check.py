@@ -16,8 +16,8 @@ titans-170m-mac with its blocks compiled and with them replayed as CUDA graphs, 
 Titans kernels at the recipes' shapes), then the rest of the layer benchmark, the whole kernel test file compiled,
 the GPU tier, the routed-attention kernels and the anchor's throughput). Each phase is a subprocess in its own
 process group with its own timeout, clipped to what is left of ``--budget``; a phase that times out is killed
-(SIGTERM, then SIGKILL) and the next starts. The training phases get ``--max-seconds`` (their timeout less ``CAP_MARGIN_S``) so they stop early
-and still report. After every phase ``OUT/gpu_check.json`` is rewritten (atomically) with every phase so far: status
+(SIGTERM, then SIGKILL) and the next starts. The training phases get ``--max-seconds`` (their timeout less
+``CAP_MARGIN_S``) so they stop early and still report. After every phase ``OUT/gpu_check.json`` is rewritten (atomically) with every phase so far: status
 (``ok``, ``failed``, ``timeout``, ``skipped``), exit code, seconds, the JSON lines the phase printed (benchmarks),
 the pytest summary line (tests) and the last lines of its output; ``OUT/gpu_check.log`` holds each phase's full
 output. A short table is printed last. Exit status 0 when every phase ran and passed.
