@@ -7,20 +7,21 @@ writes its results as it goes and stops starting phases when its time budget run
 of the phases that finished come back even when the command is killed.
 
 What. ``PLAN`` lists the phases, most important first (after a guard: the Titans layer's fused prologue and output
-stage and the fused RoPE, taken by every Titans recipe, are tested compiled first, and if that fails the later
-phases run with them off, a phase's ``on_failure_env``; issue 11: titans-400m-mag, the one paper-scale Titans
-recipe still owed 52 optimizer steps at the recipes' learning rate after a 2-step warm-up -- the setting under which
-it once diverged -- with one profiled step, the layer benchmark's target configuration, titans-170m-mac eager, the
-kernels' launch sweep (register-resident or any-depth), titans-340m-mac and titans-760m-mal with the fused kernels,
+stage and the fused RoPE, taken by every Titans recipe, are tested compiled first, and if that fails the later phases
+run with them off, a phase's ``on_failure_env``; issue 11: titans-400m-mag, the one paper-scale Titans recipe still
+owed 52 optimizer steps at the recipes' learning rate after a 2-step warm-up -- the setting under which it once
+diverged -- with one profiled step, the layer benchmark's target configuration, titans-170m-mac eager, the kernels'
+launch sweep (register-resident or any-depth), titans-340m-mac and titans-760m-mal with the fused kernels,
 titans-170m-mac with its blocks compiled and with them replayed as CUDA graphs, larger micro-batches, the compiled
 Titans kernels at the recipes' shapes), then the rest of the layer benchmark, the whole kernel test file compiled,
 the GPU tier, the routed-attention kernels and the anchor's throughput). Each phase is a subprocess in its own
 process group with its own timeout, clipped to what is left of ``--budget``; a phase that times out is killed
 (SIGTERM, then SIGKILL) and the next starts. The training phases get ``--max-seconds`` (their timeout less
-``CAP_MARGIN_S``) so they stop early and still report. After every phase ``OUT/gpu_check.json`` is rewritten (atomically) with every phase so far: status
-(``ok``, ``failed``, ``timeout``, ``skipped``), exit code, seconds, the JSON lines the phase printed (benchmarks),
-the pytest summary line (tests) and the last lines of its output; ``OUT/gpu_check.log`` holds each phase's full
-output. A short table is printed last. Exit status 0 when every phase ran and passed.
+``CAP_MARGIN_S``) so they stop early and still report. After every phase ``OUT/gpu_check.json`` is rewritten
+(atomically) with every phase so far: status (``ok``, ``failed``, ``timeout``, ``skipped``), exit code, seconds, the
+JSON lines the phase printed (benchmarks), the pytest summary line (tests) and the last lines of its output;
+``OUT/gpu_check.log`` holds each phase's full output. A short table is printed last. Exit status 0 when every phase
+ran and passed.
 
 How, on a lent GPU machine (see ``../shared/gpu/README.md``; here first: ``make install``,
 ``bash ../shared/gpu/make-bundle.sh --titans-pytorch`` and ``python3 tools/gpu_check.py --prepare``, which
