@@ -331,11 +331,13 @@ def release_process_groups() -> None:
     interpreter finalisation, gloo's worker threads may still hold pending work and a rank that finished cleanly
     aborts ("terminate called without an active exception", SIGABRT): torchrun then reports the run failed (seen
     in CI on a 2-rank sharded cross-attention run, after its last checkpoint), and a Slurm job would not requeue
-    as it should. Never raises; a no-op where torch.distributed was never imported."""
-    torch_dist = sys.modules.get("torch.distributed")
+    as it should. Never raises; a no-op where torch.distributed was never imported (it is not imported here)."""
+    if "torch.distributed" not in sys.modules:
+        return
+    from memtrain.parallel import dist
+
     try:
-        if torch_dist is not None and torch_dist.is_available() and torch_dist.is_initialized():
-            torch_dist.destroy_process_group()
+        dist.shutdown()
     except Exception:  # the command's own outcome (its exit code, its one-line error) comes first
         pass
 
