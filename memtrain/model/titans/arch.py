@@ -224,13 +224,13 @@ class TitansBlock(nn.Module):
         mem, attn = self.memory, self.attn
         sizes = [b - a for a, b in ctx.segments]
         queries = attn.queries(u, ctx.cos, ctx.sin).split(sizes, dim=1)
-        # The projections used per segment, made once: wk and wv stacked (one GEMM per call; the memory's to_qkv
-        # and to_gates likewise), and eagerly each weight's gradient computed once for all segments' rows
-        # (grouped_linear: one GEMM where autograd runs one per use and sums them; with the stacked
-        # to_qkv/to_gates, 1,152 of 170m-mac's device ops per sequence), the gradients of what each segment uses whole (the persistent tokens' keys and values,
-        # the memory's convolution and output gain, the key norm's gain) summed in one op (fan_out). Compiled
-        # blocks keep autograd's per-use gradients, so that eager blocks in their form (``compiled`` set) compute
-        # what they do.
+        # The projections used per segment, made once: wk and wv stacked (one GEMM per call; the memory's to_qkv and
+        # to_gates likewise), and eagerly each weight's gradient computed once for all segments' rows (grouped_linear:
+        # one GEMM where autograd runs one per use and sums them; with the stacked to_qkv/to_gates, 1,152 of 170m-mac's
+        # device ops per sequence), the gradients of what each segment uses whole (the persistent tokens' keys and
+        # values, the memory's convolution and output gain, the key norm's gain) summed in one op (fan_out). Compiled
+        # blocks keep autograd's per-use gradients, so that eager blocks in their form (``compiled`` set) compute what
+        # they do.
         grouped = not self.compiled
         n_seg = len(ctx.segments)
         wkv = grouped_linear(attn.kv_weight(), enabled=grouped)
