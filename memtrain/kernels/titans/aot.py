@@ -17,7 +17,10 @@ tests/test_titans_kernel.py checks the shared memory against an H100's limit and
 ptxas's spill figures count spill instructions once, wherever they are in the code. What a spill costs is how often
 it runs: ``loops`` reads the compiled code itself (SASS, disassembled with Triton's own ``nvdisasm``) and gives,
 for each innermost loop, its instructions and the local-memory loads and stores among them -- what every thread
-executes per iteration (for the scan kernels, per chunk).
+executes per iteration (for the scan kernels, per chunk). Spilled registers live in local memory, which the L1
+cache holds only in part: the depth-2 backward's stack frame is 3.9 KB per thread at the recipes' shapes, 1 MB for
+its 256 threads, against an SM's 256 KB of L1 and shared memory together; so ``local_kib_per_program`` (what one
+iteration's spills move for the whole program) is traffic to L2.
 """
 
 from __future__ import annotations
@@ -50,6 +53,21 @@ _SASS_LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 _SASS_BRANCH = re.compile(r"\bBRA\b\W*(\.L_x_\d+)")
 _SASS_LOCAL_LOAD = re.compile(r"\bLDL\b")
 _SASS_LOCAL_STORE = re.compile(r"\bSTL\b")
+# a local access's width: ``LDL.64``, ``STL.128``, ``LDL.U8`` ...; none (or only ``.LU``) is 32 bits
+_SASS_LOCAL_WIDTH = re.compile(r"\b(?:LDL|STL)((?:\.[A-Z0-9]+)*)")
+_SASS_WIDTH_BYTES = {"8": 1, "U8": 1, "S8": 1, "16": 2, "U16": 2, "S16": 2, "32": 4, "64": 8, "128": 16}
+_SASS_SHARED = re.compile(r"\b(?:LDS|STS|LDSM|STSM)\b")
+_SASS_BARRIER = re.compile(r"\bBAR\b")
+_SASS_MMA = re.compile(r"\b(?:HMMA|HGMMA)\b")
+
+
+def _local_bytes(text: str) -> int:
+    """Bytes one thread moves with a local-memory access instruction (0 for any other)."""
+    m = _SASS_LOCAL_WIDTH.search(text)
+    if m is None:
+        return 0
+    widths = [_SASS_WIDTH_BYTES[x] for x in m.group(1).split(".") if x in _SASS_WIDTH_BYTES]
+    return widths[0] if widths else 4
 
 
 def sass_loops(sass: str) -> list[dict]:
@@ -57,7 +75,10 @@ def sass_loops(sass: str) -> list[dict]:
     label at or before it) closes a loop from that label to the branch, and a loop that holds no other is innermost
     (a loop of one instruction, the trap at a kernel's end, is not counted). For each: ``instructions`` and the
     local-memory ``local_loads`` (``LDL``) and ``local_stores`` (``STL``) among them: spilled registers, executed by
-    every thread in every iteration."""
+    every thread in every iteration; ``local_bytes``, what those move per thread (``LDL.64`` 8 bytes, ``STL.128``
+    16, no width 4); ``shared`` (shared-memory loads and stores, ``LDS``, ``STS``, ``LDSM``, ``STSM``: layout
+    conversions and dot operands), ``barriers`` (``BAR``) and ``mma`` (tensor-core instructions, ``HMMA`` /
+    ``HGMMA``)."""
     labels, code, pending = {}, [], []
     for line in sass.splitlines():
         m = _SASS_LABEL.match(line)
@@ -80,7 +101,21 @@ def sass_loops(sass: str) -> list[dict]:
     for lo, hi in sorted(set(inner)):
         body = [text for addr, text in code if lo <= addr <= hi]
         loops.append({"instructions": len(body), "local_loads": sum(bool(_SASS_LOCAL_LOAD.search(t)) for t in body),
-                      "local_stores": sum(bool(_SASS_LOCAL_STORE.search(t)) for t in body)})
+                      "local_stores": sum(bool(_SASS_LOCAL_STORE.search(t)) for t in body),
+                      "local_bytes": sum(_local_bytes(t) for t in body),
+                      "shared": sum(bool(_SASS_SHARED.search(t)) for t in body),
+                      "barriers": sum(bool(_SASS_BARRIER.search(t)) for t in body),
+                      "mma": sum(bool(_SASS_MMA.search(t)) for t in body)})
+    return loops
+
+
+def cubin_loops(cubin: bytes, num_warps: int) -> Optional[list[dict]]:
+    """:func:`sass_loops` of a compiled kernel launched with ``num_warps``, each loop with its
+    ``local_kib_per_program`` (the local bytes one iteration moves per thread, times the program's threads); None
+    where Triton ships no ``nvdisasm``."""
+    loops = _loops(cubin)
+    for loop in loops or ():
+        loop["local_kib_per_program"] = round(loop["local_bytes"] * 32 * num_warps / 1024, 1)
     return loops
 
 
@@ -110,8 +145,9 @@ def compile_kernel(kernel: str, depth: int = 2, head_dim: int = 64, hidden: int 
     q / k / v (``bf16``, ``fp16`` or ``fp32``).
     Returns the arguments with ``shared`` (bytes per program), ``registers`` (per thread), ``spill_stores`` and
     ``spill_loads`` (bytes of spill instructions in the compiled code, per thread) and ``loops`` (each innermost
-    loop's instructions and local-memory loads and stores per iteration and thread, :func:`sass_loops`; None
-    without ``nvdisasm``)."""
+    loop's instructions, local-memory loads and stores and their bytes, shared-memory accesses, barriers and
+    tensor-core instructions per iteration and thread, :func:`sass_loops`, and ``local_kib_per_program``: the
+    local bytes times the program's threads; None without ``nvdisasm``)."""
     import triton
     from triton import knobs
     from triton.backends.compiler import GPUTarget
@@ -174,6 +210,8 @@ def compile_kernel(kernel: str, depth: int = 2, head_dim: int = 64, hidden: int 
             launch["num_warps"] = num_warps
         dot = {"fp32": 0, "bf16": 1, "fp16": 2}[half]
         consts.update(DOT=dot, DEPTH=depth)
+        if "HAS_WG" in fn.arg_names:  # as training launches it: no gradient for the last chunk's start weights
+            consts["HAS_WG"] = False
         ptr = {"fp32": "*fp32", "bf16": "*bf16", "fp16": "*fp16"}[half]
         sig = {n: "constexpr" if n in consts else "i32" if n in _INTS else ptr if n in _HALF else "*fp32"
                for n in fn.arg_names}
@@ -187,10 +225,10 @@ def compile_kernel(kernel: str, depth: int = 2, head_dim: int = 64, hidden: int 
             compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=launch)
     finally:
         knobs.nvidia.dump_ptxas_log, knobs.compilation.always_compile = saved
+    loops = cubin_loops(compiled.asm["cubin"], launch["num_warps"])
     return {"kernel": kernel, "depth": depth if scan else None, "any_depth": deep if scan else None,
             "head_dim": head_dim, "hidden": hidden, "chunk": chunk, "half": half, "capability": arch, **launch,
-            "shared": compiled.metadata.shared, **_ptxas_figures(log.getvalue()),
-            "loops": _loops(compiled.asm["cubin"])}
+            "shared": compiled.metadata.shared, **_ptxas_figures(log.getvalue()), "loops": loops}
 
 
-__all__ = ["KERNELS", "compile_kernel", "sass_loops"]
+__all__ = ["KERNELS", "compile_kernel", "cubin_loops", "sass_loops"]
