@@ -12,7 +12,10 @@ result beyond rounding). One JSON line per shape and variant; ``default: true`` 
 
 At depth 1-2 the any-depth kernels (``kernels: triton_deep``: the state in memory, not in registers; what
 depth 3+ runs) are timed beside the shipped pair at their default launch: at the recipes' shapes the pair's
-state spills from registers (``--static``), so which is faster is measured, not assumed.
+state spills from registers (``--static``), so which is faster is measured, not assumed. So is the pair's
+backward compiled with the gradient of the last chunk's start weights (``wg_grad: true``; the loss reaches them
+with weight 0): the variant every backward ran before 2026-11-27, two state tiles more through its loops, and
+the in-run baseline of the training path, which compiles without them.
 
 Shapes. ``layer``: the layer benchmark's target (B4 x 8 heads, T 2048, head 64, hidden 128, depth 2, chunk
 64); ``mac``: titans-170m/340m-mac's memory writes (B4 x 12 heads, one 512-token segment per call, chunk 16);
@@ -27,10 +30,13 @@ any-depth kernels).
 ``--static`` needs no GPU: it compiles each shape's forward and backward kernels for an H100 / H200 (sm_90,
 Triton's own ptxas; :mod:`memtrain.kernels.titans.aot`) under each launch and prints their registers per
 thread, bytes of spill stores and loads per thread, shared memory and each innermost loop's instructions and
-local-memory loads and stores per iteration (``fwd_loops``, ``bwd_loops``: read from the compiled code), one JSON
+local-memory loads, stores and bytes per iteration (``fwd_loops``, ``bwd_loops``: read from the compiled code), one JSON
 line per shape, kernels and launch; at depth 1-2 also the any-depth kernels (``kernels: triton_deep``), which keep
 the state in memory rather than in registers. Spills are the first thing to read about a launch: they put the
-state's registers in local memory inside the loop over chunks, and the loops' figures say how many run per chunk.
+state's registers in local memory inside the loop over chunks, and the loops' figures say how many run per chunk
+(``local_kib_per_program``: what they move per chunk for the whole program, mostly to and from L2). On a GPU the
+timed records carry the same ``fwd_loops`` / ``bwd_loops`` of the kernels the device's own Triton compiled, so the
+timings sit beside the traffic (the static figures come from this machine's Triton, which may compile differently).
 
 Not part of the test suite; the timings mean something on a GPU only.
 """
@@ -81,17 +87,33 @@ def inputs(N, T, D, hidden, depth, device, seed=0):
 
 
 def _compiled_info(fn) -> dict:
-    """Registers, spills and shared memory of the kernel ``fn`` compiled last (None where Triton hides them)."""
+    """Registers, spills and shared memory of the kernel ``fn`` compiled last (None where Triton hides them), and
+    its innermost loops as the device's own Triton compiled them (``loops``: instructions, local-memory bytes per
+    iteration, :func:`memtrain.kernels.titans.aot.sass_loops`; absent without ``nvdisasm``)."""
     try:
         for cache in getattr(fn, "device_caches", {}).values():
             kernels = list(cache[0].values())
             if kernels:
                 k = kernels[-1]
-                return {"n_regs": getattr(k, "n_regs", None), "n_spills": getattr(k, "n_spills", None),
+                info = {"n_regs": getattr(k, "n_regs", None), "n_spills": getattr(k, "n_spills", None),
                         "shared": getattr(k.metadata, "shared", None)}
+                info.update(_loop_info(k))
+                return info
     except Exception:  # a Triton version without these attributes
         pass
     return {}
+
+
+def _loop_info(kernel) -> dict:
+    """``loops`` of a launched kernel's cubin as :func:`memtrain.kernels.titans.aot.compile_kernel` reports them
+    ahead of time (with ``local_kib_per_program``): the timings set beside the traffic the static figures predict."""
+    from memtrain.kernels.titans.aot import cubin_loops
+
+    try:
+        loops = cubin_loops(kernel.asm["cubin"], kernel.metadata.num_warps)
+    except Exception:  # no cubin (the interpreter) or no nvdisasm run
+        return {}
+    return {} if loops is None else {"loops": loops}
 
 
 def _module(depth: int):
@@ -103,9 +125,14 @@ def default_warps(shape) -> int:
     return _module(depth)._launch_shape(D, hidden, C)["num_warps"]
 
 
-def measure(shape, warps, device, repeats_ms: int, any_depth: bool = False) -> tuple[dict, tuple]:
+def measure(shape, warps, device, repeats_ms: int, any_depth: bool = False, wg_grad: bool = False) -> tuple[
+        dict, tuple]:
     """Time the kernels at ``shape`` with ``num_warps=warps`` (None: the default); the record and the outputs.
-    ``any_depth``: the any-depth kernels (:mod:`.triton_deep`, the state in memory) at depth 1-2 too."""
+    ``any_depth``: the any-depth kernels (:mod:`.triton_deep`, the state in memory) at depth 1-2 too.
+    ``wg_grad``: the loss also reaches the last chunk's start weights (with weight 0, so the gradients are the
+    default's), which runs the depth-1/2 backward compiled with their gradient (``HAS_WG=True``, two state tiles
+    more through its loops, as every backward carried them before 2026-11-27): the in-run baseline of that
+    change."""
     N, T, D, hidden, depth, C = shape
     deep_from = titans_kernels.DEEP_KERNEL_MIN_DEPTH
     mod = triton_deep if any_depth else _module(depth)
@@ -127,13 +154,16 @@ def measure(shape, warps, device, repeats_ms: int, any_depth: bool = False) -> t
         def fwd():
             return titans_kernels.scan(*leaves, lr, log_eta, log_keep, w, s, w, 0, C, kernel="triton")[0]
 
+        def loss():
+            y, _, _, wg = titans_kernels.scan(*leaves, lr, log_eta, log_keep, w, s, w, 0, C, kernel="triton")
+            return y, y.float().square().sum() + (sum((0 * x).sum() for x in wg) if wg_grad else 0)
+
         def fwd_bwd():
-            y = fwd()
-            return torch.autograd.grad(y.float().square().sum(), leaves)
+            return torch.autograd.grad(loss()[1], leaves)
 
         t0 = time.perf_counter()
-        y = fwd()
-        grads = torch.autograd.grad(y.float().square().sum(), leaves)
+        y, total = loss()
+        grads = torch.autograd.grad(total, leaves)
         if device.type == "cuda":
             torch.cuda.synchronize()
         first_s = time.perf_counter() - t0
@@ -158,8 +188,9 @@ def measure(shape, warps, device, repeats_ms: int, any_depth: bool = False) -> t
         titans_kernels.DEEP_KERNEL_MIN_DEPTH = deep_from
     shipped = mod is _module(depth)
     rec = {"N": N, "T": T, "head_dim": D, "hidden": hidden, "depth": depth, "chunk": C,
-           "kernels": mod.__name__.rsplit(".", 1)[-1], "num_warps": warps or default,
-           "default": shipped and (warps is None or warps == default), "first_call_s": round(first_s, 2),
+           "kernels": mod.__name__.rsplit(".", 1)[-1], "num_warps": warps or default, "wg_grad": wg_grad,
+           "default": shipped and (warps is None or warps == default) and not wg_grad,
+           "first_call_s": round(first_s, 2),
            "fwd_ms": round(fwd_ms, 4), "fwd_bwd_ms": round(fwd_bwd_ms, 4),
            "fwd_tokens_per_s": round(N * T / fwd_ms * 1e3, 1), "fwd_bwd_tokens_per_s": round(N * T / fwd_bwd_ms * 1e3, 1),
            **info}
@@ -258,14 +289,15 @@ def main() -> int:
     warps = [int(x) for x in args.warps.split(",") if x.strip()]
     for name in names:
         ref = None
-        variants = [(None, False)] + [(w, False) for w in warps if w != default_warps(table[name])]
-        if table[name][4] < titans_kernels.DEEP_KERNEL_MIN_DEPTH:  # the any-depth kernels beside, default launch
-            variants.append((None, True))
-        for variant, any_depth in variants:
+        variants = [(None, False, False)] + [(w, False, False) for w in warps if w != default_warps(table[name])]
+        if table[name][4] < titans_kernels.DEEP_KERNEL_MIN_DEPTH:
+            variants.append((None, False, True))  # the backward with the chunk weights' gradient (HAS_WG)
+            variants.append((None, True, False))  # the any-depth kernels beside, default launch
+        for variant, any_depth, wg_grad in variants:
             try:
-                rec, outs = measure(table[name], variant, device, args.rep_ms, any_depth)
+                rec, outs = measure(table[name], variant, device, args.rep_ms, any_depth, wg_grad)
             except Exception as e:  # one variant that fails to compile or launch must not end the sweep
-                print(json.dumps({"shape": name, "num_warps": variant, "any_depth": any_depth,
+                print(json.dumps({"shape": name, "num_warps": variant, "any_depth": any_depth, "wg_grad": wg_grad,
                                   "error": f"{type(e).__name__}: {e}"[:500]}), flush=True)
                 continue
             if ref is None:

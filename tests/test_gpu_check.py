@@ -235,8 +235,8 @@ def test_env_phase_prints_one_json_line():
 
 def test_kernel_launch_sweep_benchmark_under_the_interpreter():
     """benchmarks/titans_kernels.py (the plan's titans_kernel_tune) at its tiny CPU shape: one JSON line per
-    num_warps variant and for the any-depth kernels at that depth, the default marked, every variant computing
-    what the default does. ``--static`` (compiled for sm_90, not run): the same rows with ptxas's registers,
+    num_warps variant, for the backward compiled with the chunk weights' gradient (``wg_grad``, weighted 0) and
+    for the any-depth kernels at that depth, the default marked, every variant computing what the default does. ``--static`` (compiled for sm_90, not run): the same rows with ptxas's registers,
     spills and shared memory."""
     import os
     import subprocess
@@ -246,8 +246,9 @@ def test_kernel_launch_sweep_benchmark_under_the_interpreter():
                         "layer", "--warps", "4,8"], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
-    assert [(row["kernels"], row["num_warps"], row["default"]) for row in rows] == [
-        ("triton_kernels", 4, True), ("triton_kernels", 8, False), ("triton_deep", 4, False)]
+    assert [(row["kernels"], row["num_warps"], row["wg_grad"], row["default"]) for row in rows] == [
+        ("triton_kernels", 4, False, True), ("triton_kernels", 8, False, False), ("triton_kernels", 4, True, False),
+        ("triton_deep", 4, False, False)]
     # --static: the shipped launch and the any-depth kernels (--warps 4 is the tiny shape's default: no third row)
     for row in rows:
         assert row["shape"] == "layer" and row["fwd_bwd_ms"] > 0 and row["max_rel_err_vs_default"] < 1e-6
@@ -263,6 +264,37 @@ def test_kernel_launch_sweep_benchmark_under_the_interpreter():
         for kernel in ("fwd", "bwd"):
             assert 0 < row[f"{kernel}_registers"] <= 255 and row[f"{kernel}_spill_stores"] >= 0, row
             assert 0 < row[f"{kernel}_shared"] <= 232448, row
+
+
+def test_kernel_sweep_records_the_launched_kernels_loops(monkeypatch):
+    """On a GPU, benchmarks/titans_kernels.py reads each timed kernel's registers, spills and innermost loops from
+    the binary the device's Triton launched (``device_caches``), so each timing sits beside the spill traffic of
+    that binary: ``local_kib_per_program`` is a loop's local bytes per thread times the program's threads (here
+    100 bytes x 8 warps x 32 = 25 KiB). A kernel without a cubin or nvdisasm gives no ``loops``, not an error."""
+    from types import SimpleNamespace
+
+    from memtrain.kernels.titans import aot
+
+    tk = _load("titans_kernels_bench", ROOT / "benchmarks" / "titans_kernels.py")
+    seen = []
+
+    def loops(cubin):
+        seen.append(cubin)
+        return [{"instructions": 10, "local_loads": 2, "local_stores": 1, "local_bytes": 100, "shared": 0,
+                 "barriers": 0, "mma": 1}]
+
+    monkeypatch.setattr(aot, "_loops", loops)
+    kernel = SimpleNamespace(asm={"cubin": b"cubin"}, n_regs=255, n_spills=64,
+                             metadata=SimpleNamespace(num_warps=8, shared=61440))
+    fn = SimpleNamespace(device_caches={0: ({"key": kernel},)})
+    info = tk._compiled_info(fn)
+    assert seen == [b"cubin"]
+    assert info == {"n_regs": 255, "n_spills": 64, "shared": 61440, "loops": [
+        {"instructions": 10, "local_loads": 2, "local_stores": 1, "local_bytes": 100, "shared": 0, "barriers": 0,
+         "mma": 1, "local_kib_per_program": 25.0}]}
+    assert tk._compiled_info(SimpleNamespace(device_caches={0: ({"key": SimpleNamespace(
+        asm={}, n_regs=1, n_spills=0, metadata=SimpleNamespace(num_warps=4, shared=0))},)})) == {
+        "n_regs": 1, "n_spills": 0, "shared": 0}
 
 
 def _op_count(*overrides: str) -> dict:

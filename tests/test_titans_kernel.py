@@ -100,6 +100,48 @@ def test_kernel_matches_reference_forward_and_backward(monkeypatch, N, T, D, hid
         assert _rel(a, b) < 1e-4, (f"d{name}", _rel(a, b))
 
 
+class _LaunchSpy:
+    """Stands in for ``triton_kernels._bwd_kernel``: records each launch's ``HAS_WG`` and runs the kernel."""
+
+    def __init__(self, kernel):
+        self.kernel, self.has_wg = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.has_wg.append(kwargs["HAS_WG"])
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+@pytest.mark.parametrize("N,T,D,hidden,depth,chunk", [(3, 11, 5, 9, 2, 4), (2, 13, 5, 5, 1, 3), (1, 40, 4, 6, 2, 2)])
+def test_kernel_backward_without_the_chunk_weights_gradient_matches_reference(monkeypatch, N, T, D, hidden, depth,
+                                                                              chunk):
+    """A loss on the outputs and the end state but not on the last chunk's start weights (``wg``: what every call
+    that ends on a chunk boundary gives, in every recipe) runs the backward compiled without their gradient
+    (``HAS_WG=False``: two state tiles fewer through its loops); a loss that reaches ``wg`` runs the other. Both
+    against the PyTorch form in float64, ending inside a chunk, at depth 1 and 2, over several recompute groups."""
+    monkeypatch.setattr(triton_kernels, "SCRATCH_BYTES", 0)
+    spy = _LaunchSpy(triton_kernels._bwd_kernel)
+    monkeypatch.setattr(triton_kernels, "_bwd_kernel", spy)
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    ins = _inputs(gen, N, T, D, hidden, depth)
+    for x in ins:
+        x.requires_grad_(True)
+    ref = _run("reference", ins, depth, 0, chunk)
+    out = _run("kernel", ins, depth, 0, chunk)
+    cots = [torch.randn(r.shape, generator=gen, dtype=torch.float64).to(DEVICE) for r in ref]
+    for reach_wg in (False, True):
+        used = len(ref) if reach_wg else 1 + 2 * depth  # y, the end weights and momentum (and wg)
+        g_ref = torch.autograd.grad(sum((r * c).sum() for r, c in zip(ref[:used], cots)), ins, retain_graph=True)
+        g_out = torch.autograd.grad(sum((o.double() * c).sum() for o, c in zip(out[:used], cots)), ins,
+                                    retain_graph=True)
+        assert spy.has_wg[-1] is reach_wg
+        for name, a, b in zip(["q", "k", "v", "lr", "log_eta", "log_keep", "w", "s"], g_out, g_ref):
+            assert torch.isfinite(a).all(), f"d{name}: non-finite"
+            assert _rel(a, b) < 1e-4, (f"d{name}", reach_wg, _rel(a, b))
+    assert spy.has_wg == [False, True]
+
+
 @pytest.mark.parametrize("N,NC,C", [(3, 2, 4), (2, 3, 7), (1, 2, 16), (2, 1, 19)])
 def test_kernel_coefficients_match_reference_forward_and_backward(N, NC, C):
     """The chunk coefficients in Triton (one program per chunk) against :func:`reference.chunk_coefficients` in
@@ -256,8 +298,9 @@ def test_kernel_carries_state_across_calls_at_any_split(depth):
 @pytest.mark.parametrize("depth", [2, 3])
 def test_kernel_missing_output_gradients_read_shared_zeros(depth, monkeypatch):
     """A loss that reads only ``y`` leaves the end state's and the chunk-start weights' gradients missing: eagerly
-    the backward operators read one shared zero tensor per shape (no zero-fill per call), which stays zero after
-    repeated backwards, and the gradients equal those with the missing ones given as explicit zeros."""
+    the backward operators read one shared zero tensor per shape (no zero-fill per call) where they read one (the
+    depth-1/2 backward reads no chunk-start weights' gradient at all then, ``HAS_WG=False``), which stays zero
+    after repeated backwards, and the gradients equal those with the missing ones given as explicit zeros."""
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     ins = [x.float().requires_grad_(True) for x in _inputs(gen, 2, 9, 5, 6, depth)]
     q, k, v, lr, log_eta, log_keep, *state = ins
@@ -758,6 +801,9 @@ def test_kernel_compiles_for_an_h100_within_its_shared_memory():
     assert len(bwd) == 2 and len(fwd) == 1, (bwd, fwd)
     for loop in bwd + fwd:
         assert 0 < loop["local_loads"] + loop["local_stores"] < loop["instructions"], loop
+        assert 4 * (loop["local_loads"] + loop["local_stores"]) <= loop["local_bytes"], loop
+        assert loop["local_kib_per_program"] == round(loop["local_bytes"] * 32 * 8 / 1024, 1), loop  # 8 warps
+        assert loop["mma"] > 0 and loop["shared"] > 0, loop
     assert compiled[-2]["loops"] == [] and compiled[-1]["loops"] == []
 
 
@@ -768,13 +814,17 @@ _SASS = """
 .L_x_1:
         /*0020*/                   FFMA R4, R4, R4, R2 ;
         /*0030*/                   STL.128 [R1+0x20], R8 ;
+        /*0038*/                   LDSM.16.M88.4 R12, [R3] ;
+        /*003c*/                   HMMA.16816.F32.BF16 R16, R12, R8, R16 ;
         /*0040*/              @!P0 BRA `(.L_x_1) ;
         /*0050*/                   LDL R5, [R1+0x30] ;
         /*0060*/               @P1 BRA `(.L_x_0) ;
 .L_x_2:
         /*0070*/                   HFMA2.MMA R6, -RZ, RZ, 0, 0 ;
         /*0080*/                   STL [R1], R6 ;
-        /*0090*/                   LDL.64 R6, [R1+0x8] ;
+        /*0088*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*008c*/                   STS [R3], R6 ;
+        /*0090*/                   LDL.LU.64 R6, [R1+0x8] ;
         /*00a0*/                   BRA `(.L_x_2);
         /*00b0*/              @!P2 BRA `(.L_x_3) ;
 .L_x_3:
@@ -788,11 +838,15 @@ def test_kernel_sass_loops_counts_each_innermost_loops_local_memory():
     """:func:`memtrain.kernels.titans.aot.sass_loops` on SASS text as ``nvdisasm -c`` prints it: a back edge (to a
     label at or before the branch) closes a loop; the outer loop at 0x10-0x60 holds the loop at 0x20-0x40, so only
     that one and the loop at 0x70-0xa0 are innermost; a forward branch and the one-instruction trap at the end are
-    not loops. ``LDL.LU``, ``STL.128`` and ``LDL.64`` are local-memory accesses, ``HFMA2.MMA`` is not."""
+    not loops. ``LDL.LU``, ``STL.128`` (16 bytes), ``STL`` (4) and ``LDL.LU.64`` (8) are local-memory accesses;
+    ``LDSM`` and ``STS`` shared-memory ones; ``HMMA`` runs on the tensor cores, ``HFMA2.MMA`` (a move) does not."""
     from memtrain.kernels.titans.aot import sass_loops
 
-    assert sass_loops(_SASS) == [{"instructions": 3, "local_loads": 0, "local_stores": 1},
-                                 {"instructions": 4, "local_loads": 1, "local_stores": 1}]
+    assert sass_loops(_SASS) == [
+        {"instructions": 5, "local_loads": 0, "local_stores": 1, "local_bytes": 16, "shared": 1, "barriers": 0,
+         "mma": 1},
+        {"instructions": 6, "local_loads": 1, "local_stores": 1, "local_bytes": 12, "shared": 1, "barriers": 1,
+         "mma": 0}]
     assert sass_loops("") == []
 
 

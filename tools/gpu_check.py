@@ -155,11 +155,14 @@ PLAN: list[Phase] = [
     Phase("titans_kernel_tune", [PY, "benchmarks/titans_kernels.py", "--shapes", "mac,mag,layer", "--warps", "16"],
           240,
           about="the scan kernels alone at the recipes' shapes (mac and mag share compiled kernels) and the layer "
-                "target under the shipped num_warps and 16 (4 spills 2-3x more, --static), and the any-depth "
-                "kernels (state in memory) beside them: time, registers, spills, error against the shipped "
-                "launch. Compiled for sm_90 ahead of time (benchmarks/titans_kernels.py --static, Triton "
-                "3.6), the shipped depth-2 pair spills 2.6 KB (forward) and 8.3 KB (backward) per thread at the "
-                "recipes' shapes, the any-depth kernels 0.2 KB and 7.0 KB: which is faster there"),
+                "target under the shipped num_warps and 16 (4 spills 2-3x more, --static), the backward compiled "
+                "with the chunk weights' gradient (wg_grad: what every backward ran before 2026-11-27) and the "
+                "any-depth kernels (state in memory) beside them: time, registers, spills, each loop's local-memory "
+                "traffic as the device's Triton compiled it, error against the shipped launch. Compiled for sm_90 "
+                "with Triton 3.6 on a CPU, the depth-2 backward's spills moved 3,952 KiB per chunk and program at "
+                "chunk 16 before (8,573 KiB at chunk 64); now 2,982 KiB without the chunk weights' gradient "
+                "(8,484) and 3,838 with it (10,671); 16 warps 5,014 (22,894): whether that traffic predicts "
+                "the time"),
     _recipe_phase("titans-340m-mac", 130, why="; 52 finite steps on an H200 already (2026-11-27, fused kernels "
                   "off): its figures with them on"),
     _recipe_phase("titans-760m-mal", 130),

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -261,7 +262,7 @@ def _bwd_kernel(Q, K, V, DY, DEC, CAR, MIX, EEND, MEND, SW1, SS1, SW2, SS2, R1, 
                 DQ, DK, DV, DDEC, DCAR, DMIX, DEEND, DMEND, DW1, DS1, DW2, DS2,
                 NC, Tp, N_LAST, SAVE_EVERY, NSAVE, C, D, H1,
                 DEPTH: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr,
-                DOT: tl.constexpr):
+                DOT: tl.constexpr, HAS_WG: tl.constexpr):
     n = tl.program_id(0).to(tl.int64)
     offs_c = tl.arange(0, BC)
     offs_d = tl.arange(0, BD)
@@ -272,8 +273,6 @@ def _bwd_kernel(Q, K, V, DY, DEC, CAR, MIX, EEND, MEND, SW1, SS1, SW2, SS2, R1, 
     gs1 = _load_mat(DS1o + n * sz, H1, D, offs_h, offs_d)
     g2 = _load_mat(DW2o + n * sz, D, H1, offs_d, offs_h)
     gs2 = _load_mat(DS2o + n * sz, D, H1, offs_d, offs_h)
-    gwg1 = _load_mat(DWG1 + n * sz, H1, D, offs_h, offs_d)
-    gwg2 = _load_mat(DWG2 + n * sz, D, H1, offs_d, offs_h)
     for gi in range(NSAVE):
         grp = NSAVE - 1 - gi
         c0 = grp * SAVE_EVERY
@@ -316,14 +315,10 @@ def _bwd_kernel(Q, K, V, DY, DEC, CAR, MIX, EEND, MEND, SW1, SS1, SW2, SS2, R1, 
             ddec_l = tl.sum(tl.sum(g1 * w1, axis=1), axis=0)
             dcar_l = tl.sum(tl.sum(g1 * s1, axis=1), axis=0)
             dee = tl.sum(tl.sum(gs1 * s1, axis=1), axis=0)
-            dw1 = dec_l * g1
-            ds1 = car_l * g1 + ee * gs1
             if DEPTH == 2:
                 ddec_l += tl.sum(tl.sum(g2 * w2, axis=1), axis=0)
                 dcar_l += tl.sum(tl.sum(g2 * s2, axis=1), axis=0)
                 dee += tl.sum(tl.sum(gs2 * s2, axis=1), axis=0)
-                dw2 = dec_l * g2
-                ds2 = car_l * g2 + ee * gs2
                 # recompute the chunk
                 z1, a1, sg, dsilu, e1, d1, d2 = _inner2(k, v, w1, w2, DOT)
                 zh, p1, qw1, qs1 = _read(q, w1, s1, k, d1, dec, car, mix, DOT)
@@ -335,6 +330,11 @@ def _bwd_kernel(Q, K, V, DY, DEC, CAR, MIX, EEND, MEND, SW1, SS1, SW2, SS2, R1, 
                 dd2, da1, dml2, dme2 = _end_grads(g2, gs2, d2, a1, ml, me, DOT)
                 dml += dml2
                 dme += dme2
+                # the carried gradients' last use: the chunk-start state's gradients start from them here
+                dw1 = dec_l * g1
+                ds1 = car_l * g1 + ee * gs1
+                dw2 = dec_l * g2
+                ds2 = car_l * g2 + ee * gs2
                 # the outputs' layer 2
                 dh, da, ddd, dw, ds, ddec, dcar, dmix = _read_grads(dy, h, w2, s2, a1, d2, p2, hw2, hs2, dec, car,
                                                                     mix, DOT)
@@ -347,6 +347,8 @@ def _bwd_kernel(Q, K, V, DY, DEC, CAR, MIX, EEND, MEND, SW1, SS1, SW2, SS2, R1, 
                 d1 = 2.0 * (_mm(k, tl.trans(w1), DOT) - v)
                 _, p1, qw1, qs1 = _read(q, w1, s1, k, d1, dec, car, mix, DOT)
                 dd1, dk, dml, dme = _end_grads(g1, gs1, d1, k, ml, me, DOT)
+                dw1 = dec_l * g1
+                ds1 = car_l * g1 + ee * gs1
                 ddec = tl.zeros([BC], dtype=tl.float32)
                 dcar = tl.zeros([BC], dtype=tl.float32)
                 dmix = tl.zeros([BC, BC], dtype=tl.float32)
@@ -386,11 +388,13 @@ def _bwd_kernel(Q, K, V, DY, DEC, CAR, MIX, EEND, MEND, SW1, SS1, SW2, SS2, R1, 
             if DEPTH == 2:
                 g2 = dw2
                 gs2 = ds2
-            # the last chunk's start weights are also an output (the state's chunk weights)
-            at_last = (c == NC - 1).to(tl.float32)
-            g1 += at_last * gwg1
-            if DEPTH == 2:
-                g2 += at_last * gwg2
+            # the last chunk's start weights are also an output (the state's chunk weights), whose gradient
+            # the loss reaches only where a later call continues the last chunk (HAS_WG)
+            if HAS_WG:
+                if c == NC - 1:
+                    g1 += _load_mat(DWG1 + n * sz, H1, D, offs_h, offs_d)
+                    if DEPTH == 2:
+                        g2 += _load_mat(DWG2 + n * sz, D, H1, offs_d, offs_h)
         tl.debug_barrier()  # before the next group overwrites the scratch
     _store_mat(DW1 + n * sz, g1, H1, D, offs_h, offs_d)
     _store_mat(DS1 + n * sz, gs1, H1, D, offs_h, offs_d)
@@ -667,12 +671,14 @@ def _(q, k, v, dec, car, mix, e_end, m_end, w1, s1, w2, s2, T, C, depth):
 def _scan_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dy: torch.Tensor, dec: torch.Tensor,
               car: torch.Tensor, mix: torch.Tensor, e_end: torch.Tensor, m_end: torch.Tensor, sw1: torch.Tensor,
               ss1: torch.Tensor, sw2: torch.Tensor, ss2: torch.Tensor, gw1: torch.Tensor, gs1: torch.Tensor,
-              gw2: torch.Tensor, gs2: torch.Tensor, gwg1: torch.Tensor, gwg2: torch.Tensor, T: int, C: int,
-              depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+              gw2: torch.Tensor, gs2: torch.Tensor, gwg1: Optional[torch.Tensor], gwg2: Optional[torch.Tensor], T: int,
+              C: int, depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                    torch.Tensor, torch.Tensor]:
     """The gradients of q, k, v, the coefficients and the initial state (layer 2's empty at depth 1) from those
-    of ``y``, the end state and the last chunk's start weights (layer 1's in layer 2's slots at depth 1)."""
+    of ``y``, the end state and the last chunk's start weights (layer 1's in layer 2's slots at depth 1; ``None``
+    where the loss does not reach them, as in every call that ends on a chunk boundary: the kernel compiled
+    without them carries two state tiles fewer through its loops)."""
     N, Tp, D = q.shape
     NC = Tp // C
     R, nsave = _checkpoints(NC, _state_bytes(N, sw1.shape, sw2.shape, depth))
@@ -688,10 +694,13 @@ def _scan_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dy: torch.Tenso
     kernel_dstate = dstate if depth == 2 else dstate[:2] * 2
     if depth == 1:
         dstate[2:] = [q.new_empty(N, 0, 0, dtype=torch.float32) for _ in range(2)]
+    has_wg = gwg1 is not None
+    if not has_wg:  # never read (HAS_WG=False): any float32 pointer will do
+        gwg1 = gwg2 = gw1
     _bwd_kernel[(N,)](q, k, v, dy.contiguous().float(), dec, car, mix, e_end, m_end, sw1, ss1, sw2, ss2, *scratch,
                       *(g.contiguous().float() for g in (gw1, gs1, gw2, gs2, gwg1, gwg2)),
                       dq, dk, dv, *dcoef, *kernel_dstate, NC, Tp, T - (NC - 1) * C, R, nsave, C, D, H1,
-                      DEPTH=depth, DOT=_DOT[q.dtype], **_launch_shape(D, H1, C))
+                      DEPTH=depth, DOT=_DOT[q.dtype], HAS_WG=has_wg, **_launch_shape(D, H1, C))
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *dcoef, *dstate
 
 
@@ -724,8 +733,9 @@ def _scan_backward(ctx, dy, gw1, gs1, gw2, gs2, gwg1, gwg2, *_):
     l2 = (N, *sw2.shape[2:]) if depth == 2 else l1
     if depth == 1:  # layer 2's slots repeat layer 1's
         gw2, gs2, gwg2 = gw1, gs1, gwg1
-    dy, gw1, gs1, gw2, gs2, gwg1, gwg2 = _grads_or_zeros((dy, gw1, gs1, gw2, gs2, gwg1, gwg2),
-                                                         (q.shape, l1, l1, l2, l2, l1, l2), q.device)
+    dy, gw1, gs1, gw2, gs2 = _grads_or_zeros((dy, gw1, gs1, gw2, gs2), (q.shape, l1, l1, l2, l2), q.device)
+    if (gwg1 is None) != (gwg2 is None):  # the loss reaches one layer's chunk weights only: the other's are zero
+        gwg1, gwg2 = _grads_or_zeros((gwg1, gwg2), (l1, l2), q.device)
     dq, dk, dv, *dcoef, dw1, ds1, dw2, ds2 = _scan_bwd(q, k, v, dy, dec, car, mix, e_end, m_end, sw1, ss1, sw2, ss2,
                                                        gw1, gs1, gw2, gs2, gwg1, gwg2, T, C, depth)
     if depth == 1:  # w2, s2 were w1, s1 again
