@@ -13,9 +13,9 @@ result beyond rounding). One JSON line per shape and variant; ``default: true`` 
 At depth 1-2 the any-depth kernels (``kernels: triton_deep``: the state in memory, not in registers; what
 depth 3+ runs) are timed beside the shipped pair at their default launch: at the recipes' shapes the pair's
 state spills from registers (``--static``), so which is faster is measured, not assumed. So is the pair's
-backward compiled with the gradient of the last chunk's start weights (``wg_grad: true``; the loss reaches them
-with weight 0): the variant every backward ran before 2026-11-27, two state tiles more through its loops, and
-the in-run baseline of the training path, which compiles without them.
+lean backward (``lean_backward: true``, :data:`memtrain.kernels.titans.triton_kernels.LEAN_BACKWARD`: the same
+computation ordered so that fewer state tiles ride through its loops, whose spills move less memory under one
+Triton's compiler and more under another).
 
 Shapes. ``layer``: the layer benchmark's target (B4 x 8 heads, T 2048, head 64, hidden 128, depth 2, chunk
 64); ``mac``: titans-170m/340m-mac's memory writes (B4 x 12 heads, one 512-token segment per call, chunk 16);
@@ -125,14 +125,11 @@ def default_warps(shape) -> int:
     return _module(depth)._launch_shape(D, hidden, C)["num_warps"]
 
 
-def measure(shape, warps, device, repeats_ms: int, any_depth: bool = False, wg_grad: bool = False) -> tuple[
+def measure(shape, warps, device, repeats_ms: int, any_depth: bool = False, lean: bool = False) -> tuple[
         dict, tuple]:
     """Time the kernels at ``shape`` with ``num_warps=warps`` (None: the default); the record and the outputs.
-    ``any_depth``: the any-depth kernels (:mod:`.triton_deep`, the state in memory) at depth 1-2 too.
-    ``wg_grad``: the loss also reaches the last chunk's start weights (with weight 0, so the gradients are the
-    default's), which runs the depth-1/2 backward compiled with their gradient (``HAS_WG=True``, two state tiles
-    more through its loops, as every backward carried them before 2026-11-27): the in-run baseline of that
-    change."""
+    ``any_depth``: the any-depth kernels (:mod:`.triton_deep`, the state in memory) at depth 1-2 too. ``lean``:
+    the depth-1/2 backward's lean form (:data:`.triton_kernels.LEAN_BACKWARD`)."""
     N, T, D, hidden, depth, C = shape
     deep_from = titans_kernels.DEEP_KERNEL_MIN_DEPTH
     mod = triton_deep if any_depth else _module(depth)
@@ -148,22 +145,20 @@ def measure(shape, warps, device, repeats_ms: int, any_depth: bool = False, wg_g
     q, k, v, lr, log_eta, log_keep, w, s = inputs(N, T, D, hidden, depth, device)
     leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
     mod._launch_shape = launch
+    lean_from, triton_kernels.LEAN_BACKWARD = triton_kernels.LEAN_BACKWARD, lean
     if any_depth:
         titans_kernels.DEEP_KERNEL_MIN_DEPTH = 1  # scan() picks the any-depth kernels at every depth
     try:
         def fwd():
             return titans_kernels.scan(*leaves, lr, log_eta, log_keep, w, s, w, 0, C, kernel="triton")[0]
 
-        def loss():
-            y, _, _, wg = titans_kernels.scan(*leaves, lr, log_eta, log_keep, w, s, w, 0, C, kernel="triton")
-            return y, y.float().square().sum() + (sum((0 * x).sum() for x in wg) if wg_grad else 0)
-
         def fwd_bwd():
-            return torch.autograd.grad(loss()[1], leaves)
+            y = fwd()
+            return torch.autograd.grad(y.float().square().sum(), leaves)
 
         t0 = time.perf_counter()
-        y, total = loss()
-        grads = torch.autograd.grad(total, leaves)
+        y = fwd()
+        grads = torch.autograd.grad(y.float().square().sum(), leaves)
         if device.type == "cuda":
             torch.cuda.synchronize()
         first_s = time.perf_counter() - t0
@@ -185,11 +180,12 @@ def measure(shape, warps, device, repeats_ms: int, any_depth: bool = False, wg_g
                                                            or getattr(mod, "_bwd_deep_kernel", None)).items()})
     finally:
         mod._launch_shape = base
+        triton_kernels.LEAN_BACKWARD = lean_from
         titans_kernels.DEEP_KERNEL_MIN_DEPTH = deep_from
     shipped = mod is _module(depth)
     rec = {"N": N, "T": T, "head_dim": D, "hidden": hidden, "depth": depth, "chunk": C,
-           "kernels": mod.__name__.rsplit(".", 1)[-1], "num_warps": warps or default, "wg_grad": wg_grad,
-           "default": shipped and (warps is None or warps == default) and not wg_grad,
+           "kernels": mod.__name__.rsplit(".", 1)[-1], "num_warps": warps or default, "lean_backward": lean,
+           "default": shipped and (warps is None or warps == default) and not lean,
            "first_call_s": round(first_s, 2),
            "fwd_ms": round(fwd_ms, 4), "fwd_bwd_ms": round(fwd_bwd_ms, 4),
            "fwd_tokens_per_s": round(N * T / fwd_ms * 1e3, 1), "fwd_bwd_tokens_per_s": round(N * T / fwd_bwd_ms * 1e3, 1),
@@ -200,43 +196,47 @@ def measure(shape, warps, device, repeats_ms: int, any_depth: bool = False, wg_g
 def _compile(spec: tuple) -> dict:
     from memtrain.kernels.titans.aot import compile_kernel
 
-    kernel, shape, warps, any_depth = spec
+    kernel, shape, warps, any_depth, lean = spec
     N, T, D, hidden, depth, C = shape
     try:
-        return compile_kernel(kernel, depth, D, hidden, C, num_warps=warps, any_depth=any_depth)
+        return compile_kernel(kernel, depth, D, hidden, C, num_warps=warps, any_depth=any_depth, lean=lean)
     except Exception as e:  # one launch that fails to compile must not end the table
         return {"kernel": kernel, "error": f"{type(e).__name__}: {e}"[:500]}
 
 
 def static(warps: list[int], names: list[str], table: dict = SHAPES) -> int:
     """``--static``: each shape's kernels compiled for sm_90 under each launch, one JSON line per shape, kernels
-    (register-resident or any-depth) and ``num_warps``, with the forward's and backward's registers, spills,
-    shared memory and innermost loops (instructions and local-memory loads and stores per iteration and thread:
-    the spills that run per chunk; :func:`memtrain.kernels.titans.aot.sass_loops`). The compiles run in parallel
-    (one process per core)."""
+    (register-resident or any-depth), ``num_warps`` and backward form (``lean_backward``), with the forward's and
+    backward's registers, spills, shared memory and innermost loops (instructions and local-memory loads, stores
+    and bytes per iteration and thread: the spills that run per chunk; :func:`memtrain.kernels.titans.aot.
+    sass_loops`). The compiles run in parallel (one process per core)."""
     import multiprocessing
 
     rows = []
     for name in names:
         shape = table[name]
         depth = shape[4]
-        variants = [(depth >= titans_kernels.DEEP_KERNEL_MIN_DEPTH, w)
+        variants = [(depth >= titans_kernels.DEEP_KERNEL_MIN_DEPTH, w, False)
                     for w in dict.fromkeys([default_warps(shape), *warps])]
-        if depth < titans_kernels.DEEP_KERNEL_MIN_DEPTH:  # the any-depth kernels at this depth, default launch
-            variants.append((True, None))
-        rows += [(name, shape, any_depth, w) for any_depth, w in variants]
-    # a compiled kernel depends on the widths, depth and chunk, not on N or T (mac and mag share theirs)
-    specs = {(kernel, shape[2:], w, any_depth): (kernel, shape, w, any_depth)
-             for _, shape, any_depth, w in rows for kernel in ("fwd", "bwd")}
+        if depth < titans_kernels.DEEP_KERNEL_MIN_DEPTH:  # the lean backward and the any-depth kernels, default launch
+            variants += [(False, None, True), (True, None, False)]
+        rows += [(name, shape, any_depth, w, lean) for any_depth, w, lean in variants]
+    # a compiled kernel depends on the widths, depth and chunk, not on N or T (mac and mag share theirs); the
+    # forward has one form
+    def key(kernel, shape, any_depth, w, lean):
+        return kernel, shape[2:], w, any_depth, lean and kernel == "bwd"
+
+    specs = {key(kernel, shape, any_depth, w, lean): (kernel, shape, w, any_depth, lean and kernel == "bwd")
+             for _, shape, any_depth, w, lean in rows for kernel in ("fwd", "bwd")}
     todo = sorted(specs, key=lambda k: k[0] == "fwd")  # the slow backwards first
     with multiprocessing.get_context("fork").Pool(os.cpu_count() or 1) as pool:
         compiled = dict(zip(todo, pool.map(_compile, [specs[k] for k in todo], chunksize=1)))
     failed = 0
-    for name, shape, any_depth, w in rows:
+    for name, shape, any_depth, w, lean in rows:
         rec = {"shape": name, "device": "sm_90 (compiled ahead of time, not run)", "N": shape[0], "T": shape[1],
                "head_dim": shape[2], "hidden": shape[3], "depth": shape[4], "chunk": shape[5],
-               "kernels": "triton_deep" if any_depth else "triton_kernels"}
-        for r in (compiled[(kernel, shape[2:], w, any_depth)] for kernel in ("fwd", "bwd")):
+               "kernels": "triton_deep" if any_depth else "triton_kernels", "lean_backward": lean}
+        for r in (compiled[key(kernel, shape, any_depth, w, lean)] for kernel in ("fwd", "bwd")):
             if "error" in r:
                 rec[f"{r['kernel']}_error"] = r["error"]
                 failed += 1
@@ -245,7 +245,7 @@ def static(warps: list[int], names: list[str], table: dict = SHAPES) -> int:
             rec.update({f"{r['kernel']}_{k}": r[k] for k in ("registers", "spill_stores", "spill_loads", "shared",
                                                              "loops")})
         mod = triton_deep if any_depth else triton_kernels
-        shipped = any_depth == (shape[4] >= titans_kernels.DEEP_KERNEL_MIN_DEPTH)
+        shipped = any_depth == (shape[4] >= titans_kernels.DEEP_KERNEL_MIN_DEPTH) and not lean
         rec["default"] = shipped and (w is None or w == mod._launch_shape(shape[2], shape[3], shape[5])["num_warps"])
         print(json.dumps(rec), flush=True)
     return 1 if failed else 0
@@ -291,13 +291,13 @@ def main() -> int:
         ref = None
         variants = [(None, False, False)] + [(w, False, False) for w in warps if w != default_warps(table[name])]
         if table[name][4] < titans_kernels.DEEP_KERNEL_MIN_DEPTH:
-            variants.append((None, False, True))  # the backward with the chunk weights' gradient (HAS_WG)
+            variants.append((None, False, True))  # the backward's lean form (triton_kernels.LEAN_BACKWARD)
             variants.append((None, True, False))  # the any-depth kernels beside, default launch
-        for variant, any_depth, wg_grad in variants:
+        for variant, any_depth, lean in variants:
             try:
-                rec, outs = measure(table[name], variant, device, args.rep_ms, any_depth, wg_grad)
+                rec, outs = measure(table[name], variant, device, args.rep_ms, any_depth, lean)
             except Exception as e:  # one variant that fails to compile or launch must not end the sweep
-                print(json.dumps({"shape": name, "num_warps": variant, "any_depth": any_depth, "wg_grad": wg_grad,
+                print(json.dumps({"shape": name, "num_warps": variant, "any_depth": any_depth, "lean_backward": lean,
                                   "error": f"{type(e).__name__}: {e}"[:500]}), flush=True)
                 continue
             if ref is None:

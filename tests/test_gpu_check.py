@@ -235,8 +235,8 @@ def test_env_phase_prints_one_json_line():
 
 def test_kernel_launch_sweep_benchmark_under_the_interpreter():
     """benchmarks/titans_kernels.py (the plan's titans_kernel_tune) at its tiny CPU shape: one JSON line per
-    num_warps variant, for the backward compiled with the chunk weights' gradient (``wg_grad``, weighted 0) and
-    for the any-depth kernels at that depth, the default marked, every variant computing what the default does. ``--static`` (compiled for sm_90, not run): the same rows with ptxas's registers,
+    num_warps variant, for the lean form of the backward (``lean_backward``) and for the any-depth kernels at
+    that depth, the default marked, every variant computing what the default does. ``--static`` (compiled for sm_90, not run): the same rows with ptxas's registers,
     spills and shared memory."""
     import os
     import subprocess
@@ -246,7 +246,7 @@ def test_kernel_launch_sweep_benchmark_under_the_interpreter():
                         "layer", "--warps", "4,8"], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
-    assert [(row["kernels"], row["num_warps"], row["wg_grad"], row["default"]) for row in rows] == [
+    assert [(row["kernels"], row["num_warps"], row["lean_backward"], row["default"]) for row in rows] == [
         ("triton_kernels", 4, False, True), ("triton_kernels", 8, False, False), ("triton_kernels", 4, True, False),
         ("triton_deep", 4, False, False)]
     # --static: the shipped launch and the any-depth kernels (--warps 4 is the tiny shape's default: no third row)
@@ -258,8 +258,8 @@ def test_kernel_launch_sweep_benchmark_under_the_interpreter():
                        cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
-    assert [(row["kernels"], row["num_warps"], row["default"]) for row in rows] == [
-        ("triton_kernels", 4, True), ("triton_deep", 4, False)]
+    assert [(row["kernels"], row["num_warps"], row["lean_backward"], row["default"]) for row in rows] == [
+        ("triton_kernels", 4, False, True), ("triton_kernels", 4, True, False), ("triton_deep", 4, False, False)]
     for row in rows:
         for kernel in ("fwd", "bwd"):
             assert 0 < row[f"{kernel}_registers"] <= 255 and row[f"{kernel}_spill_stores"] >= 0, row

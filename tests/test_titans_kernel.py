@@ -101,26 +101,29 @@ def test_kernel_matches_reference_forward_and_backward(monkeypatch, N, T, D, hid
 
 
 class _LaunchSpy:
-    """Stands in for ``triton_kernels._bwd_kernel``: records each launch's ``HAS_WG`` and runs the kernel."""
+    """Stands in for ``triton_kernels._bwd_kernel``: records each launch's ``LEAN`` and ``HAS_WG`` and runs it."""
 
     def __init__(self, kernel):
-        self.kernel, self.has_wg = kernel, []
+        self.kernel, self.forms = kernel, []
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            self.has_wg.append(kwargs["HAS_WG"])
+            self.forms.append((kwargs["LEAN"], kwargs["HAS_WG"]))
             return self.kernel[grid](*args, **kwargs)
         return launch
 
 
+@pytest.mark.parametrize("lean", [False, True])
 @pytest.mark.parametrize("N,T,D,hidden,depth,chunk", [(3, 11, 5, 9, 2, 4), (2, 13, 5, 5, 1, 3), (1, 40, 4, 6, 2, 2)])
-def test_kernel_backward_without_the_chunk_weights_gradient_matches_reference(monkeypatch, N, T, D, hidden, depth,
-                                                                              chunk):
-    """A loss on the outputs and the end state but not on the last chunk's start weights (``wg``: what every call
-    that ends on a chunk boundary gives, in every recipe) runs the backward compiled without their gradient
-    (``HAS_WG=False``: two state tiles fewer through its loops); a loss that reaches ``wg`` runs the other. Both
-    against the PyTorch form in float64, ending inside a chunk, at depth 1 and 2, over several recompute groups."""
+def test_kernel_backward_forms_with_and_without_the_chunk_weights_gradient(monkeypatch, lean, N, T, D, hidden, depth,
+                                                                           chunk):
+    """Both forms of the depth-1/2 backward (``LEAN_BACKWARD``) against the PyTorch form in float64, for a loss on
+    the outputs and the end state only (what every call that ends on a chunk boundary gives, in every recipe) and
+    one that also reaches the last chunk's start weights ``wg``: ending inside a chunk, depth 1 and 2, several
+    recompute groups. The lean form is compiled without wg's gradient where the loss does not reach it
+    (``HAS_WG=False``); the shipped one always reads it (zeros where missing)."""
     monkeypatch.setattr(triton_kernels, "SCRATCH_BYTES", 0)
+    monkeypatch.setattr(triton_kernels, "LEAN_BACKWARD", lean)
     spy = _LaunchSpy(triton_kernels._bwd_kernel)
     monkeypatch.setattr(triton_kernels, "_bwd_kernel", spy)
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
@@ -135,11 +138,10 @@ def test_kernel_backward_without_the_chunk_weights_gradient_matches_reference(mo
         g_ref = torch.autograd.grad(sum((r * c).sum() for r, c in zip(ref[:used], cots)), ins, retain_graph=True)
         g_out = torch.autograd.grad(sum((o.double() * c).sum() for o, c in zip(out[:used], cots)), ins,
                                     retain_graph=True)
-        assert spy.has_wg[-1] is reach_wg
         for name, a, b in zip(["q", "k", "v", "lr", "log_eta", "log_keep", "w", "s"], g_out, g_ref):
             assert torch.isfinite(a).all(), f"d{name}: non-finite"
             assert _rel(a, b) < 1e-4, (f"d{name}", reach_wg, _rel(a, b))
-    assert spy.has_wg == [False, True]
+    assert spy.forms == ([(True, False), (True, True)] if lean else [(False, True), (False, True)])
 
 
 @pytest.mark.parametrize("N,NC,C", [(3, 2, 4), (2, 3, 7), (1, 2, 16), (2, 1, 19)])
@@ -298,9 +300,8 @@ def test_kernel_carries_state_across_calls_at_any_split(depth):
 @pytest.mark.parametrize("depth", [2, 3])
 def test_kernel_missing_output_gradients_read_shared_zeros(depth, monkeypatch):
     """A loss that reads only ``y`` leaves the end state's and the chunk-start weights' gradients missing: eagerly
-    the backward operators read one shared zero tensor per shape (no zero-fill per call) where they read one (the
-    depth-1/2 backward reads no chunk-start weights' gradient at all then, ``HAS_WG=False``), which stays zero
-    after repeated backwards, and the gradients equal those with the missing ones given as explicit zeros."""
+    the backward operators read one shared zero tensor per shape (no zero-fill per call), which stays zero after
+    repeated backwards, and the gradients equal those with the missing ones given as explicit zeros."""
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     ins = [x.float().requires_grad_(True) for x in _inputs(gen, 2, 9, 5, 6, depth)]
     q, k, v, lr, log_eta, log_keep, *state = ins

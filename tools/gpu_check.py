@@ -155,14 +155,13 @@ PLAN: list[Phase] = [
     Phase("titans_kernel_tune", [PY, "benchmarks/titans_kernels.py", "--shapes", "mac,mag,layer", "--warps", "16"],
           240,
           about="the scan kernels alone at the recipes' shapes (mac and mag share compiled kernels) and the layer "
-                "target under the shipped num_warps and 16 (4 spills 2-3x more, --static), the backward compiled "
-                "with the chunk weights' gradient (wg_grad: what every backward ran before 2026-11-27) and the "
-                "any-depth kernels (state in memory) beside them: time, registers, spills, each loop's local-memory "
-                "traffic as the device's Triton compiled it, error against the shipped launch. Compiled for sm_90 "
-                "with Triton 3.6 on a CPU, the depth-2 backward's spills moved 3,952 KiB per chunk and program at "
-                "chunk 16 before (8,573 KiB at chunk 64); now 2,982 KiB without the chunk weights' gradient "
-                "(8,484) and 3,838 with it (10,671); 16 warps 5,014 (22,894): whether that traffic predicts "
-                "the time"),
+                "target under the shipped num_warps and 16 (4 spills 2-3x more, --static), the backward's lean form "
+                "(triton_kernels.LEAN_BACKWARD) and the any-depth kernels (state in memory) beside them: time, "
+                "registers, spills, each loop's local-memory traffic as the device's Triton compiled it, error "
+                "against the shipped launch. Compiled for sm_90 with Triton 3.6 on a CPU, the shipped depth-2 "
+                "backward's spills move 3,952 KiB per chunk and program at chunk 16 (8,573 at chunk 64), the lean "
+                "form's 2,982 (8,484), 16 warps' 5,014 (22,894): whether that traffic predicts the time, and "
+                "whether the lean form should ship"),
     _recipe_phase("titans-340m-mac", 130, why="; 52 finite steps on an H200 already (2026-11-27, fused kernels "
                   "off): its figures with them on"),
     _recipe_phase("titans-760m-mal", 130),

@@ -18,9 +18,9 @@ ptxas's spill figures count spill instructions once, wherever they are in the co
 it runs: ``loops`` reads the compiled code itself (SASS, disassembled with Triton's own ``nvdisasm``) and gives,
 for each innermost loop, its instructions and the local-memory loads and stores among them -- what every thread
 executes per iteration (for the scan kernels, per chunk). Spilled registers live in local memory, which the L1
-cache holds only in part: the depth-2 backward's stack frame is 3.9 KB per thread at the recipes' shapes, 1 MB for
-its 256 threads, against an SM's 256 KB of L1 and shared memory together; so ``local_kib_per_program`` (what one
-iteration's spills move for the whole program) is traffic to L2.
+cache holds only in part: the depth-2 backward's stack frame is 3.9 KB per thread at the recipes' shapes (Triton
+3.8; 4.1 KB under 3.6), about 1 MB for its 256 threads, against an SM's 256 KB of L1 and shared memory together;
+so ``local_kib_per_program`` (what one iteration's spills move for the whole program) is mostly traffic to L2.
 """
 
 from __future__ import annotations
@@ -136,13 +136,14 @@ def _loops(cubin: bytes) -> Optional[list[dict]]:
 
 def compile_kernel(kernel: str, depth: int = 2, head_dim: int = 64, hidden: int = 128, chunk: int = 16, *,
                    num_warps: Optional[int] = None, arch: int = 90, half: str = "bf16",
-                   any_depth: Optional[bool] = None) -> dict:
+                   any_depth: Optional[bool] = None, lean: bool = False) -> dict:
     """Compile one Titans kernel for ``sm_<arch>`` and report it: ``kernel`` one of :data:`KERNELS` (the scan's
     forward / backward at ``depth`` -- the register-resident pair at depth 1-2, the any-depth pair at 3+ or where
     ``any_depth`` -- the chunk coefficients' at ``chunk``, the layer's prologue, q/k/v at ``head_dim`` and the
     gates for up to 21 heads, its output stage at ``head_dim``, or RoPE's pair at ``head_dim``), ``head_dim`` and
     ``hidden`` (the memory's widths), ``num_warps`` (default: what the kernels launch with), ``half`` the dtype of
-    q / k / v (``bf16``, ``fp16`` or ``fp32``).
+    q / k / v (``bf16``, ``fp16`` or ``fp32``), ``lean`` the depth-1/2 backward's lean form
+    (:data:`memtrain.kernels.titans.triton_kernels.LEAN_BACKWARD`, compiled without the chunk weights' gradient).
     Returns the arguments with ``shared`` (bytes per program), ``registers`` (per thread), ``spill_stores`` and
     ``spill_loads`` (bytes of spill instructions in the compiled code, per thread) and ``loops`` (each innermost
     loop's instructions, local-memory loads and stores and their bytes, shared-memory accesses, barriers and
@@ -210,8 +211,8 @@ def compile_kernel(kernel: str, depth: int = 2, head_dim: int = 64, hidden: int 
             launch["num_warps"] = num_warps
         dot = {"fp32": 0, "bf16": 1, "fp16": 2}[half]
         consts.update(DOT=dot, DEPTH=depth)
-        if "HAS_WG" in fn.arg_names:  # as training launches it: no gradient for the last chunk's start weights
-            consts["HAS_WG"] = False
+        if "LEAN" in fn.arg_names:  # the depth-1/2 backward's form (triton_kernels.LEAN_BACKWARD); the lean one as
+            consts.update(LEAN=lean, HAS_WG=not lean)  # a recipe's call would run it, without wg's gradient
         ptr = {"fp32": "*fp32", "bf16": "*bf16", "fp16": "*fp16"}[half]
         sig = {n: "constexpr" if n in consts else "i32" if n in _INTS else ptr if n in _HALF else "*fp32"
                for n in fn.arg_names}

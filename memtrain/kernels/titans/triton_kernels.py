@@ -262,7 +262,7 @@ def _bwd_kernel(Q, K, V, DY, DEC, CAR, MIX, EEND, MEND, SW1, SS1, SW2, SS2, R1, 
                 DQ, DK, DV, DDEC, DCAR, DMIX, DEEND, DMEND, DW1, DS1, DW2, DS2,
                 NC, Tp, N_LAST, SAVE_EVERY, NSAVE, C, D, H1,
                 DEPTH: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr,
-                DOT: tl.constexpr, HAS_WG: tl.constexpr):
+                DOT: tl.constexpr, LEAN: tl.constexpr, HAS_WG: tl.constexpr):
     n = tl.program_id(0).to(tl.int64)
     offs_c = tl.arange(0, BC)
     offs_d = tl.arange(0, BD)
@@ -273,6 +273,9 @@ def _bwd_kernel(Q, K, V, DY, DEC, CAR, MIX, EEND, MEND, SW1, SS1, SW2, SS2, R1, 
     gs1 = _load_mat(DS1o + n * sz, H1, D, offs_h, offs_d)
     g2 = _load_mat(DW2o + n * sz, D, H1, offs_d, offs_h)
     gs2 = _load_mat(DS2o + n * sz, D, H1, offs_d, offs_h)
+    if not LEAN:  # LEAN (LEAN_BACKWARD): loaded where they are added, and only if the loss reaches them
+        gwg1 = _load_mat(DWG1 + n * sz, H1, D, offs_h, offs_d)
+        gwg2 = _load_mat(DWG2 + n * sz, D, H1, offs_d, offs_h)
     for gi in range(NSAVE):
         grp = NSAVE - 1 - gi
         c0 = grp * SAVE_EVERY
@@ -315,10 +318,16 @@ def _bwd_kernel(Q, K, V, DY, DEC, CAR, MIX, EEND, MEND, SW1, SS1, SW2, SS2, R1, 
             ddec_l = tl.sum(tl.sum(g1 * w1, axis=1), axis=0)
             dcar_l = tl.sum(tl.sum(g1 * s1, axis=1), axis=0)
             dee = tl.sum(tl.sum(gs1 * s1, axis=1), axis=0)
+            if not LEAN:  # LEAN: after the carried gradients' last use
+                dw1 = dec_l * g1
+                ds1 = car_l * g1 + ee * gs1
             if DEPTH == 2:
                 ddec_l += tl.sum(tl.sum(g2 * w2, axis=1), axis=0)
                 dcar_l += tl.sum(tl.sum(g2 * s2, axis=1), axis=0)
                 dee += tl.sum(tl.sum(gs2 * s2, axis=1), axis=0)
+                if not LEAN:
+                    dw2 = dec_l * g2
+                    ds2 = car_l * g2 + ee * gs2
                 # recompute the chunk
                 z1, a1, sg, dsilu, e1, d1, d2 = _inner2(k, v, w1, w2, DOT)
                 zh, p1, qw1, qs1 = _read(q, w1, s1, k, d1, dec, car, mix, DOT)
@@ -330,11 +339,11 @@ def _bwd_kernel(Q, K, V, DY, DEC, CAR, MIX, EEND, MEND, SW1, SS1, SW2, SS2, R1, 
                 dd2, da1, dml2, dme2 = _end_grads(g2, gs2, d2, a1, ml, me, DOT)
                 dml += dml2
                 dme += dme2
-                # the carried gradients' last use: the chunk-start state's gradients start from them here
-                dw1 = dec_l * g1
-                ds1 = car_l * g1 + ee * gs1
-                dw2 = dec_l * g2
-                ds2 = car_l * g2 + ee * gs2
+                if LEAN:  # the carried gradients' last use: the chunk-start state's gradients start here
+                    dw1 = dec_l * g1
+                    ds1 = car_l * g1 + ee * gs1
+                    dw2 = dec_l * g2
+                    ds2 = car_l * g2 + ee * gs2
                 # the outputs' layer 2
                 dh, da, ddd, dw, ds, ddec, dcar, dmix = _read_grads(dy, h, w2, s2, a1, d2, p2, hw2, hs2, dec, car,
                                                                     mix, DOT)
@@ -347,8 +356,9 @@ def _bwd_kernel(Q, K, V, DY, DEC, CAR, MIX, EEND, MEND, SW1, SS1, SW2, SS2, R1, 
                 d1 = 2.0 * (_mm(k, tl.trans(w1), DOT) - v)
                 _, p1, qw1, qs1 = _read(q, w1, s1, k, d1, dec, car, mix, DOT)
                 dd1, dk, dml, dme = _end_grads(g1, gs1, d1, k, ml, me, DOT)
-                dw1 = dec_l * g1
-                ds1 = car_l * g1 + ee * gs1
+                if LEAN:
+                    dw1 = dec_l * g1
+                    ds1 = car_l * g1 + ee * gs1
                 ddec = tl.zeros([BC], dtype=tl.float32)
                 dcar = tl.zeros([BC], dtype=tl.float32)
                 dmix = tl.zeros([BC, BC], dtype=tl.float32)
@@ -388,13 +398,18 @@ def _bwd_kernel(Q, K, V, DY, DEC, CAR, MIX, EEND, MEND, SW1, SS1, SW2, SS2, R1, 
             if DEPTH == 2:
                 g2 = dw2
                 gs2 = ds2
-            # the last chunk's start weights are also an output (the state's chunk weights), whose gradient
-            # the loss reaches only where a later call continues the last chunk (HAS_WG)
-            if HAS_WG:
-                if c == NC - 1:
-                    g1 += _load_mat(DWG1 + n * sz, H1, D, offs_h, offs_d)
-                    if DEPTH == 2:
-                        g2 += _load_mat(DWG2 + n * sz, D, H1, offs_d, offs_h)
+            # the last chunk's start weights are also an output (the state's chunk weights)
+            if LEAN:  # their gradient, where the loss reaches them (a later call continues the last chunk)
+                if HAS_WG:
+                    if c == NC - 1:
+                        g1 += _load_mat(DWG1 + n * sz, H1, D, offs_h, offs_d)
+                        if DEPTH == 2:
+                            g2 += _load_mat(DWG2 + n * sz, D, H1, offs_d, offs_h)
+            else:
+                at_last = (c == NC - 1).to(tl.float32)
+                g1 += at_last * gwg1
+                if DEPTH == 2:
+                    g2 += at_last * gwg2
         tl.debug_barrier()  # before the next group overwrites the scratch
     _store_mat(DW1 + n * sz, g1, H1, D, offs_h, offs_d)
     _store_mat(DS1 + n * sz, gs1, H1, D, offs_h, offs_d)
@@ -515,6 +530,18 @@ def _state_bytes(N: int, w1_shape, w2_shape, depth: int) -> int:
     """Bytes of one chunk-start state (weights and momentum, fp32) of all ``N`` programs of the depth-1/2 scan."""
     per_layer = [w1_shape[-2] * w1_shape[-1]] + ([w2_shape[-2] * w2_shape[-1]] if depth == 2 else [])
     return 8 * N * sum(per_layer)
+
+
+# The depth-1/2 backward has two compiled forms of one computation. The shipped one forms the chunk-start state's
+# gradients as soon as the chunk-end state's are loaded and adds the last chunk's start weights' gradient (zeros
+# where the loss does not reach it, as in every recipe's call) in every chunk. The lean one (LEAN_BACKWARD) forms
+# them after the carried gradients' last use and, where the loss does not reach those weights, is compiled
+# without them: two state tiles fewer through its loops. Compiled for sm_90 by Triton 3.6 (the GPU machines'),
+# the lean one's spills move a quarter less local memory per chunk at chunk 16 (2,982 against 3,952 KiB per
+# program) and 1% less at chunk 64; by Triton 3.8 a half more at chunk 16 (README, "Per chunk"). ptxas allocates
+# as it likes, so this is a measurement to make on a GPU (benchmarks/titans_kernels.py times both), not a
+# choice to make from the figures: the shipped form stays the default until then.
+LEAN_BACKWARD = False
 
 
 def _launch_shape(D: int, H1: int, C: int) -> dict:
@@ -672,13 +699,12 @@ def _scan_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dy: torch.Tenso
               car: torch.Tensor, mix: torch.Tensor, e_end: torch.Tensor, m_end: torch.Tensor, sw1: torch.Tensor,
               ss1: torch.Tensor, sw2: torch.Tensor, ss2: torch.Tensor, gw1: torch.Tensor, gs1: torch.Tensor,
               gw2: torch.Tensor, gs2: torch.Tensor, gwg1: Optional[torch.Tensor], gwg2: Optional[torch.Tensor], T: int,
-              C: int, depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+              C: int, depth: int, lean: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                    torch.Tensor, torch.Tensor]:
     """The gradients of q, k, v, the coefficients and the initial state (layer 2's empty at depth 1) from those
     of ``y``, the end state and the last chunk's start weights (layer 1's in layer 2's slots at depth 1; ``None``
-    where the loss does not reach them, as in every call that ends on a chunk boundary: the kernel compiled
-    without them carries two state tiles fewer through its loops)."""
+    where the loss does not reach them, which only the ``lean`` kernel takes: :data:`LEAN_BACKWARD`)."""
     N, Tp, D = q.shape
     NC = Tp // C
     R, nsave = _checkpoints(NC, _state_bytes(N, sw1.shape, sw2.shape, depth))
@@ -695,17 +721,18 @@ def _scan_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dy: torch.Tenso
     if depth == 1:
         dstate[2:] = [q.new_empty(N, 0, 0, dtype=torch.float32) for _ in range(2)]
     has_wg = gwg1 is not None
-    if not has_wg:  # never read (HAS_WG=False): any float32 pointer will do
+    if not has_wg:  # never read (the lean kernel without them): any float32 pointer will do
         gwg1 = gwg2 = gw1
     _bwd_kernel[(N,)](q, k, v, dy.contiguous().float(), dec, car, mix, e_end, m_end, sw1, ss1, sw2, ss2, *scratch,
                       *(g.contiguous().float() for g in (gw1, gs1, gw2, gs2, gwg1, gwg2)),
                       dq, dk, dv, *dcoef, *kernel_dstate, NC, Tp, T - (NC - 1) * C, R, nsave, C, D, H1,
-                      DEPTH=depth, DOT=_DOT[q.dtype], HAS_WG=has_wg, **_launch_shape(D, H1, C))
+                      DEPTH=depth, DOT=_DOT[q.dtype], LEAN=lean, HAS_WG=has_wg, **_launch_shape(D, H1, C))
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *dcoef, *dstate
 
 
 @_scan_bwd.register_fake
-def _(q, k, v, dy, dec, car, mix, e_end, m_end, sw1, ss1, sw2, ss2, gw1, gs1, gw2, gs2, gwg1, gwg2, T, C, depth):
+def _(q, k, v, dy, dec, car, mix, e_end, m_end, sw1, ss1, sw2, ss2, gw1, gs1, gw2, gs2, gwg1, gwg2, T, C, depth,
+      lean):
     l2 = (gw2, gs2) if depth == 2 else [q.new_empty(q.shape[0], 0, 0)] * 2
     return (*(x.new_empty(x.shape) for x in (q, k, v)),
             *(q.new_empty(t.shape, dtype=torch.float32) for t in (dec, car, mix, e_end, m_end, gw1, gs1, *l2)))
@@ -733,11 +760,12 @@ def _scan_backward(ctx, dy, gw1, gs1, gw2, gs2, gwg1, gwg2, *_):
     l2 = (N, *sw2.shape[2:]) if depth == 2 else l1
     if depth == 1:  # layer 2's slots repeat layer 1's
         gw2, gs2, gwg2 = gw1, gs1, gwg1
+    lean = LEAN_BACKWARD
     dy, gw1, gs1, gw2, gs2 = _grads_or_zeros((dy, gw1, gs1, gw2, gs2), (q.shape, l1, l1, l2, l2), q.device)
-    if (gwg1 is None) != (gwg2 is None):  # the loss reaches one layer's chunk weights only: the other's are zero
+    if not lean or (gwg1 is None) != (gwg2 is None):  # the lean kernel takes None for both, nothing else does
         gwg1, gwg2 = _grads_or_zeros((gwg1, gwg2), (l1, l2), q.device)
     dq, dk, dv, *dcoef, dw1, ds1, dw2, ds2 = _scan_bwd(q, k, v, dy, dec, car, mix, e_end, m_end, sw1, ss1, sw2, ss2,
-                                                       gw1, gs1, gw2, gs2, gwg1, gwg2, T, C, depth)
+                                                       gw1, gs1, gw2, gs2, gwg1, gwg2, T, C, depth, lean)
     if depth == 1:  # w2, s2 were w1, s1 again
         dw2 = ds2 = None
     return dq, dk, dv, *dcoef, dw1, ds1, dw2, ds2, None, None, None
