@@ -144,6 +144,29 @@ def test_kernel_backward_forms_with_and_without_the_chunk_weights_gradient(monke
     assert spy.forms == ([(True, False), (True, True)] if lean else [(False, True), (False, True)])
 
 
+def test_kernel_lean_backward_through_aot_autograd(monkeypatch):
+    """The lean backward's operator takes ``None`` for a gradient the loss does not reach (the last chunk's start
+    weights): traced by AOTAutograd (``aot_eager``, as compiled Titans blocks run it) its gradients equal the
+    eager ones, and the traced backward launched the form without that gradient."""
+    monkeypatch.setattr(triton_kernels, "LEAN_BACKWARD", True)
+    spy = _LaunchSpy(triton_kernels._bwd_kernel)
+    monkeypatch.setattr(triton_kernels, "_bwd_kernel", spy)
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    ins = [x.float().requires_grad_(True) for x in _inputs(gen, 2, 11, 5, 7, 2)]
+
+    def loss(q, k, v, lr, log_eta, log_keep, w1, w2, s1, s2):
+        y, w, s, _ = titans_kernels.scan(q, k, v, lr, log_eta, log_keep, [w1, w2], [s1, s2], [w1, w2], 0, 4,
+                                         kernel="triton")
+        return (y * y).sum() + (w[0] * w[1].transpose(1, 2)).sum()
+
+    eager = torch.autograd.grad(loss(*ins), ins)
+    torch._dynamo.reset()
+    traced = torch.autograd.grad(torch.compile(loss, backend="aot_eager", fullgraph=True)(*ins), ins)
+    for a, b in zip(traced, eager):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    assert spy.forms == [(True, False), (True, False)]
+
+
 @pytest.mark.parametrize("N,NC,C", [(3, 2, 4), (2, 3, 7), (1, 2, 16), (2, 1, 19)])
 def test_kernel_coefficients_match_reference_forward_and_backward(N, NC, C):
     """The chunk coefficients in Triton (one program per chunk) against :func:`reference.chunk_coefficients` in
