@@ -289,10 +289,12 @@ def main() -> int:
     warps = [int(x) for x in args.warps.split(",") if x.strip()]
     for name in names:
         ref = None
-        variants = [(None, False, False)] + [(w, False, False) for w in warps if w != default_warps(table[name])]
-        if table[name][4] < titans_kernels.DEEP_KERNEL_MIN_DEPTH:
-            variants.append((None, False, True))  # the backward's lean form (triton_kernels.LEAN_BACKWARD)
-            variants.append((None, True, False))  # the any-depth kernels beside, default launch
+        variants = [(None, False, False)]
+        if table[name][4] < titans_kernels.DEEP_KERNEL_MIN_DEPTH:  # the backward's lean form (LEAN_BACKWARD) next
+            variants.append((None, False, True))
+        variants += [(w, False, False) for w in warps if w != default_warps(table[name])]
+        if table[name][4] < titans_kernels.DEEP_KERNEL_MIN_DEPTH:  # the any-depth kernels, default launch
+            variants.append((None, True, False))
         for variant, any_depth, lean in variants:
             try:
                 rec, outs = measure(table[name], variant, device, args.rep_ms, any_depth, lean)

@@ -247,7 +247,7 @@ def test_kernel_launch_sweep_benchmark_under_the_interpreter():
     assert r.returncode == 0, r.stderr[-2000:]
     rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     assert [(row["kernels"], row["num_warps"], row["lean_backward"], row["default"]) for row in rows] == [
-        ("triton_kernels", 4, False, True), ("triton_kernels", 8, False, False), ("triton_kernels", 4, True, False),
+        ("triton_kernels", 4, False, True), ("triton_kernels", 4, True, False), ("triton_kernels", 8, False, False),
         ("triton_deep", 4, False, False)]
     # --static: the shipped launch and the any-depth kernels (--warps 4 is the tiny shape's default: no third row)
     for row in rows:
