@@ -236,8 +236,8 @@ def test_env_phase_prints_one_json_line():
 def test_kernel_launch_sweep_benchmark_under_the_interpreter():
     """benchmarks/titans_kernels.py (the plan's titans_kernel_tune) at its tiny CPU shape: one JSON line per
     num_warps variant, for the lean form of the backward (``lean_backward``) and for the any-depth kernels at
-    that depth, the default marked, every variant computing what the default does. ``--static`` (compiled for sm_90, not run): the same rows with ptxas's registers,
-    spills and shared memory."""
+    that depth, the default marked, every variant computing what the default does. ``--static`` (compiled for
+    sm_90, not run): the same rows with ptxas's registers, spills and shared memory."""
     import os
     import subprocess
 

@@ -699,9 +699,9 @@ def _scan_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dy: torch.Tenso
               car: torch.Tensor, mix: torch.Tensor, e_end: torch.Tensor, m_end: torch.Tensor, sw1: torch.Tensor,
               ss1: torch.Tensor, sw2: torch.Tensor, ss2: torch.Tensor, gw1: torch.Tensor, gs1: torch.Tensor,
               gw2: torch.Tensor, gs2: torch.Tensor, gwg1: Optional[torch.Tensor], gwg2: Optional[torch.Tensor], T: int,
-              C: int, depth: int, lean: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                   torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                   torch.Tensor, torch.Tensor]:
+              C: int, depth: int, lean: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                       torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                       torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients of q, k, v, the coefficients and the initial state (layer 2's empty at depth 1) from those
     of ``y``, the end state and the last chunk's start weights (layer 1's in layer 2's slots at depth 1; ``None``
     where the loss does not reach them, which only the ``lean`` kernel takes: :data:`LEAN_BACKWARD`)."""
