@@ -57,6 +57,14 @@ def _run(impl, ins, depth, pos, chunk):
     return [y, *w, *s, *wg]
 
 
+def _both(gen, N, T, D, hidden, depth, chunk):
+    """Fresh inputs (leaves that require gradients) and the reference's and the kernels' outputs on them."""
+    ins = _inputs(gen, N, T, D, hidden, depth)
+    for x in ins:
+        x.requires_grad_(True)
+    return ins, _run("reference", ins, depth, 0, chunk), _run("kernel", ins, depth, 0, chunk)
+
+
 def _rel(a, b):
     return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
 
@@ -81,11 +89,7 @@ def test_kernel_matches_reference_forward_and_backward(monkeypatch, N, T, D, hid
     the default spacing in :func:`test_kernel_backward_at_every_checkpoint_spacing`."""
     monkeypatch.setattr(triton_kernels, "SCRATCH_BYTES", 0)
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
-    ins = _inputs(gen, N, T, D, hidden, depth)
-    for x in ins:
-        x.requires_grad_(True)
-    ref = _run("reference", ins, depth, 0, chunk)
-    out = _run("kernel", ins, depth, 0, chunk)
+    ins, ref, out = _both(gen, N, T, D, hidden, depth, chunk)
     names = ["y"] + [f"w{i}" for i in range(depth)] + [f"s{i}" for i in range(depth)] + [f"wg{i}" for i in range(depth)]
     for name, a, b in zip(names, out, ref):
         assert a.dtype == torch.float32 and a.shape == b.shape, name
@@ -127,11 +131,7 @@ def test_kernel_backward_forms_with_and_without_the_chunk_weights_gradient(monke
     spy = _LaunchSpy(triton_kernels._bwd_kernel)
     monkeypatch.setattr(triton_kernels, "_bwd_kernel", spy)
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
-    ins = _inputs(gen, N, T, D, hidden, depth)
-    for x in ins:
-        x.requires_grad_(True)
-    ref = _run("reference", ins, depth, 0, chunk)
-    out = _run("kernel", ins, depth, 0, chunk)
+    ins, ref, out = _both(gen, N, T, D, hidden, depth, chunk)
     cots = [torch.randn(r.shape, generator=gen, dtype=torch.float64).to(DEVICE) for r in ref]
     for reach_wg in (False, True):
         used = len(ref) if reach_wg else 1 + 2 * depth  # y, the end weights and momentum (and wg)
