@@ -26,6 +26,7 @@ any-depth kernels).
     python benchmarks/titans_kernels.py --shapes layer --warps 8,16
     TRITON_INTERPRET=1 python benchmarks/titans_kernels.py --interpret   # CPU smoke run at tiny shapes
     python benchmarks/titans_kernels.py --static          # any machine: compiled for sm_90, nothing timed
+    python benchmarks/titans_kernels.py --precompile DIR --shapes mac,layer   # any machine: into a Triton cache
 
 ``--static`` needs no GPU: it compiles each shape's forward and backward kernels for an H100 / H200 (sm_90,
 Triton's own ptxas; :mod:`memtrain.kernels.titans.aot`) under each launch and prints their registers per
@@ -38,17 +39,27 @@ state's registers in local memory inside the loop over chunks, and the loops' fi
 timed records carry the same ``fwd_loops`` / ``bwd_loops`` of the kernels the device's own Triton compiled, so the
 timings sit beside the traffic (the static figures come from this machine's Triton, which may compile differently).
 
+``--precompile DIR`` needs no GPU either: it runs every launch the sweep would make at ``--shapes`` (forward and
+backward, the gates' backward too) through :func:`memtrain.kernels.precompile.compile_only`, which compiles each for
+``--target`` (default ``cuda:90``) into the Triton cache ``DIR`` and launches nothing, so a GPU machine whose Triton
+cache holds ``DIR``'s entries starts timing at once (``tools/gpu_check.py --prepare`` does this for the GPU check;
+``--libtriton-from`` gives the GPU machine's Triton wheel when its Python differs from this one's). One JSON line per
+shape and variant: the kernels it compiled and those the cache held. The timed records say the same of their first
+call (``triton_compiled``, ``triton_cached``).
+
 Not part of the test suite; the timings mean something on a GPU only.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -67,13 +78,14 @@ SHAPES = {  # name: (N, T, head_dim, hidden, depth, chunk)
 TINY = {"layer": (3, 19, 8, 16, 2, 4), "deep": (2, 11, 8, 8, 3, 4)}
 
 
-def inputs(N, T, D, hidden, depth, device, seed=0):
+def inputs(N, T, D, hidden, depth, device, seed=0, half=None):
     g = torch.Generator(device="cpu").manual_seed(seed)
 
     def randn(*shape):
         return torch.randn(*shape, generator=g).to(device)
 
-    half = torch.bfloat16 if device.type == "cuda" else torch.float16  # the interpreter's bf16 dot is wrong
+    if half is None:  # bf16 as training runs the kernels; the interpreter's bf16 dot is wrong
+        half = torch.bfloat16 if device.type == "cuda" else torch.float16
     q = F.normalize(randn(N, T, D), dim=-1).to(half)
     k = F.normalize(randn(N, T, D), dim=-1).to(half)
     v = randn(N, T, D).to(half)
@@ -125,16 +137,16 @@ def default_warps(shape) -> int:
     return _module(depth)._launch_shape(D, hidden, C)["num_warps"]
 
 
-def measure(shape, warps, device, repeats_ms: int, any_depth: bool = False, lean: bool = False) -> tuple[
-        dict, tuple]:
-    """Time the kernels at ``shape`` with ``num_warps=warps`` (None: the default); the record and the outputs.
-    ``any_depth``: the any-depth kernels (:mod:`.triton_deep`, the state in memory) at depth 1-2 too. ``lean``:
-    the depth-1/2 backward's lean form (:data:`.triton_kernels.LEAN_BACKWARD`)."""
+@contextlib.contextmanager
+def variant(shape, warps, any_depth: bool = False, lean: bool = False):
+    """Within the block, :func:`memtrain.kernels.titans.scan` launches the kernels at ``shape`` with
+    ``num_warps=warps`` (None: the default); ``any_depth``: the any-depth kernels (:mod:`.triton_deep`, the state in
+    memory) at depth 1-2 too; ``lean``: the depth-1/2 backward's lean form (:data:`.triton_kernels.LEAN_BACKWARD`).
+    Yields the module whose kernels run."""
     N, T, D, hidden, depth, C = shape
     deep_from = titans_kernels.DEEP_KERNEL_MIN_DEPTH
     mod = triton_deep if any_depth else _module(depth)
     base = mod._launch_shape
-    default = mod._launch_shape(D, hidden, C)["num_warps"]
 
     def launch(*a):
         opts = base(*a)
@@ -142,13 +154,41 @@ def measure(shape, warps, device, repeats_ms: int, any_depth: bool = False, lean
             opts["num_warps"] = warps
         return opts
 
-    q, k, v, lr, log_eta, log_keep, w, s = inputs(N, T, D, hidden, depth, device)
-    leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
     mod._launch_shape = launch
     lean_from, triton_kernels.LEAN_BACKWARD = triton_kernels.LEAN_BACKWARD, lean
     if any_depth:
         titans_kernels.DEEP_KERNEL_MIN_DEPTH = 1  # scan() picks the any-depth kernels at every depth
     try:
+        yield mod
+    finally:
+        mod._launch_shape = base
+        triton_kernels.LEAN_BACKWARD = lean_from
+        titans_kernels.DEEP_KERNEL_MIN_DEPTH = deep_from
+
+
+def variants(name: str, warps: list[int], table: dict = SHAPES) -> list[tuple]:
+    """``(num_warps, any_depth, lean)`` of each launch the sweep times at shape ``name``, in order: the shipped one,
+    the lean backward, the other ``warps``, the any-depth kernels (the last three at depth 1-2 only, but ``warps``)."""
+    shallow = table[name][4] < titans_kernels.DEEP_KERNEL_MIN_DEPTH
+    out = [(None, False, False)]
+    if shallow:  # the backward's lean form (LEAN_BACKWARD) next
+        out.append((None, False, True))
+    out += [(w, False, False) for w in warps if w != default_warps(table[name])]
+    if shallow:  # the any-depth kernels, default launch
+        out.append((None, True, False))
+    return out
+
+
+def measure(shape, warps, device, repeats_ms: int, any_depth: bool = False, lean: bool = False) -> tuple[
+        dict, tuple]:
+    """Time the kernels at ``shape`` under :func:`variant` ``(warps, any_depth, lean)``; the record and the outputs.
+    The record counts the kernels the first call compiled and those Triton's cache held (``triton_compiled``,
+    ``triton_cached``: a cache filled ahead of time, ``--precompile``, should hold them all)."""
+    N, T, D, hidden, depth, C = shape
+    default = (triton_deep if any_depth else _module(depth))._launch_shape(D, hidden, C)["num_warps"]
+    q, k, v, lr, log_eta, log_keep, w, s = inputs(N, T, D, hidden, depth, device)
+    leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
+    with variant(shape, warps, any_depth, lean) as mod, _compile_events() as events:
         def fwd():
             return titans_kernels.scan(*leaves, lr, log_eta, log_keep, w, s, w, 0, C, kernel="triton")[0]
 
@@ -162,6 +202,7 @@ def measure(shape, warps, device, repeats_ms: int, any_depth: bool = False, lean
         if device.type == "cuda":
             torch.cuda.synchronize()
         first_s = time.perf_counter() - t0
+        first_events = list(events)
         if device.type == "cuda":
             from triton.testing import do_bench
 
@@ -178,19 +219,78 @@ def measure(shape, warps, device, repeats_ms: int, any_depth: bool = False, lean
                                                       or getattr(mod, "_fwd_deep_kernel", None)).items()}
         info.update({f"bwd_{k}": x for k, x in _compiled_info(getattr(mod, "_bwd_kernel", None)
                                                            or getattr(mod, "_bwd_deep_kernel", None)).items()})
-    finally:
-        mod._launch_shape = base
-        triton_kernels.LEAN_BACKWARD = lean_from
-        titans_kernels.DEEP_KERNEL_MIN_DEPTH = deep_from
     shipped = mod is _module(depth)
     rec = {"N": N, "T": T, "head_dim": D, "hidden": hidden, "depth": depth, "chunk": C,
            "kernels": mod.__name__.rsplit(".", 1)[-1], "num_warps": warps or default, "lean_backward": lean,
            "default": shipped and (warps is None or warps == default) and not lean,
            "first_call_s": round(first_s, 2),
+           "triton_compiled": [n for n, hit in first_events if not hit],
+           "triton_cached": [n for n, hit in first_events if hit],
            "fwd_ms": round(fwd_ms, 4), "fwd_bwd_ms": round(fwd_bwd_ms, 4),
            "fwd_tokens_per_s": round(N * T / fwd_ms * 1e3, 1), "fwd_bwd_tokens_per_s": round(N * T / fwd_bwd_ms * 1e3, 1),
            **info}
     return rec, (y.detach().float(), *(g.float() for g in grads))
+
+
+@contextlib.contextmanager
+def _compile_events():
+    """``[(kernel name, found in Triton's cache)]`` of every compilation Triton does within the block (empty under
+    the interpreter, which compiles nothing, or a Triton without compilation listeners)."""
+    events: list = []
+    try:
+        from triton import knobs
+
+        before = knobs.compilation.listener
+    except (ImportError, AttributeError):
+        yield events
+        return
+
+    def listener(src, metadata, metadata_group, times, cache_hit):
+        events.append((getattr(src, "name", "?"), bool(cache_hit)))
+        if before is not None:
+            before(src=src, metadata=metadata, metadata_group=metadata_group, times=times, cache_hit=cache_hit)
+
+    knobs.compilation.listener = listener
+    try:
+        yield events
+    finally:
+        knobs.compilation.listener = before
+
+
+def precompile(names: list[str], warps: list[int], cache_dir: str, target: str = "cuda:90",
+               libtriton: Optional[str] = None, table: dict = SHAPES) -> int:
+    """Compile, for ``target`` and into the Triton cache ``cache_dir``, every kernel the sweep launches at the shapes
+    ``names`` (each of :func:`variants`, forward and backward, the gates' backward included as training runs it),
+    without a GPU and without launching anything (:func:`memtrain.kernels.precompile.compile_only`): the launches
+    the recipes (shapes ``mac``, ``mag``), the layer benchmark (``layer``) and this sweep make on that GPU then find
+    their binaries in the cache. Prints one JSON line per shape and variant (kernels compiled, kernels already
+    cached, seconds) and a summary."""
+    from memtrain.kernels.precompile import cache_kernels, compile_only
+
+    t_all = time.perf_counter()
+    with compile_only(target, cache_dir, libtriton=libtriton) as report:
+        for name in names:
+            N, T, D, hidden, depth, C = table[name]
+            shape = (2, 2 * C, D, hidden, depth, C)  # the lengths and batch are runtime integers: any will do
+            for w, any_depth, lean in variants(name, warps, table):
+                t0 = time.perf_counter()
+                done = len(report.compiled), len(report.cached)
+                q, k, v, lr, log_eta, log_keep, ws, ss = inputs(*shape[:5], torch.device("cpu"), half=torch.bfloat16)
+                leaves = [x.detach().requires_grad_(True) for x in (q, k, v, lr, log_eta, log_keep)]
+                with variant(shape, w, any_depth, lean):
+                    y = titans_kernels.scan(*leaves, ws, ss, ws, 0, C, kernel="triton")[0]
+                    torch.autograd.grad(y.float().square().sum(), leaves)
+                print(json.dumps({"shape": name, "num_warps": w or default_warps(table[name]), "any_depth": any_depth,
+                                  "lean_backward": lean, "compiled": report.compiled[done[0]:],
+                                  "cached": report.cached[done[1]:], "seconds": round(time.perf_counter() - t0, 1)}),
+                      flush=True)
+    summary = {"precompiled": True, "target": report.target, "cache_dir": report.cache_dir,
+               "triton": report.triton_version, "triton_key": report.triton_key, "shapes": names,
+               "compiled": len(report.compiled), "cached": len(report.cached),
+               "kernels_in_cache": len(cache_kernels(cache_dir)), "seconds": round(time.perf_counter() - t_all, 1)}
+    (Path(cache_dir) / "precompiled.json").write_text(json.dumps(summary) + "\n")  # beside the entries, for the GPU
+    print(json.dumps(summary), flush=True)
+    return 0
 
 
 def _compile(spec: tuple) -> dict:
@@ -264,20 +364,33 @@ def main() -> int:
     ap.add_argument("--static", action="store_true",
                     help="no GPU needed: compile for sm_90 and report registers, spills and shared memory, untimed")
     ap.add_argument("--tiny", action="store_true", help="with --static: the tiny shapes of --interpret (a quick check)")
+    ap.add_argument("--precompile", metavar="CACHE_DIR", default=None,
+                    help="no GPU needed: compile every launch the sweep makes at --shapes for --target into this "
+                         "Triton cache directory, launching nothing")
+    ap.add_argument("--target", default="cuda:90", help="with --precompile: the GPU (default cuda:90, H100 / H200)")
+    ap.add_argument("--libtriton-from", metavar="WHEEL", default=None,
+                    help="with --precompile: the GPU machine's Triton wheel (this Triton's version, for its Python): "
+                         "the cache keys that build computes")
     args = ap.parse_args()
     table = TINY if args.interpret or args.tiny else SHAPES
-    if args.static:
-        if os.environ.get("TRITON_INTERPRET") == "1":
-            ap.error("--static compiles for a GPU: unset TRITON_INTERPRET")
-        names = args.shapes.split(",") if args.shapes else list(table)
-        unknown = [n for n in names if n not in table]
-        if unknown:
-            ap.error(f"unknown shape(s) {', '.join(unknown)}; choose from {', '.join(table)}")
-        return static([int(x) for x in args.warps.split(",") if x.strip()], names, table)
     names = args.shapes.split(",") if args.shapes else list(table)
     unknown = [n for n in names if n not in table]
     if unknown:
         ap.error(f"unknown shape(s) {', '.join(unknown)}; choose from {', '.join(table)}")
+    warps = [int(x) for x in args.warps.split(",") if x.strip()]
+    if args.static or args.precompile:
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            ap.error(f"{'--static' if args.static else '--precompile'} compiles for a GPU: unset TRITON_INTERPRET")
+        if args.static:
+            return static(warps, names, table)
+        from memtrain.kernels.precompile import libtriton_digest, parse_target
+
+        try:
+            parse_target(args.target)
+            libtriton = libtriton_digest(args.libtriton_from) if args.libtriton_from else None
+        except (ValueError, OSError) as e:
+            ap.error(str(e))
+        return precompile(names, warps, args.precompile, args.target, libtriton, table)
     if args.interpret:
         if os.environ.get("TRITON_INTERPRET") != "1":
             ap.error("--interpret needs TRITON_INTERPRET=1 in the environment (set before Triton is imported)")
@@ -286,20 +399,13 @@ def main() -> int:
         ap.error("no CUDA device: the kernels are timed on a GPU (or pass --interpret for a CPU smoke run)")
     else:
         device = torch.device("cuda")
-    warps = [int(x) for x in args.warps.split(",") if x.strip()]
     for name in names:
         ref = None
-        variants = [(None, False, False)]
-        if table[name][4] < titans_kernels.DEEP_KERNEL_MIN_DEPTH:  # the backward's lean form (LEAN_BACKWARD) next
-            variants.append((None, False, True))
-        variants += [(w, False, False) for w in warps if w != default_warps(table[name])]
-        if table[name][4] < titans_kernels.DEEP_KERNEL_MIN_DEPTH:  # the any-depth kernels, default launch
-            variants.append((None, True, False))
-        for variant, any_depth, lean in variants:
+        for warp, any_depth, lean in variants(name, warps, table):
             try:
-                rec, outs = measure(table[name], variant, device, args.rep_ms, any_depth, lean)
+                rec, outs = measure(table[name], warp, device, args.rep_ms, any_depth, lean)
             except Exception as e:  # one variant that fails to compile or launch must not end the sweep
-                print(json.dumps({"shape": name, "num_warps": variant, "any_depth": any_depth, "lean_backward": lean,
+                print(json.dumps({"shape": name, "num_warps": warp, "any_depth": any_depth, "lean_backward": lean,
                                   "error": f"{type(e).__name__}: {e}"[:500]}), flush=True)
                 continue
             if ref is None:

@@ -32,6 +32,15 @@ def _load(name: str, path: Path):
 gc = _load("gpu_check", ROOT / "tools" / "gpu_check.py")
 
 
+@pytest.fixture(autouse=True)
+def _own_triton_caches(tmp_path_factory, monkeypatch):
+    """main() installs the carried precompiled kernels (.gpu/triton-cache) as the phases' Triton cache: here neither
+    this checkout's nor the machine's /tmp one takes part."""
+    root = tmp_path_factory.mktemp("triton-caches")
+    monkeypatch.setattr(gc, "TRITON_CACHE", root / "carried")
+    monkeypatch.setattr(gc, "DEVICE_TRITON_CACHE", root / "device")
+
+
 def _py(code: str) -> list[str]:
     return [sys.executable, "-c", code]
 
@@ -426,3 +435,64 @@ def test_train_throughput_stops_at_its_time_cap_and_profiles_a_step():
     bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_throughput.py"), "recipes/quickstart.yaml",
                           "--max-seconds", "0"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert bad.returncode == 2 and "--max-seconds must be > 0" in bad.stderr
+
+
+def _entry(cache: Path, key: str, name: str, size: int = 5) -> None:
+    d = cache / key
+    d.mkdir(parents=True)
+    (d / f"{name}.json").write_text(json.dumps({"name": name}))
+    (d / f"{name}.cubin").write_bytes(b"c" * size)
+    (d / f"{name}.ptx").write_text("ptx")  # kept where Triton put it, not brought back
+    grp = {"child_paths": {f"{name}.json": str(d / f"{name}.json"), f"{name}.cubin": str(d / f"{name}.cubin")}}
+    (d / f"__grp__{name}.json").write_text(json.dumps(grp))
+
+
+def test_main_runs_the_phases_on_the_precompiled_triton_cache_and_brings_back_what_they_compiled(tmp_path,
+                                                                                                 monkeypatch):
+    """The carried kernels are installed as the phases' TRITON_CACHE_DIR; the report says how many, whether the
+    device's Triton key (the env phase's) is the one they were made with, which kernels the phases compiled after
+    all, and those come back in OUT/triton-cache (metadata, binary and group, smallest first within the limit)."""
+    _entry(gc.TRITON_CACHE, "AAA", "_fwd_kernel")
+    (gc.TRITON_CACHE / "precompiled.json").write_text(json.dumps({"triton": "3.6.0", "triton_key": "k1"}))
+    compile_two = ("import os, json, pathlib\n"
+                   "root = pathlib.Path(os.environ['TRITON_CACHE_DIR'])\n"
+                   "for key, name, size in (('NEW1', 'triton_poi_fused_0', 10), ('NEW2', 'big_kernel', 10**6)):\n"
+                   "    d = root / key; d.mkdir()\n"
+                   "    (d / f'{name}.json').write_text('{}'); (d / f'{name}.cubin').write_bytes(b'x' * size)\n"
+                   "    (d / f'{name}.llir').write_text('ir')\n"
+                   "    (d / f'__grp__{name}.json').write_text(json.dumps({'child_paths': {}}))\n")
+    monkeypatch.setattr(gc, "PLAN", [
+        gc.Phase("env", _py('print(\'{"device": "d", "torch": "t", "triton_key": "k1"}\')'), 30),
+        gc.Phase("compiles", _py(compile_two), 30)])
+    monkeypatch.setattr(gc, "RETURNED_CACHE_BYTES", 1000)
+    assert gc.main(["--out", str(tmp_path / "out")]) == 0
+    cache = json.loads((tmp_path / "out" / "gpu_check.json").read_text())["triton_cache"]
+    assert cache["installed"] == 1 and cache["entries"] == ["AAA"] and cache["made_with"]["triton_key"] == "k1"
+    assert cache["triton_key_matches"] is True
+    assert cache["compiled_on_device"] == ["big_kernel", "triton_poi_fused_0"]
+    assert cache["returned"] == {"saved": 1, "of": 2, "bytes": cache["returned"]["bytes"],
+                                 "dir": str(tmp_path / "out" / "triton-cache")}
+    back = tmp_path / "out" / "triton-cache"
+    assert sorted(p.name for p in back.iterdir()) == ["NEW1"]
+    assert sorted(p.name for p in (back / "NEW1").iterdir()) == [
+        "__grp__triton_poi_fused_0.json", "triton_poi_fused_0.cubin", "triton_poi_fused_0.json"]
+
+
+def test_the_precompiled_cache_is_installed_where_triton_finds_its_files(tmp_path):
+    """Triton reaches an entry's files through the absolute paths its group file records: installed elsewhere, they
+    are rewritten to the new place. A folder that is no entry is left behind; no carried cache, nothing set."""
+    src, dest = tmp_path / "carried", tmp_path / "device"
+    _entry(src, "AAA", "_fwd_kernel")
+    _entry(src, "BBB", "_bwd_kernel")
+    (src / "stray").mkdir()
+    env = {}
+    cache = gc.install_triton_cache(env, src, dest)
+    assert env["TRITON_CACHE_DIR"] == str(dest.resolve()) and cache["made_with"] is None
+    assert cache["installed"] == 2 and cache["entries"] == ["AAA", "BBB"] and not (dest / "stray").exists()
+    grp = json.loads((dest / "AAA" / "__grp___fwd_kernel.json").read_text())
+    assert grp["child_paths"] == {"_fwd_kernel.json": str(dest.resolve() / "AAA" / "_fwd_kernel.json"),
+                                  "_fwd_kernel.cubin": str(dest.resolve() / "AAA" / "_fwd_kernel.cubin")}
+    assert gc.compiled_on_device(cache, dest) == []
+    env = {}
+    empty = gc.install_triton_cache(env, tmp_path / "none", dest)
+    assert empty["installed"] == 0 and "run --prepare" in empty["why"] and "TRITON_CACHE_DIR" not in env

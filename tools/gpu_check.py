@@ -24,8 +24,10 @@ JSON lines the phase printed (benchmarks), the pytest summary line (tests) and t
 ran and passed.
 
 How, on a lent GPU machine (see ``../shared/gpu/README.md``; here first: ``make install``,
-``bash ../shared/gpu/make-bundle.sh --titans-pytorch`` and ``python3 tools/gpu_check.py --prepare``, which
-adds pytest's wheels to ``.gpu/extra`` for an image without pytest; then carry ``.gpu``)::
+``bash ../shared/gpu/make-bundle.sh --titans-pytorch`` and ``.venv/bin/python tools/gpu_check.py --prepare``, which
+adds pytest's wheels to ``.gpu/extra`` for an image without pytest and compiles the Titans scan kernels the plan
+launches for the GPU's architecture and Triton into ``.gpu/triton-cache``, which the run there installs as Triton's
+cache for its phases; then carry ``.gpu``)::
 
     source .gpu/setup.sh && python3 tools/gpu_check.py --out $OUT --budget 555     # timeout_s 600
     python3 tools/gpu_check.py --list                     # the plan, with its commands
@@ -42,6 +44,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -51,9 +54,19 @@ from pathlib import Path
 from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # memtrain.kernels.precompile (torch-free) for the Triton cache
+    sys.path.insert(0, str(ROOT))
 PY = sys.executable
 EXTRA = ROOT / ".gpu" / "extra"  # pytest's wheels (--prepare), for a GPU image without pytest
 EXTRA_SITE = Path(tempfile.gettempdir()) / "memtrain-gpu-check-site"
+# The lent GPU machines (../shared/gpu/README.md): Python 3.12, Triton 3.6, an H100 or H200 (sm_90).
+GPU_PYTHON, GPU_TRITON, GPU_TARGET = "3.12", "3.6.0", "cuda:90"
+TRITON_HERE = ROOT / ".triton36"  # GPU_TRITON for this machine's Python (--prepare installs it; git-ignored)
+TRITON_CACHE = ROOT / ".gpu" / "triton-cache"  # the kernels --prepare compiled for GPU_TARGET (carried with .gpu)
+DEVICE_TRITON_CACHE = Path(tempfile.gettempdir()) / "memtrain-triton-cache"  # TRITON_CACHE_DIR of the phases there
+RETURNED_CACHE_BYTES = 32 << 20  # of the kernels compiled there, brought back in OUT/triton-cache (save_compiled)
+# What titans_kernel_tune times, and so what --prepare compiles ahead (mag launches the same kernels as mac).
+TUNE_SHAPES, TUNE_WARPS = "mac,mag,layer", "16"
 TEST_TOOLS = ("pytest", "pytest-timeout")  # pinned by constraints.txt; their dependencies come along
 TAIL_CHARS = 4000  # of each phase's output, kept in the JSON
 LOG_CHARS = 400_000  # of each phase's output, kept in the log (the device returns files up to 16 MiB)
@@ -152,7 +165,7 @@ PLAN: list[Phase] = [
     _recipe_phase("titans-170m-mac", 110, steps=20,
                   why="; with the fused kernels on (19,850 tokens/s with them off on an H200, 2026-11-27) and the "
                       "eager baseline of recipe_170m_mac_compiled"),
-    Phase("titans_kernel_tune", [PY, "benchmarks/titans_kernels.py", "--shapes", "mac,mag,layer", "--warps", "16"],
+    Phase("titans_kernel_tune", [PY, "benchmarks/titans_kernels.py", "--shapes", TUNE_SHAPES, "--warps", TUNE_WARPS],
           240,
           about="the scan kernels alone at the recipes' shapes (mac and mag share compiled kernels) and the layer "
                 "target under the shipped num_warps and 16 (4 spills 2-3x more, --static), the backward's lean form "
@@ -370,6 +383,102 @@ def prepare(dest: Path = EXTRA) -> int:
     return rc
 
 
+def precompile_kernels(dest: Path = TRITON_CACHE, triton_here: Path = TRITON_HERE,
+                       device_cache: Optional[Path] = None) -> int:
+    """Here, after ``make-bundle.sh``: compile the Titans kernels that the recipes, the layer benchmark and
+    ``titans_kernel_tune`` launch on the GPU machine, for ``GPU_TARGET`` with ``GPU_TRITON``, into ``dest`` (a Triton
+    cache carried in ``.gpu``; ``benchmarks/titans_kernels.py --precompile``, :mod:`memtrain.kernels.precompile`). On
+    an H200 they compiled at their first launch, inside the timed phases (the layer benchmark's first call took 87
+    s). ``GPU_TRITON`` for this Python goes into ``triton_here`` (once); the GPU Python's wheel of it is downloaded
+    for its cache keys and deleted after. ``device_cache``: a GPU run's ``OUT/triton-cache`` (:func:`save_compiled`),
+    whose kernels are added."""
+    if not (triton_here / "triton").is_dir():
+        rc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(triton_here),
+                             f"triton=={GPU_TRITON}"]).returncode
+        if rc != 0:
+            print(f"gpu_check --prepare: pip install of triton=={GPU_TRITON} into {triton_here} failed (exit {rc}); "
+                  "the kernels will compile on the GPU")
+            return rc
+    with tempfile.TemporaryDirectory() as tmp:
+        rc = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--only-binary=:all:", "--no-deps",
+                             "--python-version", GPU_PYTHON, "--implementation", "cp",
+                             "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_27_x86_64",
+                             "--platform", "manylinux2014_x86_64", "-d", tmp, f"triton=={GPU_TRITON}"]).returncode
+        wheels = sorted(Path(tmp).glob("triton-*.whl"))
+        if rc != 0 or not wheels:
+            print(f"gpu_check --prepare: no triton=={GPU_TRITON} wheel for Python {GPU_PYTHON} (pip exit {rc}); the "
+                  "kernels will compile on the GPU")
+            return rc or 1
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env["PYTHONPATH"] = os.pathsep.join([str(triton_here), str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+        shutil.rmtree(dest, ignore_errors=True)
+        rc = subprocess.run([sys.executable, "benchmarks/titans_kernels.py", "--precompile", str(dest), "--target",
+                             GPU_TARGET, "--libtriton-from", str(wheels[0]), "--shapes", TUNE_SHAPES, "--warps",
+                             TUNE_WARPS], cwd=ROOT, env=env).returncode
+    from memtrain.kernels.precompile import cache_kernels, install_cache
+
+    n = len(cache_kernels(dest))
+    print(f"gpu_check --prepare: {n} kernel(s) compiled for {GPU_TARGET} with Triton {GPU_TRITON} in {dest}"
+          if rc == 0 else f"gpu_check --prepare: precompiling the kernels failed (exit {rc}); they will compile on the GPU")
+    if device_cache is not None:
+        added = install_cache(device_cache, dest)
+        print(f"gpu_check --prepare: {len(added)} kernel(s) a GPU run compiled added from {device_cache}")
+    return rc
+
+
+def install_triton_cache(env: dict, src: Optional[Path] = None, dest: Optional[Path] = None) -> dict:
+    """There: the kernels ``--prepare`` compiled (``src``) into ``dest``, Triton's cache for the phases
+    (``TRITON_CACHE_DIR`` in ``env``). Returns, for the report, how many were installed and which."""
+    from memtrain.kernels.precompile import cache_kernels, install_cache
+
+    src, dest = src or TRITON_CACHE, dest or DEVICE_TRITON_CACHE
+    if not cache_kernels(src):
+        return {"installed": 0, "why": f"no precompiled kernels in {src} (run --prepare here first)"}
+    kernels = install_cache(src, dest)
+    env["TRITON_CACHE_DIR"] = str(dest)
+    made = src / "precompiled.json"  # what --prepare's compile printed last: Triton version, target, triton_key
+    return {"installed": len(kernels), "dir": str(dest), "entries": sorted(kernels),
+            "made_with": json.loads(made.read_text()) if made.is_file() else None}
+
+
+def compiled_on_device(cache: dict, dest: Optional[Path] = None) -> list[str]:
+    """The kernels the phases compiled into ``dest`` after all (not among the ``cache["entries"]`` installed): those
+    the precompiled cache did not hold, or all of them when its keys did not match this machine's Triton."""
+    from memtrain.kernels.precompile import cache_kernels
+
+    installed = set(cache.get("entries", ()))
+    return sorted(name for entry, name in cache_kernels(dest or DEVICE_TRITON_CACHE).items() if entry not in installed)
+
+
+def save_compiled(cache: dict, out: Path, src: Optional[Path] = None,
+                  limit_bytes: Optional[int] = None) -> dict:
+    """There, after the plan: the kernels the phases compiled into ``src`` (not among ``cache["entries"]``, the
+    precompiled ones: the prologue, output-stage and RoPE kernels, Inductor's, and any precompiled one whose key did
+    not match) copied into ``out`` -- each entry's metadata, binary and source IR, smallest entries first, up to
+    ``limit_bytes`` (default ``RETURNED_CACHE_BYTES``) -- so that ``--prepare --device-cache OUT`` here adds them to the next cache carried. Their keys
+    are that machine's own."""
+    from memtrain.kernels.precompile import cache_kernels
+
+    installed = set(cache.get("entries", ()))
+    src = src or DEVICE_TRITON_CACHE
+    limit_bytes = RETURNED_CACHE_BYTES if limit_bytes is None else limit_bytes
+    sizes = {}
+    for entry, name in cache_kernels(src).items():
+        if entry not in installed:
+            files = [p for p in (src / entry).iterdir() if p.name.startswith(f"__grp__{name}.")
+                     or p.suffix in (".json", ".cubin", ".source")]
+            sizes[entry] = (sum(p.stat().st_size for p in files), files)
+    saved, total = 0, 0
+    for entry, (size, files) in sorted(sizes.items(), key=lambda kv: kv[1][0]):
+        if total + size > limit_bytes:
+            break
+        (out / entry).mkdir(parents=True, exist_ok=True)
+        for p in files:
+            shutil.copy2(p, out / entry / p.name)
+        saved, total = saved + 1, total + size
+    return {"saved": saved, "of": len(sizes), "bytes": total, "dir": str(out)}
+
+
 def ensure_test_tools(env: dict, extra: Path = EXTRA, site: Path = EXTRA_SITE) -> str:
     """There: make pytest importable by the phases. Each wheel in ``extra`` whose module this interpreter lacks
     (nothing it has is shadowed) is installed into ``site``, which goes first on the phases' PYTHONPATH
@@ -452,6 +561,10 @@ def env_record() -> dict:
         rec["triton"] = triton.__version__
     except ImportError:
         rec["triton"] = None
+    else:  # equal to the precompiled cache's (gpu_check --prepare prints it) when its entries can be found here
+        from memtrain.kernels.precompile import triton_key_digest
+
+        rec["triton_key"] = triton_key_digest()
     return rec
 
 
@@ -486,13 +599,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--list", action="store_true", help="print the plan and check its paths; run nothing")
     ap.add_argument("--prepare", action="store_true",
                     help="here, after make-bundle.sh: download pytest's wheels into .gpu/extra; run nothing else")
+    ap.add_argument("--device-cache", default=None, metavar="DIR",
+                    help="with --prepare: a GPU run's OUT/triton-cache, whose kernels join .gpu/triton-cache")
     ap.add_argument("--env", action="store_true", help=argparse.SUPPRESS)  # the env phase itself
     args = ap.parse_args(argv)
     if args.env:
         print(json.dumps(env_record()), flush=True)
         return 0
     if args.prepare:
-        return prepare()
+        return prepare() or precompile_kernels(device_cache=Path(args.device_cache) if args.device_cache else None)
     phases = select(PLAN, args.phases)
     if args.list:
         for p in phases:
@@ -509,9 +624,24 @@ def main(argv: Optional[list[str]] = None) -> int:
         raise SystemExit(f"gpu_check: cannot create --out {args.out}: {e.strerror}; pass a writable folder ($OUT)")
     env = dict(os.environ)
     tools = ensure_test_tools(env) if any(p.kind == "pytest" for p in phases) else "not needed"
-    report = run_plan(phases, Path(args.out), args.budget, env=env, notes={"test_tools": tools})
+    cache = install_triton_cache(env)
+    env["TRITON_CACHE_DIR"] = str(DEVICE_TRITON_CACHE)  # with or without precompiled kernels: save_compiled reads it
+    report = run_plan(phases, Path(args.out), args.budget, env=env, notes={"test_tools": tools,
+                                                                        "triton_cache": cache})
+    cache["returned"] = save_compiled(cache, Path(args.out) / "triton-cache")
+    _write_json(Path(args.out) / "gpu_check.json", report)
+    if cache["installed"]:
+        cache["compiled_on_device"] = compiled_on_device(cache)
+        here = next((row.get("triton_key") for rec in report["phases"] if rec["name"] == "env"
+                     for row in rec.get("results", [])), None)
+        if here is not None:  # the entries can be found only where the keys agree
+            cache["triton_key_matches"] = here == (cache.get("made_with") or {}).get("triton_key")
+        _write_json(Path(args.out) / "gpu_check.json", report)
     print(f"\ngpu_check: {len(report['phases'])} phase(s) in {report['elapsed_s']} s of a {args.budget:.0f} s budget; "
-          f"full results in {Path(args.out) / 'gpu_check.json'}; test tools: {tools}")
+          f"full results in {Path(args.out) / 'gpu_check.json'}; test tools: {tools}; precompiled kernels: "
+          f"{cache['installed']}" + (f" (Triton key matches: {cache.get('triton_key_matches', 'not checked')}), "
+                                     f"compiled here after all: {', '.join(cache['compiled_on_device']) or 'none'}"
+                                     if cache["installed"] else ""))
     for rec in report["phases"]:
         print(phase_line(rec))
     return 0 if all(r["status"] == "ok" for r in report["phases"]) else 1

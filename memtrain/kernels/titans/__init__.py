@@ -10,7 +10,8 @@ v and the gates), which :class:`memtrain.model.titans.memory.NeuralMemory` runs 
 ``kernel``: ``"auto"`` runs the kernels for the ``"chunked"`` algorithm on bfloat16 / float16 CUDA tensors
 (bf16 training; when Triton imports and the layers fit the kernels' tiles, :func:`kernel_unsupported`) and the
 PyTorch chunked form elsewhere; ``"triton"`` forces the kernels (on CPU only under ``TRITON_INTERPRET=1``; the
-tests do; a ValueError naming the limit for a memory whose layers do not fit or the sequential algorithm);
+tests do; and inside :func:`memtrain.kernels.precompile.compile_only`, which compiles them for a GPU without
+launching them; a ValueError naming the limit for a memory whose layers do not fit or the sequential algorithm);
 ``"torch"`` forces the PyTorch form.
 
 float32 inputs under ``"auto"`` stay in PyTorch: the kernels' IEEE float32 dot products (``"triton"`` with float32
@@ -28,6 +29,7 @@ import os
 
 import torch
 
+from memtrain.kernels import precompile
 from memtrain.kernels.titans import reference
 from memtrain.kernels.titans.reference import ALGORITHMS
 
@@ -96,7 +98,7 @@ def use_triton(kernel: str, q: torch.Tensor, depth: int, algorithm: str = "chunk
         raise ValueError(f"Titans memory kernel 'triton': {why}; use kernel 'auto' or 'torch'")
     if not triton_available():
         raise RuntimeError("Titans memory kernel 'triton' needs the triton package")
-    if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+    if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1" and not precompile.ACTIVE:
         raise RuntimeError("Titans memory kernel 'triton' on CPU tensors needs TRITON_INTERPRET=1 (the Triton "
                            "interpreter); use 'auto' or 'torch' on CPU")
     return True

@@ -1,0 +1,138 @@
+"""memtrain.kernels.precompile: Triton kernels compiled for a GPU on this CPU, by the code that launches them, into
+a Triton cache that a GPU machine's first launch finds (``benchmarks/titans_kernels.py --precompile``,
+``tools/gpu_check.py --prepare``)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from memtrain.kernels import precompile
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _no_interpreter() -> dict:
+    return {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+
+
+def _precompile(cache: Path, *extra: str) -> list[dict]:
+    """``titans_kernels.py --precompile`` at the tiny depth-2 shape (chunk 4, head size 8, hidden 16): its JSON
+    lines."""
+    run = subprocess.run([sys.executable, "benchmarks/titans_kernels.py", "--precompile", str(cache), "--tiny",
+                          "--shapes", "layer", "--warps", "8", *extra], cwd=ROOT, env=_no_interpreter(),
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    return [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+
+
+def test_kernel_precompile_fills_a_triton_cache_that_a_second_machine_finds(tmp_path):
+    """Every launch of the sweep's variants (shipped with 4 warps, lean backward, 8 warps, any-depth; forward and backward, the
+    gates' backward too) compiles once for sm_90 without a GPU; a second process, and a copy installed elsewhere (the
+    original deleted: Triton finds entries through the paths their group files record), find them all."""
+    first = _precompile(tmp_path / "a")
+    rows, summary = first[:-1], first[-1]
+    assert [(r["num_warps"], r["lean_backward"], r["any_depth"]) for r in rows] == [
+        (4, False, False), (4, True, False), (8, False, False), (4, False, True)]
+    assert rows[0]["compiled"] == ["_coef_fwd_kernel", "_fwd_kernel", "_bwd_kernel", "_coef_bwd_kernel"]
+    assert rows[1]["compiled"] == ["_bwd_kernel"] and rows[1]["cached"] == []  # the rest reused in memory
+    assert rows[2]["compiled"] == ["_fwd_kernel", "_bwd_kernel"]
+    assert rows[3]["compiled"] == ["_fwd_deep_kernel", "_bwd_deep_kernel"]
+    assert summary["compiled"] == 9 and summary["kernels_in_cache"] == 9 and summary["target"] == "cuda:90"
+    kernels = precompile.cache_kernels(tmp_path / "a")
+    assert sorted(kernels.values()) == sorted(["_coef_fwd_kernel", "_fwd_kernel", "_bwd_kernel", "_coef_bwd_kernel",
+                                               "_bwd_kernel", "_fwd_kernel", "_bwd_kernel", "_fwd_deep_kernel",
+                                               "_bwd_deep_kernel"])
+    for entry, name in kernels.items():  # binaries for sm_90; the PTX and the compiler's IRs are not kept
+        meta = json.loads((tmp_path / "a" / entry / f"{name}.json").read_text())
+        assert meta["target"]["arch"] == 90 and meta["name"] == name
+        assert sorted(p.suffix for p in (tmp_path / "a" / entry).iterdir()) == [".cubin", ".json", ".json", ".source"]
+    assert json.loads((tmp_path / "a" / "precompiled.json").read_text()) == summary
+
+    again = _precompile(tmp_path / "a")
+    assert all(r["compiled"] == [] for r in again[:-1]) and again[-1]["compiled"] == 0 and again[-1]["cached"] == 9
+
+    installed = precompile.install_cache(tmp_path / "a", tmp_path / "b")
+    assert installed == kernels
+    shutil.rmtree(tmp_path / "a")
+    moved = _precompile(tmp_path / "b")
+    assert moved[-1]["compiled"] == 0 and moved[-1]["cached"] == 9
+
+
+def test_kernel_precompile_restores_triton_and_keys_another_build(tmp_path):
+    """Inside compile_only a launch compiles and returns (no GPU here to launch on), the CPU tensors are allowed;
+    after it Triton's driver, cache settings, key function and launch path are as before and the kernels' in-memory
+    binaries are dropped. A foreign libtriton digest changes the key exactly where this build's digest was."""
+    code = f"""
+import hashlib, json, torch, triton
+from triton import knobs
+from triton.runtime import cache, driver
+from triton.runtime.jit import JITFunction
+from memtrain.kernels import precompile
+from memtrain.kernels.titans import scan, triton_kernels
+before = (driver._active, knobs.cache.dir, knobs.compilation.store_binary_only, knobs.compilation.listener,
+          cache.triton_key, JITFunction.run)
+q = torch.randn(1, 8, 8).bfloat16()
+w = [torch.randn(1, 16, 8), torch.randn(1, 8, 16)]
+s = [torch.zeros_like(x) for x in w]
+gates = [torch.rand(1, 8) * 0.01, -torch.rand(1, 8), -torch.rand(1, 8)]
+try:
+    scan(q, q, q, *gates, w, s, w, 0, 4, kernel="triton")
+    raise SystemExit("a CPU launch outside compile_only should fail")
+except RuntimeError as e:
+    assert "TRITON_INTERPRET" in str(e), e
+with precompile.compile_only("cuda:90", {str(tmp_path)!r}) as report:
+    assert precompile.ACTIVE
+    y = scan(q, q, q, *gates, w, s, w, 0, 4, kernel="triton")[0]
+after = (driver._active, knobs.cache.dir, knobs.compilation.store_binary_only, knobs.compilation.listener,
+         cache.triton_key, JITFunction.run)
+assert after == before and not precompile.ACTIVE
+assert report.compiled == ["_coef_fwd_kernel", "_fwd_kernel"], report.compiled
+assert all(not c for c in triton_kernels._fwd_kernel.device_caches.values())
+own = precompile.triton_key_digest()
+other = precompile.triton_key_digest("0" * 64)
+lib = precompile._sha256_file(precompile._own_libtriton())
+assert own == report.triton_key and other != own
+assert other == hashlib.sha256(cache.triton_key().replace(lib, "0" * 64).encode()).hexdigest()
+print("ok")
+"""
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_no_interpreter(), capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout[-2000:] + run.stderr[-3000:]
+
+
+def _wheel(path: Path, version: str, files: dict) -> Path:
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr(f"triton-{version}.dist-info/METADATA", f"Name: triton\nVersion: {version}\n")
+        for name, data in files.items():
+            zf.writestr(name, data)
+    return path
+
+
+def test_libtriton_digest_reads_the_native_library_of_the_same_triton_only(tmp_path):
+    import triton
+
+    cache_py = (Path(triton.__file__).parent / "runtime" / "cache.py").read_bytes()
+    lib = b"\x7fELF another python's build" * 1000
+    good = _wheel(tmp_path / "good.whl", triton.__version__,
+                  {"triton/runtime/cache.py": cache_py, "triton/_C/libtriton.so": lib})
+    assert precompile.libtriton_digest(good) == hashlib.sha256(lib).hexdigest()
+    other = _wheel(tmp_path / "other.whl", "0.0.1", {"triton/_C/libtriton.so": lib})
+    with pytest.raises(ValueError, match="is Triton 0.0.1"):
+        precompile.libtriton_digest(other)
+    changed = _wheel(tmp_path / "changed.whl", triton.__version__,
+                     {"triton/runtime/cache.py": cache_py + b"\n# patched\n", "triton/_C/libtriton.so": lib})
+    with pytest.raises(ValueError, match="differ in 1 Python file"):
+        precompile.libtriton_digest(changed)
+    with pytest.raises(ValueError, match="no triton/_C/libtriton.so"):
+        precompile.libtriton_digest(_wheel(tmp_path / "nolib.whl", triton.__version__, {}))
+    with pytest.raises(ValueError, match="'cuda:<compute capability>'"):
+        precompile.parse_target("sm_90")
