@@ -285,7 +285,8 @@ def precompile(names: list[str], warps: list[int], cache_dir: str, target: str =
                                   "cached": report.cached[done[1]:], "seconds": round(time.perf_counter() - t0, 1)}),
                       flush=True)
     summary = {"precompiled": True, "target": report.target, "cache_dir": report.cache_dir,
-               "triton": report.triton_version, "triton_key": report.triton_key, "shapes": names,
+               "triton": report.triton_version, "triton_key": report.triton_key, "backend": report.backend,
+               "shapes": names,
                "compiled": len(report.compiled), "cached": len(report.cached),
                "kernels_in_cache": len(cache_kernels(cache_dir)), "seconds": round(time.perf_counter() - t_all, 1)}
     (Path(cache_dir) / "precompiled.json").write_text(json.dumps(summary) + "\n")  # beside the entries, for the GPU

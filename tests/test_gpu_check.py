@@ -450,10 +450,12 @@ def _entry(cache: Path, key: str, name: str, size: int = 5) -> None:
 def test_main_runs_the_phases_on_the_precompiled_triton_cache_and_brings_back_what_they_compiled(tmp_path,
                                                                                                  monkeypatch):
     """The carried kernels are installed as the phases' TRITON_CACHE_DIR; the report says how many, whether the
-    device's Triton key (the env phase's) is the one they were made with, which kernels the phases compiled after
-    all, and those come back in OUT/triton-cache (metadata, binary and group, smallest first within the limit)."""
+    device's Triton and compiler parts of the cache keys (the env phase's) are those they were made with, which
+    kernels the phases compiled after all, and those come back in OUT/triton-cache (metadata, binary and group,
+    smallest first within the limit)."""
     _entry(gc.TRITON_CACHE, "AAA", "_fwd_kernel")
-    (gc.TRITON_CACHE / "precompiled.json").write_text(json.dumps({"triton": "3.6.0", "triton_key": "k1"}))
+    (gc.TRITON_CACHE / "precompiled.json").write_text(json.dumps({"triton": "3.6.0", "triton_key": "k1",
+                                                                  "backend": "ptxas 12.8-90"}))
     compile_two = ("import os, json, pathlib\n"
                    "root = pathlib.Path(os.environ['TRITON_CACHE_DIR'])\n"
                    "for key, name, size in (('NEW1', 'triton_poi_fused_0', 10), ('NEW2', 'big_kernel', 10**6)):\n"
@@ -462,13 +464,14 @@ def test_main_runs_the_phases_on_the_precompiled_triton_cache_and_brings_back_wh
                    "    (d / f'{name}.llir').write_text('ir')\n"
                    "    (d / f'__grp__{name}.json').write_text(json.dumps({'child_paths': {}}))\n")
     monkeypatch.setattr(gc, "PLAN", [
-        gc.Phase("env", _py('print(\'{"device": "d", "torch": "t", "triton_key": "k1"}\')'), 30),
+        gc.Phase("env", _py('print(\'{"device": "d", "torch": "t", "triton_key": "k1", '
+                            '"triton_backend": "ptxas 13.0-90"}\')'), 30),
         gc.Phase("compiles", _py(compile_two), 30)])
     monkeypatch.setattr(gc, "RETURNED_CACHE_BYTES", 1000)
     assert gc.main(["--out", str(tmp_path / "out")]) == 0
     cache = json.loads((tmp_path / "out" / "gpu_check.json").read_text())["triton_cache"]
     assert cache["installed"] == 1 and cache["entries"] == ["AAA"] and cache["made_with"]["triton_key"] == "k1"
-    assert cache["triton_key_matches"] is True
+    assert cache["triton_key_matches"] is True and cache["backend_matches"] is False  # another ptxas there
     assert cache["compiled_on_device"] == ["big_kernel", "triton_poi_fused_0"]
     assert cache["returned"] == {"saved": 1, "of": 2, "bytes": cache["returned"]["bytes"],
                                  "dir": str(tmp_path / "out" / "triton-cache")}

@@ -561,10 +561,12 @@ def env_record() -> dict:
         rec["triton"] = triton.__version__
     except ImportError:
         rec["triton"] = None
-    else:  # equal to the precompiled cache's (gpu_check --prepare prints it) when its entries can be found here
-        from memtrain.kernels.precompile import triton_key_digest
+    else:  # equal to the precompiled cache's (gpu_check --prepare prints them) when its entries can be found here
+        from memtrain.kernels.precompile import backend_key, triton_key_digest
 
         rec["triton_key"] = triton_key_digest()
+        if torch.cuda.is_available():
+            rec["triton_backend"] = backend_key(triton.runtime.driver.active.get_current_target())
     return rec
 
 
@@ -606,8 +608,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.env:
         print(json.dumps(env_record()), flush=True)
         return 0
-    if args.prepare:
-        return prepare() or precompile_kernels(device_cache=Path(args.device_cache) if args.device_cache else None)
+    if args.prepare:  # both, whatever the first gives: each alone still saves the GPU time
+        rc = prepare()
+        return precompile_kernels(device_cache=Path(args.device_cache) if args.device_cache else None) or rc
     phases = select(PLAN, args.phases)
     if args.list:
         for p in phases:
@@ -632,14 +635,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     _write_json(Path(args.out) / "gpu_check.json", report)
     if cache["installed"]:
         cache["compiled_on_device"] = compiled_on_device(cache)
-        here = next((row.get("triton_key") for rec in report["phases"] if rec["name"] == "env"
-                     for row in rec.get("results", [])), None)
-        if here is not None:  # the entries can be found only where the keys agree
-            cache["triton_key_matches"] = here == (cache.get("made_with") or {}).get("triton_key")
+        env_row = next((row for rec in report["phases"] if rec["name"] == "env" for row in rec.get("results", [])),
+                       {})
+        made = cache.get("made_with") or {}
+        for part in ("triton_key", "backend"):  # the entries can be found only where both parts of the keys agree
+            here = env_row.get("triton_backend" if part == "backend" else part)
+            if here is not None:
+                cache[f"{part}_matches"] = here == made.get(part)
         _write_json(Path(args.out) / "gpu_check.json", report)
     print(f"\ngpu_check: {len(report['phases'])} phase(s) in {report['elapsed_s']} s of a {args.budget:.0f} s budget; "
           f"full results in {Path(args.out) / 'gpu_check.json'}; test tools: {tools}; precompiled kernels: "
-          f"{cache['installed']}" + (f" (Triton key matches: {cache.get('triton_key_matches', 'not checked')}), "
+          f"{cache['installed']}" + (f" (Triton key matches: {cache.get('triton_key_matches', 'not checked')}, "
+                                     f"backend matches: {cache.get('backend_matches', 'not checked')}), "
                                      f"compiled here after all: {', '.join(cache['compiled_on_device']) or 'none'}"
                                      if cache["installed"] else ""))
     for rec in report["phases"]:

@@ -46,13 +46,15 @@ ACTIVE = False  # True inside compile_only(): launch code may take CPU tensors, 
 @dataclasses.dataclass
 class Report:
     """What one :func:`compile_only` block did: the kernels it compiled and those the cache already held (names, in
-    launch order), the target, the cache directory, the Triton version and the digest of the cache key's Triton part
-    (``triton_key``: its sha256, as :func:`triton_key_digest` gives it on the GPU machine)."""
+    launch order), the target, the cache directory, the Triton version, the digest of the cache key's Triton part
+    (``triton_key``: its sha256, as :func:`triton_key_digest` gives it on the GPU machine) and its compiler part
+    (``backend``: ptxas's version and the architecture, as :func:`backend_key` gives it there)."""
 
     target: str
     cache_dir: str
     triton_version: str
     triton_key: str
+    backend: str
     compiled: list = dataclasses.field(default_factory=list)
     cached: list = dataclasses.field(default_factory=list)
 
@@ -151,6 +153,14 @@ def _retargeted_triton_key(libtriton: Optional[str]) -> str:
     return key.replace(own, libtriton)
 
 
+def backend_key(target) -> str:
+    """The compiler part of every cache key for ``target`` (a ``GPUTarget``, or ``"cuda:90"``): for CUDA, the version
+    of the ``ptxas`` Triton runs and the architecture. Equal here and on the GPU machine, or its kernels miss."""
+    from triton.compiler.compiler import make_backend
+
+    return make_backend(parse_target(target) if isinstance(target, str) else target).hash()
+
+
 def triton_key_digest(libtriton: Optional[str] = None) -> str:
     """sha256 of the Triton part of every cache key this Triton computes (with ``libtriton``: as the build with that
     native library computes it). Equal on two machines, and the kernels' launches compile to the same entries."""
@@ -179,7 +189,7 @@ def compile_only(target: str, cache_dir: Union[str, Path], libtriton: Optional[s
     cache_dir.mkdir(parents=True, exist_ok=True)
     key = _retargeted_triton_key(libtriton)
     report = Report(target=target, cache_dir=str(cache_dir), triton_version=triton.__version__,
-                    triton_key=hashlib.sha256(key.encode()).hexdigest())
+                    triton_key=hashlib.sha256(key.encode()).hexdigest(), backend=backend_key(gpu))
 
     def listener(src, metadata, metadata_group, times, cache_hit):
         (report.cached if cache_hit else report.compiled).append(getattr(src, "name", "?"))
