@@ -132,9 +132,9 @@ def phase_argv(phase: Phase, timeout_s: float) -> list[str]:
 
 PLAN: list[Phase] = [
     # A drawn session has 15 minutes of device time, machine start included (about 35 s on 2026-11-27): the
-    # first command (555 s) takes the guards, the one recipe still owed 52 steps, the layer target and eager
-    # titans-170m-mac with the fused kernels on; a second (250 s) the kernels' launch sweep, which decides the
-    # next change to the scan's backward (half of every recipe's device time on an H200, 2026-11-27).
+    # first command (555 s) takes the guards, the one recipe still owed 52 steps, the kernels' launch sweep (which
+    # decides the next change to the scan's backward), the layer target and eager titans-170m-mac with the fused
+    # kernels on; a second (250 s) continues where it stopped.
     Phase("env", [PY, "tools/gpu_check.py", "--env"], 60, about="device, driver, torch / triton versions"),
     # Every Titans recipe runs the fused prologue and output stage and every model the fused RoPE: their tests
     # first, compiled, and if they fail the later phases run with them off (PyTorch's forms) rather than every
@@ -152,6 +152,21 @@ PLAN: list[Phase] = [
     # kernels and flex attention compiling), then 0.74 s per step: 170 s gave 45 of its 52 steps. 340m-mac and
     # 760m-mal ran their 52 there (1.07 and 0.92 s per step) and come later, for their figures with the fused kernels.
     _recipe_phase("titans-400m-mag", 200),
+    # Right after the owed recipe: the sweep decides the next change to the scan's backward (half of every
+    # recipe's device time on an H200), and with its kernels compiled ahead (--prepare: 86 s of compiling on the
+    # 2-core development machine, a third of the 240 s it had) its 12 launches should time in about a minute (an
+    # estimate). A phase that times out keeps what it printed, so a cache that misses still returns the recipes'
+    # shapes first.
+    Phase("titans_kernel_tune", [PY, "benchmarks/titans_kernels.py", "--shapes", TUNE_SHAPES, "--warps", TUNE_WARPS],
+          150,
+          about="the scan kernels alone at the recipes' shapes (mac and mag share compiled kernels) and the layer "
+                "target under the shipped num_warps and 16 (4 spills 2-3x more, --static), the backward's lean form "
+                "(triton_kernels.LEAN_BACKWARD) and the any-depth kernels (state in memory) beside them: time, "
+                "registers, spills, each loop's local-memory traffic as the device's Triton compiled it, error "
+                "against the shipped launch. Compiled for sm_90 with Triton 3.6 on a CPU, the shipped depth-2 "
+                "backward's spills move 3,952 KiB per chunk and program at chunk 16 (8,573 at chunk 64), the lean "
+                "form's 2,982 (8,484), 16 warps' 5,014 (22,894): whether that traffic predicts the time, and "
+                "whether the lean form should ship"),
     # Eager MAC computes its per-segment weight gradients once (memtrain.model.grouped_linear): checked in bf16
     # against the per-use sums and fp32 (passed on an H200, 2026-11-27); if that fails the later phases run without
     # it. After 400m-mag (which does not group), before MAC.
@@ -165,16 +180,6 @@ PLAN: list[Phase] = [
     _recipe_phase("titans-170m-mac", 110, steps=20,
                   why="; with the fused kernels on (19,850 tokens/s with them off on an H200, 2026-11-27) and the "
                       "eager baseline of recipe_170m_mac_compiled"),
-    Phase("titans_kernel_tune", [PY, "benchmarks/titans_kernels.py", "--shapes", TUNE_SHAPES, "--warps", TUNE_WARPS],
-          240,
-          about="the scan kernels alone at the recipes' shapes (mac and mag share compiled kernels) and the layer "
-                "target under the shipped num_warps and 16 (4 spills 2-3x more, --static), the backward's lean form "
-                "(triton_kernels.LEAN_BACKWARD) and the any-depth kernels (state in memory) beside them: time, "
-                "registers, spills, each loop's local-memory traffic as the device's Triton compiled it, error "
-                "against the shipped launch. Compiled for sm_90 with Triton 3.6 on a CPU, the shipped depth-2 "
-                "backward's spills move 3,952 KiB per chunk and program at chunk 16 (8,573 at chunk 64), the lean "
-                "form's 2,982 (8,484), 16 warps' 5,014 (22,894): whether that traffic predicts the time, and "
-                "whether the lean form should ship"),
     _recipe_phase("titans-340m-mac", 130, why="; 52 finite steps on an H200 already (2026-11-27, fused kernels "
                   "off): its figures with them on"),
     _recipe_phase("titans-760m-mal", 130),
