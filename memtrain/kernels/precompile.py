@@ -25,7 +25,8 @@ in each entry) and :func:`cache_kernels` lists a cache's kernels, so what was co
 the Triton version and build the cache was made with will find its entries: another one misses and compiles as
 before, nothing worse.
 
-Torch-free; Triton is imported only by :func:`compile_only` and :func:`libtriton_digest`.
+Torch-free; Triton is imported inside the functions that use it, so :func:`install_cache` and :func:`cache_kernels` run
+without it.
 """
 
 from __future__ import annotations
