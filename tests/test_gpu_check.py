@@ -484,15 +484,20 @@ def test_main_runs_the_phases_on_the_precompiled_triton_cache_and_brings_back_wh
 
 def test_the_precompiled_cache_is_installed_where_triton_finds_its_files(tmp_path):
     """Triton reaches an entry's files through the absolute paths its group file records: installed elsewhere, they
-    are rewritten to the new place. A folder that is no entry is left behind; no carried cache, nothing set."""
+    are rewritten to the new place. A folder that is no entry, or an entry whose group file is damaged, is left
+    behind (the run goes on; that kernel compiles there); no carried cache, nothing set."""
     src, dest = tmp_path / "carried", tmp_path / "device"
     _entry(src, "AAA", "_fwd_kernel")
     _entry(src, "BBB", "_bwd_kernel")
+    _entry(src, "CCC", "_coef_fwd_kernel")
+    (src / "CCC" / "__grp___coef_fwd_kernel.json").write_text("{not json")  # damaged: left out, not fatal
     (src / "stray").mkdir()
+    (src / "precompiled.json").write_text("{")
     env = {}
     cache = gc.install_triton_cache(env, src, dest)
     assert env["TRITON_CACHE_DIR"] == str(dest.resolve()) and cache["made_with"] is None
     assert cache["installed"] == 2 and cache["entries"] == ["AAA", "BBB"] and not (dest / "stray").exists()
+    assert cache["unreadable"] == ["CCC"] and not (dest / "CCC").exists()
     grp = json.loads((dest / "AAA" / "__grp___fwd_kernel.json").read_text())
     assert grp["child_paths"] == {"_fwd_kernel.json": str(dest.resolve() / "AAA" / "_fwd_kernel.json"),
                                   "_fwd_kernel.cubin": str(dest.resolve() / "AAA" / "_fwd_kernel.cubin")}

@@ -134,5 +134,10 @@ def test_libtriton_digest_reads_the_native_library_of_the_same_triton_only(tmp_p
         precompile.libtriton_digest(changed)
     with pytest.raises(ValueError, match="no triton/_C/libtriton.so"):
         precompile.libtriton_digest(_wheel(tmp_path / "nolib.whl", triton.__version__, {}))
+    with pytest.raises(ValueError, match="no Triton wheel at"):
+        precompile.libtriton_digest(tmp_path / "missing.whl")
+    (tmp_path / "broken.whl").write_bytes(b"\x00" * 200)
+    with pytest.raises(ValueError, match="is not a wheel"):
+        precompile.libtriton_digest(tmp_path / "broken.whl")
     with pytest.raises(ValueError, match="'cuda:<compute capability>'"):
         precompile.parse_target("sm_90")

@@ -442,8 +442,12 @@ def install_triton_cache(env: dict, src: Optional[Path] = None, dest: Optional[P
     kernels = install_cache(src, dest)
     env["TRITON_CACHE_DIR"] = str(dest)
     made = src / "precompiled.json"  # what --prepare's compile printed last: Triton version, target, triton_key
-    return {"installed": len(kernels), "dir": str(dest), "entries": sorted(kernels),
-            "made_with": json.loads(made.read_text()) if made.is_file() else None}
+    try:
+        made_with = json.loads(made.read_text()) if made.is_file() else None
+    except ValueError:
+        made_with = None
+    return {"installed": len(kernels), "dir": str(dest), "entries": sorted(kernels), "made_with": made_with,
+            "unreadable": sorted(set(cache_kernels(src)) - set(kernels))}
 
 
 def compiled_on_device(cache: dict, dest: Optional[Path] = None) -> list[str]:

@@ -112,6 +112,11 @@ def libtriton_digest(wheel: Union[str, Path]) -> str:
     import triton
 
     root = Path(triton.__file__).parent
+    if not Path(wheel).is_file():
+        raise ValueError(f"no Triton wheel at {wheel}: pass the path of the GPU machine's triton-*.whl "
+                         "(pip download triton==VERSION --python-version X.Y --only-binary=:all: --no-deps)")
+    if not zipfile.is_zipfile(wheel):
+        raise ValueError(f"{wheel} is not a wheel (not a zip archive): download it again")
     with zipfile.ZipFile(wheel) as zf:
         names = zf.namelist()
         meta = next((n for n in names if n.endswith(".dist-info/METADATA")), None)
@@ -240,15 +245,23 @@ def cache_kernels(cache_dir: Union[str, Path]) -> dict:
 def install_cache(src: Union[str, Path], dest: Union[str, Path]) -> dict:
     """Copy the kernels of the Triton cache ``src`` into ``dest`` (Triton's cache directory on this machine,
     ``TRITON_CACHE_DIR``), rewriting the absolute file paths each entry's group file records (Triton finds an entry's
-    files through them) to their new place. Returns :func:`cache_kernels` of what was installed."""
+    files through them) to their new place. An entry whose group file does not parse is left out (Triton would
+    compile that kernel again). Returns :func:`cache_kernels` of what was installed."""
     src, dest = Path(src), Path(dest).resolve()
-    kernels = cache_kernels(src)
-    for entry in kernels:
-        target = dest / entry
-        shutil.copytree(src / entry, target, dirs_exist_ok=True)
-        for grp in target.glob("__grp__*.json"):
-            data = json.loads(grp.read_text())
-            data["child_paths"] = {name: str(target / Path(path).name)
-                                   for name, path in data.get("child_paths", {}).items()}
-            grp.write_text(json.dumps(data))
-    return kernels
+    installed = {}
+    for entry, name in cache_kernels(src).items():
+        groups = {}
+        for grp in (src / entry).glob("__grp__*.json"):
+            try:
+                data = json.loads(grp.read_text())
+                groups[grp.name] = {k: Path(v).name for k, v in data["child_paths"].items()}
+            except (ValueError, KeyError, TypeError, AttributeError):
+                break
+        else:
+            target = dest / entry
+            shutil.copytree(src / entry, target, dirs_exist_ok=True)
+            for grp_name, children in groups.items():
+                (target / grp_name).write_text(json.dumps(
+                    {"child_paths": {k: str(target / v) for k, v in children.items()}}))
+            installed[entry] = name
+    return installed
