@@ -67,6 +67,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from memtrain.kernels import titans as titans_kernels  # noqa: E402
+from memtrain.kernels.precompile import compile_events  # noqa: E402
 from memtrain.kernels.titans import triton_deep, triton_kernels  # noqa: E402
 
 SHAPES = {  # name: (N, T, head_dim, hidden, depth, chunk)
@@ -188,7 +189,7 @@ def measure(shape, warps, device, repeats_ms: int, any_depth: bool = False, lean
     default = (triton_deep if any_depth else _module(depth))._launch_shape(D, hidden, C)["num_warps"]
     q, k, v, lr, log_eta, log_keep, w, s = inputs(N, T, D, hidden, depth, device)
     leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
-    with variant(shape, warps, any_depth, lean) as mod, _compile_events() as events:
+    with variant(shape, warps, any_depth, lean) as mod, compile_events() as events:
         def fwd():
             return titans_kernels.scan(*leaves, lr, log_eta, log_keep, w, s, w, 0, C, kernel="triton")[0]
 
@@ -230,31 +231,6 @@ def measure(shape, warps, device, repeats_ms: int, any_depth: bool = False, lean
            "fwd_tokens_per_s": round(N * T / fwd_ms * 1e3, 1), "fwd_bwd_tokens_per_s": round(N * T / fwd_bwd_ms * 1e3, 1),
            **info}
     return rec, (y.detach().float(), *(g.float() for g in grads))
-
-
-@contextlib.contextmanager
-def _compile_events():
-    """``[(kernel name, found in Triton's cache)]`` of every compilation Triton does within the block (empty under
-    the interpreter, which compiles nothing, or a Triton without compilation listeners)."""
-    events: list = []
-    try:
-        from triton import knobs
-
-        before = knobs.compilation.listener
-    except (ImportError, AttributeError):
-        yield events
-        return
-
-    def listener(src, metadata, metadata_group, times, cache_hit):
-        events.append((getattr(src, "name", "?"), bool(cache_hit)))
-        if before is not None:
-            before(src=src, metadata=metadata, metadata_group=metadata_group, times=times, cache_hit=cache_hit)
-
-    knobs.compilation.listener = listener
-    try:
-        yield events
-    finally:
-        knobs.compilation.listener = before
 
 
 def precompile(names: list[str], warps: list[int], cache_dir: str, target: str = "cuda:90",

@@ -56,8 +56,41 @@ class Report:
     triton_version: str
     triton_key: str
     backend: str
-    compiled: list = dataclasses.field(default_factory=list)
-    cached: list = dataclasses.field(default_factory=list)
+    events: list = dataclasses.field(default_factory=list)  # (kernel name, found in the cache), as compile_events
+
+    @property
+    def compiled(self) -> list:
+        return [name for name, hit in self.events if not hit]
+
+    @property
+    def cached(self) -> list:
+        return [name for name, hit in self.events if hit]
+
+
+@contextlib.contextmanager
+def compile_events() -> Iterator[list]:
+    """``[(kernel name, found in Triton's cache)]`` of every compilation Triton does within the block, through its
+    compilation listener (chained to one already set); empty under the interpreter, which compiles nothing, or with
+    a Triton that has no listeners."""
+    events: list = []
+    try:
+        from triton import knobs
+
+        before = knobs.compilation.listener
+    except (ImportError, AttributeError):
+        yield events
+        return
+
+    def listener(src, metadata, metadata_group, times, cache_hit):
+        events.append((getattr(src, "name", "?"), bool(cache_hit)))
+        if before is not None:
+            before(src=src, metadata=metadata, metadata_group=metadata_group, times=times, cache_hit=cache_hit)
+
+    knobs.compilation.listener = listener
+    try:
+        yield events
+    finally:
+        knobs.compilation.listener = before
 
 
 def parse_target(target: str):
@@ -197,9 +230,6 @@ def compile_only(target: str, cache_dir: Union[str, Path], libtriton: Optional[s
     report = Report(target=target, cache_dir=str(cache_dir), triton_version=triton.__version__,
                     triton_key=hashlib.sha256(key.encode()).hexdigest(), backend=backend_key(gpu))
 
-    def listener(src, metadata, metadata_group, times, cache_hit):
-        (report.cached if cache_hit else report.compiled).append(getattr(src, "name", "?"))
-
     run = JITFunction.run
     touched: list = []
 
@@ -207,22 +237,20 @@ def compile_only(target: str, cache_dir: Union[str, Path], libtriton: Optional[s
         touched.append(self)
         return run(self, *args, grid=grid, warmup=True, **kwargs)
 
-    saved = (driver._active, knobs.cache.dir, knobs.compilation.store_binary_only, knobs.compilation.listener,
-             cache.triton_key)
+    saved = (driver._active, knobs.cache.dir, knobs.compilation.store_binary_only, cache.triton_key)
     driver.set_active(_CompileOnlyDriver(gpu))
     knobs.cache.dir = str(cache_dir)
     knobs.compilation.store_binary_only = True
-    knobs.compilation.listener = listener
     cache.triton_key = lambda: key
     JITFunction.run = compile_without_launch
     ACTIVE = True
     try:
-        yield report
+        with compile_events() as report.events:
+            yield report
     finally:
         ACTIVE = False
         JITFunction.run = run
-        driver._active, knobs.cache.dir, knobs.compilation.store_binary_only, knobs.compilation.listener, \
-            cache.triton_key = saved
+        driver._active, knobs.cache.dir, knobs.compilation.store_binary_only, cache.triton_key = saved
         for fn in touched:  # the binaries for the target GPU must not serve a later launch in this process
             fn.device_caches.clear()
 
