@@ -12,10 +12,12 @@ result beyond rounding). One JSON line per shape and variant; ``default: true`` 
 
 At depth 1-2 the any-depth kernels (``kernels: triton_deep``: the state in memory, not in registers; what
 depth 3+ runs) are timed beside the shipped pair at their default launch: at the recipes' shapes the pair's
-state spills from registers (``--static``), so which is faster is measured, not assumed. So is the pair's
-lean backward (``lean_backward: true``, :data:`memtrain.kernels.titans.triton_kernels.LEAN_BACKWARD`: the same
-computation ordered so that fewer state tiles ride through its loops, whose spills move less memory under one
-Triton's compiler and more under another).
+state spills from registers (``--static``), so which is faster is measured, not assumed. So are the pair's
+other two backward forms (``backward``): ``lean`` (:data:`memtrain.kernels.titans.triton_kernels.LEAN_BACKWARD`:
+the same computation ordered so that fewer state tiles ride through its loops, whose spills move less memory under
+one Triton's compiler and more under another) and ``split`` (:data:`~memtrain.kernels.titans.triton_kernels.
+SPLIT_BACKWARD`: the chunks' own part of the backward in parallel, one program per chunk, and only the carried part
+in the loop over chunks).
 
 Shapes. ``layer``: the layer benchmark's target (B4 x 8 heads, T 2048, head 64, hidden 128, depth 2, chunk
 64); ``mac``: titans-170m/340m-mac's memory writes (B4 x 12 heads, one 512-token segment per call, chunk 16);
@@ -118,15 +120,16 @@ def _compiled_info(fn) -> dict:
 
 
 def _loop_info(kernel) -> dict:
-    """``loops`` of a launched kernel's cubin as :func:`memtrain.kernels.titans.aot.compile_kernel` reports them
-    ahead of time (with ``local_kib_per_program``): the timings set beside the traffic the static figures predict."""
+    """``loops`` and ``program`` (the whole kernel) of a launched kernel's cubin as
+    :func:`memtrain.kernels.titans.aot.compile_kernel` reports them ahead of time (with ``local_kib_per_program``):
+    the timings set beside the traffic the static figures predict."""
     from memtrain.kernels.titans.aot import cubin_loops
 
     try:
-        loops = cubin_loops(kernel.asm["cubin"], kernel.metadata.num_warps)
+        loops, program = cubin_loops(kernel.asm["cubin"], kernel.metadata.num_warps, whole=True)
     except Exception:  # no cubin (the interpreter) or no nvdisasm run
         return {}
-    return {} if loops is None else {"loops": loops}
+    return {} if loops is None else {"loops": loops, "program": program}
 
 
 def _module(depth: int):
@@ -139,11 +142,14 @@ def default_warps(shape) -> int:
 
 
 @contextlib.contextmanager
-def variant(shape, warps, any_depth: bool = False, lean: bool = False):
+def variant(shape, warps, any_depth: bool = False, form: str = "shipped"):
     """Within the block, :func:`memtrain.kernels.titans.scan` launches the kernels at ``shape`` with
     ``num_warps=warps`` (None: the default); ``any_depth``: the any-depth kernels (:mod:`.triton_deep`, the state in
-    memory) at depth 1-2 too; ``lean``: the depth-1/2 backward's lean form (:data:`.triton_kernels.LEAN_BACKWARD`).
-    Yields the module whose kernels run."""
+    memory) at depth 1-2 too; ``form``: the depth-1/2 backward's form, one of :data:`FORMS` (``lean``:
+    :data:`.triton_kernels.LEAN_BACKWARD`, ``split``: :data:`.triton_kernels.SPLIT_BACKWARD`). Yields the module
+    whose kernels run."""
+    if form not in FORMS:
+        raise ValueError(f"unknown backward form {form!r}; expected one of {', '.join(FORMS)}")
     N, T, D, hidden, depth, C = shape
     deep_from = titans_kernels.DEEP_KERNEL_MIN_DEPTH
     mod = triton_deep if any_depth else _module(depth)
@@ -156,40 +162,54 @@ def variant(shape, warps, any_depth: bool = False, lean: bool = False):
         return opts
 
     mod._launch_shape = launch
-    lean_from, triton_kernels.LEAN_BACKWARD = triton_kernels.LEAN_BACKWARD, lean
+    forms_from = triton_kernels.LEAN_BACKWARD, triton_kernels.SPLIT_BACKWARD
+    triton_kernels.LEAN_BACKWARD, triton_kernels.SPLIT_BACKWARD = form == "lean", form == "split"
     if any_depth:
         titans_kernels.DEEP_KERNEL_MIN_DEPTH = 1  # scan() picks the any-depth kernels at every depth
     try:
         yield mod
     finally:
         mod._launch_shape = base
-        triton_kernels.LEAN_BACKWARD = lean_from
+        triton_kernels.LEAN_BACKWARD, triton_kernels.SPLIT_BACKWARD = forms_from
         titans_kernels.DEEP_KERNEL_MIN_DEPTH = deep_from
 
 
+FORMS = ("shipped", "lean", "split")  # the depth-1/2 backward's forms (triton_kernels.LEAN_ / SPLIT_BACKWARD)
+
+
 def variants(name: str, warps: list[int], table: dict = SHAPES) -> list[tuple]:
-    """``(num_warps, any_depth, lean)`` of each launch the sweep times at shape ``name``, in order: the shipped one,
-    the lean backward, the other ``warps``, the any-depth kernels (the last three at depth 1-2 only, but ``warps``)."""
+    """``(num_warps, any_depth, form)`` of each launch the sweep times at shape ``name``, in order: the shipped one,
+    the lean and split backwards, the other ``warps``, the any-depth kernels (all but ``warps`` at depth 1-2
+    only)."""
     shallow = table[name][4] < titans_kernels.DEEP_KERNEL_MIN_DEPTH
-    out = [(None, False, False)]
-    if shallow:  # the backward's lean form (LEAN_BACKWARD) next
-        out.append((None, False, True))
-    out += [(w, False, False) for w in warps if w != default_warps(table[name])]
+    out = [(None, False, "shipped")]
+    if shallow:  # the backward's other forms next
+        out += [(None, False, "lean"), (None, False, "split")]
+    out += [(w, False, "shipped") for w in warps if w != default_warps(table[name])]
     if shallow:  # the any-depth kernels, default launch
-        out.append((None, True, False))
+        out.append((None, True, "shipped"))
     return out
 
 
-def measure(shape, warps, device, repeats_ms: int, any_depth: bool = False, lean: bool = False) -> tuple[
+def _backward_kernels(mod, form: str) -> dict:
+    """The backward's kernels in ``mod`` under ``form``, by the names their records use."""
+    if mod is triton_deep:
+        return {"bwd": mod._bwd_deep_kernel}
+    if form == "split":
+        return {f"bwd_{part}": getattr(mod, f"_bwd_{part}_kernel") for part in ("recompute", "local", "carry")}
+    return {"bwd": mod._bwd_kernel}
+
+
+def measure(shape, warps, device, repeats_ms: int, any_depth: bool = False, form: str = "shipped") -> tuple[
         dict, tuple]:
-    """Time the kernels at ``shape`` under :func:`variant` ``(warps, any_depth, lean)``; the record and the outputs.
+    """Time the kernels at ``shape`` under :func:`variant` ``(warps, any_depth, form)``; the record and the outputs.
     The record counts the kernels the first call compiled and those Triton's cache held (``triton_compiled``,
     ``triton_cached``: a cache filled ahead of time, ``--precompile``, should hold them all)."""
     N, T, D, hidden, depth, C = shape
     default = (triton_deep if any_depth else _module(depth))._launch_shape(D, hidden, C)["num_warps"]
     q, k, v, lr, log_eta, log_keep, w, s = inputs(N, T, D, hidden, depth, device)
     leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
-    with variant(shape, warps, any_depth, lean) as mod, compile_events() as events:
+    with variant(shape, warps, any_depth, form) as mod, compile_events() as events:
         def fwd():
             return titans_kernels.scan(*leaves, lr, log_eta, log_keep, w, s, w, 0, C, kernel="triton")[0]
 
@@ -218,12 +238,12 @@ def measure(shape, warps, device, repeats_ms: int, any_depth: bool = False, lean
             fwd_bwd_ms = (time.perf_counter() - t0) * 1e3
         info = {f"fwd_{k}": x for k, x in _compiled_info(getattr(mod, "_fwd_kernel", None)
                                                       or getattr(mod, "_fwd_deep_kernel", None)).items()}
-        info.update({f"bwd_{k}": x for k, x in _compiled_info(getattr(mod, "_bwd_kernel", None)
-                                                           or getattr(mod, "_bwd_deep_kernel", None)).items()})
+        for part, fn in _backward_kernels(mod, form).items():
+            info.update({f"{part}_{k}": x for k, x in _compiled_info(fn).items()})
     shipped = mod is _module(depth)
     rec = {"N": N, "T": T, "head_dim": D, "hidden": hidden, "depth": depth, "chunk": C,
-           "kernels": mod.__name__.rsplit(".", 1)[-1], "num_warps": warps or default, "lean_backward": lean,
-           "default": shipped and (warps is None or warps == default) and not lean,
+           "kernels": mod.__name__.rsplit(".", 1)[-1], "num_warps": warps or default, "backward": form,
+           "default": shipped and (warps is None or warps == default) and form == "shipped",
            "first_call_s": round(first_s, 2),
            "triton_compiled": [n for n, hit in first_events if not hit],
            "triton_cached": [n for n, hit in first_events if hit],
@@ -248,16 +268,16 @@ def precompile(names: list[str], warps: list[int], cache_dir: str, target: str =
         for name in names:
             N, T, D, hidden, depth, C = table[name]
             shape = (2, 2 * C, D, hidden, depth, C)  # the lengths and batch are runtime integers: any will do
-            for w, any_depth, lean in variants(name, warps, table):
+            for w, any_depth, form in variants(name, warps, table):
                 t0 = time.perf_counter()
                 done = len(report.compiled), len(report.cached)
                 q, k, v, lr, log_eta, log_keep, ws, ss = inputs(*shape[:5], torch.device("cpu"), half=torch.bfloat16)
                 leaves = [x.detach().requires_grad_(True) for x in (q, k, v, lr, log_eta, log_keep)]
-                with variant(shape, w, any_depth, lean):
+                with variant(shape, w, any_depth, form):
                     y = titans_kernels.scan(*leaves, ws, ss, ws, 0, C, kernel="triton")[0]
                     torch.autograd.grad(y.float().square().sum(), leaves)
                 print(json.dumps({"shape": name, "num_warps": w or default_warps(table[name]), "any_depth": any_depth,
-                                  "lean_backward": lean, "compiled": report.compiled[done[0]:],
+                                  "backward": form, "compiled": report.compiled[done[0]:],
                                   "cached": report.cached[done[1]:], "seconds": round(time.perf_counter() - t0, 1)}),
                       flush=True)
     summary = {"precompiled": True, "target": report.target, "cache_dir": report.cache_dir,
@@ -273,56 +293,65 @@ def precompile(names: list[str], warps: list[int], cache_dir: str, target: str =
 def _compile(spec: tuple) -> dict:
     from memtrain.kernels.titans.aot import compile_kernel
 
-    kernel, shape, warps, any_depth, lean = spec
+    kernel, shape, warps, any_depth, form = spec
     N, T, D, hidden, depth, C = shape
     try:
-        return compile_kernel(kernel, depth, D, hidden, C, num_warps=warps, any_depth=any_depth, lean=lean)
+        return compile_kernel(kernel, depth, D, hidden, C, num_warps=warps, any_depth=any_depth, lean=form == "lean")
     except Exception as e:  # one launch that fails to compile must not end the table
         return {"kernel": kernel, "error": f"{type(e).__name__}: {e}"[:500]}
 
 
 def static(warps: list[int], names: list[str], table: dict = SHAPES) -> int:
     """``--static``: each shape's kernels compiled for sm_90 under each launch, one JSON line per shape, kernels
-    (register-resident or any-depth), ``num_warps`` and backward form (``lean_backward``), with the forward's and
-    backward's registers, spills, shared memory and innermost loops (instructions and local-memory loads, stores
-    and bytes per iteration and thread: the spills that run per chunk; :func:`memtrain.kernels.titans.aot.
-    sass_loops`). The compiles run in parallel (one process per core)."""
+    (register-resident or any-depth), ``num_warps`` and backward form (``backward``), with the forward's and
+    backward's (the split form's three: ``bwd_recompute``, ``bwd_local``, ``bwd_carry``) registers, spills, shared
+    memory, innermost loops (instructions and local-memory loads, stores and bytes per iteration and thread: the
+    spills that run per chunk; :func:`memtrain.kernels.titans.aot.sass_loops`) and whole-kernel figures
+    (``program``: what the split form's chunk-local kernel, which has no loop, runs per chunk). The compiles run in
+    parallel (one process per core)."""
     import multiprocessing
 
     rows = []
     for name in names:
         shape = table[name]
         depth = shape[4]
-        variants = [(depth >= titans_kernels.DEEP_KERNEL_MIN_DEPTH, w, False)
+        variants = [(depth >= titans_kernels.DEEP_KERNEL_MIN_DEPTH, w, "shipped")
                     for w in dict.fromkeys([default_warps(shape), *warps])]
-        if depth < titans_kernels.DEEP_KERNEL_MIN_DEPTH:  # the lean backward and the any-depth kernels, default launch
-            variants += [(False, None, True), (True, None, False)]
-        rows += [(name, shape, any_depth, w, lean) for any_depth, w, lean in variants]
+        if depth < titans_kernels.DEEP_KERNEL_MIN_DEPTH:  # the other backwards and the any-depth kernels, default launch
+            variants += [(False, None, "lean"), (False, None, "split"), (True, None, "shipped")]
+        rows += [(name, shape, any_depth, w, form) for any_depth, w, form in variants]
+
+    def kernels(form):
+        return ("fwd", "bwd_recompute", "bwd_local", "bwd_carry") if form == "split" else ("fwd", "bwd")
+
     # a compiled kernel depends on the widths, depth and chunk, not on N or T (mac and mag share theirs); the
     # forward has one form
-    def key(kernel, shape, any_depth, w, lean):
-        return kernel, shape[2:], w, any_depth, lean and kernel == "bwd"
+    def key(kernel, shape, any_depth, w, form):
+        return kernel, shape[2:], w, any_depth, form if kernel == "bwd" else "shipped"
 
-    specs = {key(kernel, shape, any_depth, w, lean): (kernel, shape, w, any_depth, lean and kernel == "bwd")
-             for _, shape, any_depth, w, lean in rows for kernel in ("fwd", "bwd")}
+    specs = {}
+    for _, shape, any_depth, w, form in rows:
+        for kernel in kernels(form):
+            k = key(kernel, shape, any_depth, w, form)
+            specs[k] = (kernel, shape, w, any_depth, k[-1])
     todo = sorted(specs, key=lambda k: k[0] == "fwd")  # the slow backwards first
     with multiprocessing.get_context("fork").Pool(os.cpu_count() or 1) as pool:
         compiled = dict(zip(todo, pool.map(_compile, [specs[k] for k in todo], chunksize=1)))
     failed = 0
-    for name, shape, any_depth, w, lean in rows:
+    for name, shape, any_depth, w, form in rows:
         rec = {"shape": name, "device": "sm_90 (compiled ahead of time, not run)", "N": shape[0], "T": shape[1],
                "head_dim": shape[2], "hidden": shape[3], "depth": shape[4], "chunk": shape[5],
-               "kernels": "triton_deep" if any_depth else "triton_kernels", "lean_backward": lean}
-        for r in (compiled[key(kernel, shape, any_depth, w, lean)] for kernel in ("fwd", "bwd")):
+               "kernels": "triton_deep" if any_depth else "triton_kernels", "backward": form}
+        for r in (compiled[key(kernel, shape, any_depth, w, form)] for kernel in kernels(form)):
             if "error" in r:
                 rec[f"{r['kernel']}_error"] = r["error"]
                 failed += 1
                 continue
             rec["num_warps"] = r["num_warps"]
             rec.update({f"{r['kernel']}_{k}": r[k] for k in ("registers", "spill_stores", "spill_loads", "shared",
-                                                             "loops")})
+                                                             "loops", "program")})
         mod = triton_deep if any_depth else triton_kernels
-        shipped = any_depth == (shape[4] >= titans_kernels.DEEP_KERNEL_MIN_DEPTH) and not lean
+        shipped = any_depth == (shape[4] >= titans_kernels.DEEP_KERNEL_MIN_DEPTH) and form == "shipped"
         rec["default"] = shipped and (w is None or w == mod._launch_shape(shape[2], shape[3], shape[5])["num_warps"])
         print(json.dumps(rec), flush=True)
     return 1 if failed else 0
@@ -378,11 +407,11 @@ def main() -> int:
         device = torch.device("cuda")
     for name in names:
         ref = None
-        for warp, any_depth, lean in variants(name, warps, table):
+        for warp, any_depth, form in variants(name, warps, table):
             try:
-                rec, outs = measure(table[name], warp, device, args.rep_ms, any_depth, lean)
+                rec, outs = measure(table[name], warp, device, args.rep_ms, any_depth, form)
             except Exception as e:  # one variant that fails to compile or launch must not end the sweep
-                print(json.dumps({"shape": name, "num_warps": warp, "any_depth": any_depth, "lean_backward": lean,
+                print(json.dumps({"shape": name, "num_warps": warp, "any_depth": any_depth, "backward": form,
                                   "error": f"{type(e).__name__}: {e}"[:500]}), flush=True)
                 continue
             if ref is None:

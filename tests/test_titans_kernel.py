@@ -105,31 +105,41 @@ def test_kernel_matches_reference_forward_and_backward(monkeypatch, N, T, D, hid
 
 
 class _LaunchSpy:
-    """Stands in for ``triton_kernels._bwd_kernel``: records each launch's ``LEAN`` and ``HAS_WG`` and runs it."""
+    """Stands in for one of ``triton_kernels``' backward kernels: records each launch's grid and the constexprs
+    ``keys`` (``LEAN`` and ``HAS_WG`` of ``_bwd_kernel``) and runs it."""
 
-    def __init__(self, kernel):
-        self.kernel, self.forms = kernel, []
+    def __init__(self, kernel, keys=("LEAN", "HAS_WG")):
+        self.kernel, self.keys, self.forms, self.grids = kernel, keys, [], []
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            self.forms.append((kwargs["LEAN"], kwargs["HAS_WG"]))
+            self.forms.append(tuple(kwargs[k] for k in self.keys))
+            self.grids.append(grid)
             return self.kernel[grid](*args, **kwargs)
         return launch
 
 
-@pytest.mark.parametrize("lean", [False, True])
-@pytest.mark.parametrize("N,T,D,hidden,depth,chunk", [(3, 11, 5, 9, 2, 4), (2, 13, 5, 5, 1, 3), (1, 40, 4, 6, 2, 2)])
-def test_kernel_backward_forms_with_and_without_the_chunk_weights_gradient(monkeypatch, lean, N, T, D, hidden, depth,
+@pytest.mark.parametrize("form", ["shipped", "lean", "split"])
+@pytest.mark.parametrize("N,T,D,hidden,depth,chunk", [(3, 11, 5, 9, 2, 4), (2, 13, 5, 5, 1, 3), (1, 40, 4, 6, 2, 2),
+                                                     (3, 9, 17, 19, 2, 3)])
+def test_kernel_backward_forms_with_and_without_the_chunk_weights_gradient(monkeypatch, form, N, T, D, hidden, depth,
                                                                            chunk):
-    """Both forms of the depth-1/2 backward (``LEAN_BACKWARD``) against the PyTorch form in float64, for a loss on
-    the outputs and the end state only (what every call that ends on a chunk boundary gives, in every recipe) and
-    one that also reaches the last chunk's start weights ``wg``: ending inside a chunk, depth 1 and 2, several
-    recompute groups. The lean form is compiled without wg's gradient where the loss does not reach it
-    (``HAS_WG=False``); the shipped one always reads it (zeros where missing)."""
+    """The three forms of the depth-1/2 backward (``LEAN_BACKWARD``, ``SPLIT_BACKWARD``) against the PyTorch form
+    in float64, for a loss on the outputs and the end state only (what every call that ends on a chunk boundary
+    gives, in every recipe) and one that also reaches the last chunk's start weights ``wg``: ending inside a chunk,
+    depth 1 and 2, several recompute groups. The lean and split forms are compiled without wg's gradient where
+    the loss does not reach it (``HAS_WG=False``); the shipped one always reads it (zeros where missing). The
+    split form launches its three kernels once per recompute group, last group first, the chunks' own part with
+    one program per chunk of the group."""
     monkeypatch.setattr(triton_kernels, "SCRATCH_BYTES", 0)
-    monkeypatch.setattr(triton_kernels, "LEAN_BACKWARD", lean)
+    monkeypatch.setattr(triton_kernels, "LEAN_BACKWARD", form == "lean")
+    monkeypatch.setattr(triton_kernels, "SPLIT_BACKWARD", form == "split")
     spy = _LaunchSpy(triton_kernels._bwd_kernel)
     monkeypatch.setattr(triton_kernels, "_bwd_kernel", spy)
+    carry = _LaunchSpy(triton_kernels._bwd_carry_kernel, ("HAS_WG",))
+    monkeypatch.setattr(triton_kernels, "_bwd_carry_kernel", carry)
+    local = _LaunchSpy(triton_kernels._bwd_local_kernel, ())
+    monkeypatch.setattr(triton_kernels, "_bwd_local_kernel", local)
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     ins, ref, out = _both(gen, N, T, D, hidden, depth, chunk)
     cots = [torch.randn(r.shape, generator=gen, dtype=torch.float64).to(DEVICE) for r in ref]
@@ -141,16 +151,30 @@ def test_kernel_backward_forms_with_and_without_the_chunk_weights_gradient(monke
         for name, a, b in zip(["q", "k", "v", "lr", "log_eta", "log_keep", "w", "s"], g_out, g_ref):
             assert torch.isfinite(a).all(), f"d{name}: non-finite"
             assert _rel(a, b) < 1e-4, (f"d{name}", reach_wg, _rel(a, b))
-    assert spy.forms == ([(True, False), (True, True)] if lean else [(False, True), (False, True)])
+    NC = -(-T // chunk)
+    R, nsave = triton_kernels._checkpoints(NC, 0)
+    groups = [min(R, NC - g * R) for g in reversed(range(nsave))]  # chunks per group, in launch order
+    if form == "split":
+        assert spy.forms == [] and carry.forms == [(False,)] * nsave + [(True,)] * nsave
+        assert local.grids == [(N, n) for n in groups] * 2 and nsave > 1
+    else:
+        assert carry.forms == [] and local.forms == []
+        assert spy.forms == ([(True, False), (True, True)] if form == "lean" else [(False, True), (False, True)])
 
 
-def test_kernel_lean_backward_through_aot_autograd(monkeypatch):
-    """The lean backward's operator takes ``None`` for a gradient the loss does not reach (the last chunk's start
-    weights): traced by AOTAutograd (``aot_eager``, as compiled Titans blocks run it) its gradients equal the
-    eager ones, and the traced backward launched the form without that gradient."""
-    monkeypatch.setattr(triton_kernels, "LEAN_BACKWARD", True)
-    spy = _LaunchSpy(triton_kernels._bwd_kernel)
-    monkeypatch.setattr(triton_kernels, "_bwd_kernel", spy)
+@pytest.mark.parametrize("form", ["lean", "split"])
+def test_kernel_lean_backward_through_aot_autograd(monkeypatch, form):
+    """The lean and split backwards' operator takes ``None`` for a gradient the loss does not reach (the last
+    chunk's start weights): traced by AOTAutograd (``aot_eager``, as compiled Titans blocks run it) its gradients
+    equal the eager ones, and the traced backward launched the form without that gradient."""
+    monkeypatch.setattr(triton_kernels, "LEAN_BACKWARD", form == "lean")
+    monkeypatch.setattr(triton_kernels, "SPLIT_BACKWARD", form == "split")
+    if form == "lean":
+        spy = _LaunchSpy(triton_kernels._bwd_kernel)
+        monkeypatch.setattr(triton_kernels, "_bwd_kernel", spy)
+    else:
+        spy = _LaunchSpy(triton_kernels._bwd_carry_kernel, ("HAS_WG",))
+        monkeypatch.setattr(triton_kernels, "_bwd_carry_kernel", spy)
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     ins = [x.float().requires_grad_(True) for x in _inputs(gen, 2, 11, 5, 7, 2)]
 
@@ -164,7 +188,7 @@ def test_kernel_lean_backward_through_aot_autograd(monkeypatch):
     traced = torch.autograd.grad(torch.compile(loss, backend="aot_eager", fullgraph=True)(*ins), ins)
     for a, b in zip(traced, eager):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
-    assert spy.forms == [(True, False), (True, False)]
+    assert spy.forms == ([(True, False), (True, False)] if form == "lean" else [(False,), (False,)])
 
 
 @pytest.mark.parametrize("N,NC,C", [(3, 2, 4), (2, 3, 7), (1, 2, 16), (2, 1, 19)])
@@ -198,13 +222,15 @@ def test_kernel_coefficients_match_reference_forward_and_backward(N, NC, C):
             assert _rel(g, r) < 1e-5 or (r.abs().max() == 0 and g.abs().max() == 0), name
 
 
-@pytest.mark.parametrize("depth", [1, 2, 3])
-def test_kernel_backward_at_every_checkpoint_spacing(monkeypatch, depth):
+@pytest.mark.parametrize("depth,split", [(1, False), (2, False), (3, False), (1, True), (2, True)])
+def test_kernel_backward_at_every_checkpoint_spacing(monkeypatch, depth, split):
     """The backward restarts from every R-th chunk's saved state (R from the scratch budget, at least
     ceil(sqrt(n_chunks))): 7 chunks at R = 3 (the smallest; a partial last group), 5 (partial), 7 (one group,
     the default here: only the first chunk's state saved) against the float64 reference, outputs and every
-    gradient."""
+    gradient; at depth 1-2 also the split backward (``SPLIT_BACKWARD``)."""
     from memtrain.kernels.titans import triton_deep
+
+    monkeypatch.setattr(triton_kernels, "SPLIT_BACKWARD", split)
 
     N, T, D, hidden, chunk = 1, 13, 5, 7, 2  # 7 chunks, the last partial
     state = 8 * N * (D * hidden + hidden * D if depth == 2 else D * D if depth == 1 else 3 * 16 * 16)
@@ -605,16 +631,20 @@ def _unspecialised(kernel) -> set:
     return set(kernel.kwargs["do_not_specialize"] or ())
 
 
-def test_kernel_lengths_share_one_compiled_binary(monkeypatch):
+@pytest.mark.parametrize("split", [False, True])
+def test_kernel_lengths_share_one_compiled_binary(monkeypatch, split):
     """Triton compiles one binary per specialisation of a kernel's integer arguments (equal to 1, divisible by
     16) and per constexpr value. Calls of a model differ in length (a MAC segment, a whole MAG sequence, a
     benchmark's warm-up), so every argument that changes with the length must be left unspecialised and every
     constexpr must not change with it; else each new length costs another 10-30 s compile of each kernel (the
-    layer benchmark ran out of time on an H200 recompiling). Launches are recorded, not run."""
+    layer benchmark ran out of time on an H200 recompiling). Launches are recorded, not run. ``split``: the
+    split backward's three kernels (launched per recompute group) in place of ``_bwd_kernel``."""
     import inspect
 
     from memtrain.kernels.titans import triton_deep
 
+    monkeypatch.setattr(triton_kernels, "SPLIT_BACKWARD", split)
+    monkeypatch.setattr(triton_kernels, "SCRATCH_BYTES", 0)  # several recompute groups per call
     calls: dict = {}
 
     class Record:
@@ -626,7 +656,8 @@ def test_kernel_lengths_share_one_compiled_binary(monkeypatch):
                 calls.setdefault(self.name, []).append((args, kwargs))
             return launch
 
-    kernels = {(triton_kernels, "_fwd_kernel"), (triton_kernels, "_bwd_kernel"),
+    backward = ["_bwd_recompute_kernel", "_bwd_local_kernel", "_bwd_carry_kernel"] if split else ["_bwd_kernel"]
+    kernels = {(triton_kernels, "_fwd_kernel"), *((triton_kernels, name) for name in backward),
                (triton_deep, "_fwd_deep_kernel"), (triton_deep, "_bwd_deep_kernel")}
     unspecialised = {name: _unspecialised(getattr(mod, name)) for mod, name in kernels}
     arg_names = {name: list(inspect.signature(getattr(mod, name).fn).parameters) for mod, name in kernels}
@@ -643,7 +674,7 @@ def test_kernel_lengths_share_one_compiled_binary(monkeypatch):
             y.sum().backward()
     assert set(calls) == {name for _, name in kernels}
     for name, launches in calls.items():
-        assert len(launches) == 5, name
+        assert len(launches) == 5 or split and name in backward and len(launches) > 5, name  # split: per group
         first_args, first_kwargs = launches[0]
         positional = [n for n in arg_names[name] if n not in first_kwargs]
         varying = {positional[i] for i, a in enumerate(first_args)

@@ -160,13 +160,14 @@ PLAN: list[Phase] = [
     Phase("titans_kernel_tune", [PY, "benchmarks/titans_kernels.py", "--shapes", TUNE_SHAPES, "--warps", TUNE_WARPS],
           150,
           about="the scan kernels alone at the recipes' shapes (mac and mag share compiled kernels) and the layer "
-                "target under the shipped num_warps and 16 (4 spills 2-3x more, --static), the backward's lean form "
-                "(triton_kernels.LEAN_BACKWARD) and the any-depth kernels (state in memory) beside them: time, "
-                "registers, spills, each loop's local-memory traffic as the device's Triton compiled it, error "
-                "against the shipped launch. Compiled for sm_90 with Triton 3.6 on a CPU, the shipped depth-2 "
-                "backward's spills move 3,952 KiB per chunk and program at chunk 16 (8,573 at chunk 64), the lean "
-                "form's 2,982 (8,484), 16 warps' 5,014 (22,894): whether that traffic predicts the time, and "
-                "whether the lean form should ship"),
+                "target under the shipped num_warps and 16 (4 spills 2-3x more, --static), the backward's lean and "
+                "split forms (triton_kernels.LEAN_BACKWARD, SPLIT_BACKWARD) and the any-depth kernels (state in "
+                "memory) beside them: time, registers, spills, each loop's local-memory traffic as the device's "
+                "Triton compiled it, error against the shipped launch. Compiled for sm_90 with Triton 3.6 on a CPU, "
+                "the shipped depth-2 backward's spills move 3,952 KiB per chunk and program at chunk 16 (8,573 at "
+                "chunk 64), the lean form's 2,982 (8,484), 16 warps' 5,014 (22,894); the split form's loops over "
+                "chunks 2,420 (4,826) in 8,016 instructions per chunk against 9,981 (16,327 against 25,038), beside "
+                "one parallel program per chunk: whether that traffic predicts the time, and which form should ship"),
     # Eager MAC computes its per-segment weight gradients once (memtrain.model.grouped_linear): checked in bf16
     # against the per-use sums and fp32 (passed on an H200, 2026-11-27); if that fails the later phases run without
     # it. After 400m-mag (which does not group), before MAC.

@@ -33,10 +33,10 @@ import subprocess
 import tempfile
 from typing import Optional
 
-KERNELS = ("fwd", "bwd", "coef_fwd", "coef_bwd", "qkv_fwd", "qkv_bwd", "gates_fwd", "gates_bwd", "out_fwd",
-           "out_bwd", "rope_fwd", "rope_bwd")
+KERNELS = ("fwd", "bwd", "bwd_recompute", "bwd_local", "bwd_carry", "coef_fwd", "coef_bwd", "qkv_fwd", "qkv_bwd",
+           "gates_fwd", "gates_bwd", "out_fwd", "out_bwd", "rope_fwd", "rope_bwd")
 # The scan kernels' integer arguments; every other non-constexpr argument is a pointer.
-_INTS = {"NC", "Tp", "N_LAST", "SAVE_EVERY", "NSAVE", "C", "D", "H1"}
+_INTS = {"NC", "Tp", "N_LAST", "SAVE_EVERY", "NSAVE", "C", "D", "H1", "grp", "c0", "c1"}
 _HALF = {"Q", "K", "V"}  # q, k, v reach the kernels in the activations' half precision in training
 _PTXAS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads.*?Used (\d+) registers", re.S)
 
@@ -97,30 +97,40 @@ def sass_loops(sass: str) -> list[dict]:
         if m and m.group(1) in labels and labels[m.group(1)] < addr:
             spans.append((labels[m.group(1)], addr))
     inner = [(lo, hi) for lo, hi in spans if not any((a, b) != (lo, hi) and lo <= a and b <= hi for a, b in spans)]
-    loops = []
-    for lo, hi in sorted(set(inner)):
-        body = [text for addr, text in code if lo <= addr <= hi]
-        loops.append({"instructions": len(body), "local_loads": sum(bool(_SASS_LOCAL_LOAD.search(t)) for t in body),
-                      "local_stores": sum(bool(_SASS_LOCAL_STORE.search(t)) for t in body),
-                      "local_bytes": sum(_local_bytes(t) for t in body),
-                      "shared": sum(bool(_SASS_SHARED.search(t)) for t in body),
-                      "barriers": sum(bool(_SASS_BARRIER.search(t)) for t in body),
-                      "mma": sum(bool(_SASS_MMA.search(t)) for t in body)})
-    return loops
+    return [_figures([text for addr, text in code if lo <= addr <= hi]) for lo, hi in sorted(set(inner))]
 
 
-def cubin_loops(cubin: bytes, num_warps: int) -> Optional[list[dict]]:
+def _figures(body: list[str]) -> dict:
+    """:func:`sass_loops`' figures of a list of SASS instructions."""
+    return {"instructions": len(body), "local_loads": sum(bool(_SASS_LOCAL_LOAD.search(t)) for t in body),
+            "local_stores": sum(bool(_SASS_LOCAL_STORE.search(t)) for t in body),
+            "local_bytes": sum(_local_bytes(t) for t in body),
+            "shared": sum(bool(_SASS_SHARED.search(t)) for t in body),
+            "barriers": sum(bool(_SASS_BARRIER.search(t)) for t in body),
+            "mma": sum(bool(_SASS_MMA.search(t)) for t in body)}
+
+
+def sass_program(sass: str) -> dict:
+    """:func:`sass_loops`' figures for the whole kernel, each instruction counted once (what one program of a
+    kernel without loops executes)."""
+    return _figures([m.group(2) for m in map(_SASS_ADDR.search, sass.splitlines()) if m])
+
+
+def cubin_loops(cubin: bytes, num_warps: int, whole: bool = False):
     """:func:`sass_loops` of a compiled kernel launched with ``num_warps``, each loop with its
     ``local_kib_per_program`` (the local bytes one iteration moves per thread, times the program's threads); None
-    where Triton ships no ``nvdisasm``."""
-    loops = _loops(cubin)
-    for loop in loops or ():
-        loop["local_kib_per_program"] = round(loop["local_bytes"] * 32 * num_warps / 1024, 1)
-    return loops
+    where Triton ships no ``nvdisasm``. ``whole``: ``(loops, program)``, with :func:`sass_program`'s figures."""
+    sass = _sass(cubin)
+    if sass is None:
+        return (None, None) if whole else None
+    loops, program = sass_loops(sass), sass_program(sass)
+    for fig in (*loops, program):
+        fig["local_kib_per_program"] = round(fig["local_bytes"] * 32 * num_warps / 1024, 1)
+    return (loops, program) if whole else loops
 
 
-def _loops(cubin: bytes) -> Optional[list[dict]]:
-    """:func:`sass_loops` of a compiled kernel, or None where Triton ships no ``nvdisasm``."""
+def _sass(cubin: bytes) -> Optional[str]:
+    """A compiled kernel's SASS (``nvdisasm -c``), or None where Triton ships no ``nvdisasm``."""
     import triton.backends.nvidia as nvidia
 
     tool = os.path.join(os.path.dirname(nvidia.__file__), "bin", "nvdisasm")
@@ -130,8 +140,7 @@ def _loops(cubin: bytes) -> Optional[list[dict]]:
         path = os.path.join(tmp, "kernel.cubin")
         with open(path, "wb") as f:
             f.write(cubin)
-        sass = subprocess.run([tool, "-c", path], capture_output=True, text=True, check=True, timeout=300).stdout
-    return sass_loops(sass)
+        return subprocess.run([tool, "-c", path], capture_output=True, text=True, check=True, timeout=300).stdout
 
 
 def compile_kernel(kernel: str, depth: int = 2, head_dim: int = 64, hidden: int = 128, chunk: int = 16, *,
@@ -139,7 +148,8 @@ def compile_kernel(kernel: str, depth: int = 2, head_dim: int = 64, hidden: int 
                    any_depth: Optional[bool] = None, lean: bool = False) -> dict:
     """Compile one Titans kernel for ``sm_<arch>`` and report it: ``kernel`` one of :data:`KERNELS` (the scan's
     forward / backward at ``depth`` -- the register-resident pair at depth 1-2, the any-depth pair at 3+ or where
-    ``any_depth`` -- the chunk coefficients' at ``chunk``, the layer's prologue, q/k/v at ``head_dim`` and the
+    ``any_depth`` -- the split backward's three kernels at depth 1-2 (``bwd_recompute``, ``bwd_local``,
+    ``bwd_carry``: :data:`memtrain.kernels.titans.triton_kernels.SPLIT_BACKWARD`), the chunk coefficients' at ``chunk``, the layer's prologue, q/k/v at ``head_dim`` and the
     gates for up to 21 heads, its output stage at ``head_dim``, or RoPE's pair at ``head_dim``), ``head_dim`` and
     ``hidden`` (the memory's widths), ``num_warps`` (default: what the kernels launch with), ``half`` the dtype of
     q / k / v (``bf16``, ``fp16`` or ``fp32``), ``lean`` the depth-1/2 backward's lean form
@@ -148,7 +158,8 @@ def compile_kernel(kernel: str, depth: int = 2, head_dim: int = 64, hidden: int 
     ``spill_loads`` (bytes of spill instructions in the compiled code, per thread) and ``loops`` (each innermost
     loop's instructions, local-memory loads and stores and their bytes, shared-memory accesses, barriers and
     tensor-core instructions per iteration and thread, :func:`sass_loops`, and ``local_kib_per_program``: the
-    local bytes times the program's threads; None without ``nvdisasm``)."""
+    local bytes times the program's threads; None without ``nvdisasm``) and ``program`` (the same figures for the
+    whole kernel, each instruction once: what one program of a kernel without loops runs)."""
     import triton
     from triton import knobs
     from triton.backends.compiler import GPUTarget
@@ -203,6 +214,9 @@ def compile_kernel(kernel: str, depth: int = 2, head_dim: int = 64, hidden: int 
         scan = False
     else:
         deep = depth >= DEEP_KERNEL_MIN_DEPTH if any_depth is None else any_depth
+        if deep and kernel not in ("fwd", "bwd"):
+            raise ValueError(f"the split backward ({kernel!r}) is the depth-1/2 kernels' only; got depth {depth}"
+                             f"{' with any_depth' if any_depth else ''}")
         mod = triton_deep if deep else tk
         fn = getattr(mod, f"_{kernel}_deep_kernel" if deep else f"_{kernel}_kernel")
         consts = mod._launch_shape(head_dim, hidden, chunk)
@@ -213,6 +227,8 @@ def compile_kernel(kernel: str, depth: int = 2, head_dim: int = 64, hidden: int 
         consts.update(DOT=dot, DEPTH=depth)
         if "LEAN" in fn.arg_names:  # the depth-1/2 backward's form (triton_kernels.LEAN_BACKWARD); the lean one as
             consts.update(LEAN=lean, HAS_WG=not lean)  # a recipe's call would run it, without wg's gradient
+        elif "HAS_WG" in fn.arg_names:  # the split backward's carried part, as a recipe's call runs it
+            consts.update(HAS_WG=False)
         ptr = {"fp32": "*fp32", "bf16": "*bf16", "fp16": "*fp16"}[half]
         sig = {n: "constexpr" if n in consts else "i32" if n in _INTS else ptr if n in _HALF else "*fp32"
                for n in fn.arg_names}
@@ -226,10 +242,10 @@ def compile_kernel(kernel: str, depth: int = 2, head_dim: int = 64, hidden: int 
             compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=launch)
     finally:
         knobs.nvidia.dump_ptxas_log, knobs.compilation.always_compile = saved
-    loops = cubin_loops(compiled.asm["cubin"], launch["num_warps"])
+    loops, program = cubin_loops(compiled.asm["cubin"], launch["num_warps"], whole=True)
     return {"kernel": kernel, "depth": depth if scan else None, "any_depth": deep if scan else None,
             "head_dim": head_dim, "hidden": hidden, "chunk": chunk, "half": half, "capability": arch, **launch,
-            "shared": compiled.metadata.shared, **_ptxas_figures(log.getvalue()), "loops": loops}
+            "shared": compiled.metadata.shared, **_ptxas_figures(log.getvalue()), "loops": loops, "program": program}
 
 
-__all__ = ["KERNELS", "compile_kernel", "cubin_loops", "sass_loops"]
+__all__ = ["KERNELS", "compile_kernel", "cubin_loops", "sass_loops", "sass_program"]

@@ -256,6 +256,60 @@ def _fwd_kernel(Q, K, V, DEC, CAR, MIX, EEND, MEND, W1, S1, W2, S2,
         _store_mat(S2o + n * sz, s2, D, H1, offs_d, offs_h)
 
 
+@triton.jit
+def _recompute_group(SW1, SS1, SW2, SS2, R1, RS1, R2, RS2, K, V, DEC, CAR, MIX, EEND, MEND, n, grp, c0, c1, NC, Tp,
+                     N_LAST, SAVE_EVERY, NSAVE, C, D, H1, offs_c, offs_d, offs_h, DEPTH: tl.constexpr,
+                     DOT: tl.constexpr):
+    """The chunk-start states of chunks ``c0 .. c1 - 1`` (group ``grp``, from the state the forward saved at its
+    start) into the scratch ``R1, RS1, R2, RS2`` (``[N, SAVE_EVERY, ...]``)."""
+    sz = H1 * D
+    w1 = _load_mat(SW1 + (n * NSAVE + grp) * sz, H1, D, offs_h, offs_d)
+    s1 = _load_mat(SS1 + (n * NSAVE + grp) * sz, H1, D, offs_h, offs_d)
+    w2 = _load_mat(SW2 + (n * NSAVE + grp) * sz, D, H1, offs_d, offs_h)
+    s2 = _load_mat(SS2 + (n * NSAVE + grp) * sz, D, H1, offs_d, offs_h)
+    for c in range(c0, c1):
+        j = c - c0
+        _store_mat(R1 + (n * SAVE_EVERY + j) * sz, w1, H1, D, offs_h, offs_d)
+        _store_mat(RS1 + (n * SAVE_EVERY + j) * sz, s1, H1, D, offs_h, offs_d)
+        if DEPTH == 2:
+            _store_mat(R2 + (n * SAVE_EVERY + j) * sz, w2, D, H1, offs_d, offs_h)
+            _store_mat(RS2 + (n * SAVE_EVERY + j) * sz, s2, D, H1, offs_d, offs_h)
+        k = _rows(K, n, c, Tp, C, D, offs_c, offs_d)
+        v = _rows(V, n, c, Tp, C, D, offs_c, offs_d)
+        last, dec, car, mix, ee, me, ml, dec_l, car_l = _coefs(DEC, CAR, MIX, EEND, MEND, n, c, NC, C, N_LAST, offs_c)
+        if DEPTH == 2:
+            z1, a1, sg, dsilu, e1, d1, d2 = _inner2(k, v, w1, w2, DOT)
+            w2, s2 = _advance(w2, s2, d2, a1, ml, me, dec_l, car_l, ee, DOT)
+        else:
+            d1 = 2.0 * (_mm(k, tl.trans(w1), DOT) - v)
+        w1, s1 = _advance(w1, s1, d1, k, ml, me, dec_l, car_l, ee, DOT)
+
+
+@triton.jit
+def _delta_grads(dd1, dd2, da1, z1, sg, dsilu, e1, d2, a1, k, w1, w2, dk, dw1, dw2, DEPTH: tl.constexpr,
+                 DOT: tl.constexpr):
+    """Gradients through the per-token gradients at the chunk-start weights, given those of their factors (the
+    deltas ``dd1``, ``dd2`` and layer 2's inputs ``da1``; depth 1 ``d1 = 2 (W1 k - v)``, depth 2 the MLP's deltas
+    with the second-order terms through ``silu''``): added to ``dk``, ``dw1``, ``dw2``, and ``dv``. Linear in
+    ``(dd1, dd2, da1)``. At depth 1 the MLP's arguments are placeholders."""
+    if DEPTH == 2:
+        de1 = dd1 * dsilu
+        dz1 = dd1 * e1 * sg * (1.0 - sg) * (2.0 + z1 * (1.0 - 2.0 * sg))
+        dd2 += _mm(de1, tl.trans(w2), DOT)
+        dw2 += _mm(tl.trans(d2), de1, DOT)
+        dz2 = 2.0 * dd2
+        dv = -dz2
+        dw2 += _mm(tl.trans(dz2), a1, DOT)
+        da1 += _mm(dz2, w2, DOT)
+        dz1 += da1 * dsilu
+    else:
+        dz1 = 2.0 * dd1
+        dv = -dz1
+    dw1 += _mm(tl.trans(dz1), k, DOT)
+    dk += _mm(dz1, w1, DOT)
+    return dk, dv, dw1, dw2
+
+
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
 def _bwd_kernel(Q, K, V, DY, DEC, CAR, MIX, EEND, MEND, SW1, SS1, SW2, SS2, R1, RS1, R2, RS2,
                 DW1o, DS1o, DW2o, DS2o, DWG1, DWG2,
@@ -280,28 +334,8 @@ def _bwd_kernel(Q, K, V, DY, DEC, CAR, MIX, EEND, MEND, SW1, SS1, SW2, SS2, R1, 
         grp = NSAVE - 1 - gi
         c0 = grp * SAVE_EVERY
         c1 = tl.minimum(c0 + SAVE_EVERY, NC)
-        # recompute the chunk-start states of this group into the scratch
-        w1 = _load_mat(SW1 + (n * NSAVE + grp) * sz, H1, D, offs_h, offs_d)
-        s1 = _load_mat(SS1 + (n * NSAVE + grp) * sz, H1, D, offs_h, offs_d)
-        w2 = _load_mat(SW2 + (n * NSAVE + grp) * sz, D, H1, offs_d, offs_h)
-        s2 = _load_mat(SS2 + (n * NSAVE + grp) * sz, D, H1, offs_d, offs_h)
-        for c in range(c0, c1):
-            j = c - c0
-            _store_mat(R1 + (n * SAVE_EVERY + j) * sz, w1, H1, D, offs_h, offs_d)
-            _store_mat(RS1 + (n * SAVE_EVERY + j) * sz, s1, H1, D, offs_h, offs_d)
-            if DEPTH == 2:
-                _store_mat(R2 + (n * SAVE_EVERY + j) * sz, w2, D, H1, offs_d, offs_h)
-                _store_mat(RS2 + (n * SAVE_EVERY + j) * sz, s2, D, H1, offs_d, offs_h)
-            k = _rows(K, n, c, Tp, C, D, offs_c, offs_d)
-            v = _rows(V, n, c, Tp, C, D, offs_c, offs_d)
-            last, dec, car, mix, ee, me, ml, dec_l, car_l = _coefs(DEC, CAR, MIX, EEND, MEND, n, c, NC, C, N_LAST,
-                                                              offs_c)
-            if DEPTH == 2:
-                z1, a1, sg, dsilu, e1, d1, d2 = _inner2(k, v, w1, w2, DOT)
-                w2, s2 = _advance(w2, s2, d2, a1, ml, me, dec_l, car_l, ee, DOT)
-            else:
-                d1 = 2.0 * (_mm(k, tl.trans(w1), DOT) - v)
-            w1, s1 = _advance(w1, s1, d1, k, ml, me, dec_l, car_l, ee, DOT)
+        _recompute_group(SW1, SS1, SW2, SS2, R1, RS1, R2, RS2, K, V, DEC, CAR, MIX, EEND, MEND, n, grp, c0, c1, NC,
+                         Tp, N_LAST, SAVE_EVERY, NSAVE, C, D, H1, offs_c, offs_d, offs_h, DEPTH, DOT)
         tl.debug_barrier()  # the scratch is written by other threads of this program
         for ci in range(c1 - c0):
             c = c1 - 1 - ci
@@ -376,20 +410,11 @@ def _bwd_kernel(Q, K, V, DY, DEC, CAR, MIX, EEND, MEND, SW1, SS1, SW2, SS2, R1, 
             # the per-token gradients at the chunk-start weights: d1 = 2 (W1 k - v) (depth 1), or the deltas of
             # the MLP (depth 2; with the second-order terms through silu'')
             if DEPTH == 2:
-                de1 = dd1 * dsilu
-                dz1 = dd1 * e1 * sg * (1.0 - sg) * (2.0 + z1 * (1.0 - 2.0 * sg))
-                dd2 += _mm(de1, tl.trans(w2), DOT)
-                dw2 += _mm(tl.trans(d2), de1, DOT)
-                dz2 = 2.0 * dd2
-                dv = -dz2
-                dw2 += _mm(tl.trans(dz2), a1, DOT)
-                da1 += _mm(dz2, w2, DOT)
-                dz1 += da1 * dsilu
+                dk, dv, dw1, dw2 = _delta_grads(dd1, dd2, da1, z1, sg, dsilu, e1, d2, a1, k, w1, w2, dk, dw1, dw2,
+                                                DEPTH, DOT)
             else:
-                dz1 = 2.0 * dd1
-                dv = -dz1
-            dw1 += _mm(tl.trans(dz1), k, DOT)
-            dk += _mm(dz1, w1, DOT)
+                dk, dv, dw1, _ = _delta_grads(dd1, dd1, dd1, dd1, dd1, dd1, dd1, dd1, dd1, k, w1, w1, dk, dw1, dw1,
+                                              DEPTH, DOT)
             _store_chunk_grads(DQ, DK, DV, DDEC, DCAR, DMIX, DEEND, DMEND, dq, dk, dv, ddec, dcar, dmix, dee, dme,
                                ddec_l, dcar_l, dml, n, c, NC, Tp, C, D, last, offs_c, offs_d)
             # the chunk-start state's gradients become the previous chunk's end-state gradients
@@ -411,6 +436,177 @@ def _bwd_kernel(Q, K, V, DY, DEC, CAR, MIX, EEND, MEND, SW1, SS1, SW2, SS2, R1, 
                 if DEPTH == 2:
                     g2 += at_last * gwg2
         tl.debug_barrier()  # before the next group overwrites the scratch
+    _store_mat(DW1 + n * sz, g1, H1, D, offs_h, offs_d)
+    _store_mat(DS1 + n * sz, gs1, H1, D, offs_h, offs_d)
+    if DEPTH == 2:
+        _store_mat(DW2 + n * sz, g2, D, H1, offs_d, offs_h)
+        _store_mat(DS2 + n * sz, gs2, D, H1, offs_d, offs_h)
+
+
+# The split backward (SPLIT_BACKWARD): the backward above runs one program per (sequence, head) through every
+# chunk, and everything it computes per chunk waits for the previous chunk's carried gradients. But all of it is
+# affine in those gradients: what the chunk's own outputs send back (the reads' gradients, to q, k, v, the
+# coefficients and the chunk-start state) does not depend on them. So per recompute group, three launches:
+# the group's chunk-start states into the scratch (one program per sequence and head), the chunks' own part (one
+# program per chunk of every sequence and head, all in parallel: the reads and their gradients, the part of the
+# work that needs q, dy and the [C, C] mixing products), and the carried part (one program per sequence and
+# head, in reverse: the end-state terms, the per-token gradients' chain and the chunk-local state gradients
+# loaded back). The sequential loop then does the end-state terms and the chain only.
+
+
+@triton.jit(do_not_specialize=_RUNTIME_INTS + ["grp", "c0", "c1"])
+def _bwd_recompute_kernel(K, V, DEC, CAR, MIX, EEND, MEND, SW1, SS1, SW2, SS2, R1, RS1, R2, RS2, grp, c0, c1,
+                          NC, Tp, N_LAST, SAVE_EVERY, NSAVE, C, D, H1,
+                          DEPTH: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr,
+                          DOT: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    _recompute_group(SW1, SS1, SW2, SS2, R1, RS1, R2, RS2, K, V, DEC, CAR, MIX, EEND, MEND, n, grp, c0, c1, NC, Tp,
+                     N_LAST, SAVE_EVERY, NSAVE, C, D, H1, tl.arange(0, BC), tl.arange(0, BD), tl.arange(0, BH),
+                     DEPTH, DOT)
+
+
+@triton.jit(do_not_specialize=_RUNTIME_INTS + ["c0"])
+def _bwd_local_kernel(Q, K, V, DY, DEC, CAR, MIX, EEND, MEND, R1, RS1, R2, RS2, L1, LS1, L2, LS2,
+                      DQ, DK, DV, DDEC, DCAR, DMIX, c0, NC, Tp, N_LAST, SAVE_EVERY, C, D, H1,
+                      DEPTH: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr,
+                      DOT: tl.constexpr):
+    """Chunk ``c0 + program_id(1)``'s own part of the backward: everything its outputs' gradient ``dy`` reaches at
+    its chunk-start state (read from the scratch ``R*``), as if the chunk-end state's gradients were zero. Writes
+    the gradients of q (final), k, v and the coefficients (the carried part adds its own), and those of the
+    chunk-start state into ``L*`` (``[N, SAVE_EVERY, ...]``, as the scratch)."""
+    n = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    c = c0 + j
+    offs_c = tl.arange(0, BC)
+    offs_d = tl.arange(0, BD)
+    offs_h = tl.arange(0, BH)
+    sz = H1 * D
+    at = (n * SAVE_EVERY + j) * sz
+    w1 = _load_mat(R1 + at, H1, D, offs_h, offs_d)
+    s1 = _load_mat(RS1 + at, H1, D, offs_h, offs_d)
+    q, k, v = _qkv(Q, K, V, n, c, Tp, C, D, offs_c, offs_d)
+    dy = _rows(DY, n, c, Tp, C, D, offs_c, offs_d)
+    last, dec, car, mix, ee, me, ml, dec_l, car_l = _coefs(DEC, CAR, MIX, EEND, MEND, n, c, NC, C, N_LAST, offs_c)
+    if DEPTH == 2:
+        w2 = _load_mat(R2 + at, D, H1, offs_d, offs_h)
+        s2 = _load_mat(RS2 + at, D, H1, offs_d, offs_h)
+        z1, a1, sg, dsilu, e1, d1, d2 = _inner2(k, v, w1, w2, DOT)
+        zh, p1, qw1, qs1 = _read(q, w1, s1, k, d1, dec, car, mix, DOT)
+        sh = tl.sigmoid(zh)
+        h = zh * sh
+        _, p2, hw2, hs2 = _read(h, w2, s2, a1, d2, dec, car, mix, DOT)
+        dh, da1, dd2, dw2, ds2, ddec, dcar, dmix = _read_grads(dy, h, w2, s2, a1, d2, p2, hw2, hs2, dec, car, mix,
+                                                               DOT)
+        dz_q = dh * (sh + h * (1.0 - sh))
+    else:
+        d1 = 2.0 * (_mm(k, tl.trans(w1), DOT) - v)
+        _, p1, qw1, qs1 = _read(q, w1, s1, k, d1, dec, car, mix, DOT)
+        dz_q = dy
+    dq, dk, dd1, dw1, ds1, ddec1, dcar1, dmix1 = _read_grads(dz_q, q, w1, s1, k, d1, p1, qw1, qs1, dec, car, mix,
+                                                             DOT)
+    if DEPTH == 2:
+        ddec += ddec1
+        dcar += dcar1
+        dmix += dmix1
+        dk, dv, dw1, dw2 = _delta_grads(dd1, dd2, da1, z1, sg, dsilu, e1, d2, a1, k, w1, w2, dk, dw1, dw2, DEPTH,
+                                        DOT)
+        _store_mat(L2 + at, dw2, D, H1, offs_d, offs_h)
+        _store_mat(LS2 + at, ds2, D, H1, offs_d, offs_h)
+    else:
+        ddec, dcar, dmix = ddec1, dcar1, dmix1
+        dk, dv, dw1, _ = _delta_grads(dd1, dd1, dd1, dd1, dd1, dd1, dd1, dd1, dd1, k, w1, w1, dk, dw1, dw1, DEPTH,
+                                      DOT)
+    _store_mat(L1 + at, dw1, H1, D, offs_h, offs_d)
+    _store_mat(LS1 + at, ds1, H1, D, offs_h, offs_d)
+    mc = offs_c < C
+    lower = (offs_c[:, None] >= offs_c[None, :]) & mc[:, None] & mc[None, :]
+    base = n * NC + c
+    tl.store(DDEC + base * C + offs_c, ddec, mask=mc)
+    tl.store(DCAR + base * C + offs_c, dcar, mask=mc)
+    tl.store(DMIX + base * C * C + offs_c[:, None] * C + offs_c[None, :], tl.where(lower, dmix, 0.0),
+             mask=mc[:, None] & mc[None, :])
+    _store_rows(DQ, dq, n, c, Tp, C, D, offs_c, offs_d)
+    _store_rows(DK, dk, n, c, Tp, C, D, offs_c, offs_d)
+    _store_rows(DV, dv, n, c, Tp, C, D, offs_c, offs_d)
+
+
+@triton.jit(do_not_specialize=_RUNTIME_INTS + ["c0", "c1"])
+def _bwd_carry_kernel(K, V, DEC, CAR, MIX, EEND, MEND, R1, RS1, R2, RS2, L1, LS1, L2, LS2, G1, GS1, G2, GS2, DWG1,
+                      DWG2, DK, DV, DDEC, DCAR, DMIX, DEEND, DMEND, DW1, DS1, DW2, DS2, c0, c1,
+                      NC, Tp, N_LAST, SAVE_EVERY, C, D, H1,
+                      DEPTH: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr,
+                      DOT: tl.constexpr, HAS_WG: tl.constexpr):
+    """The carried part of the backward over chunks ``c1 - 1`` down to ``c0``: from the gradients of the group's
+    end state (``G*``), per chunk the end-state terms, the chain through the per-token gradients, and the
+    chunk-start state's gradients (with the chunk's own part from ``L*``), added to what
+    :func:`_bwd_local_kernel` wrote. Leaves the group's start state's gradients in ``DW1 .. DS2``."""
+    n = tl.program_id(0).to(tl.int64)
+    offs_c = tl.arange(0, BC)
+    offs_d = tl.arange(0, BD)
+    offs_h = tl.arange(0, BH)
+    sz = H1 * D
+    g1 = _load_mat(G1 + n * sz, H1, D, offs_h, offs_d)
+    gs1 = _load_mat(GS1 + n * sz, H1, D, offs_h, offs_d)
+    g2 = _load_mat(G2 + n * sz, D, H1, offs_d, offs_h)
+    gs2 = _load_mat(GS2 + n * sz, D, H1, offs_d, offs_h)
+    mc = offs_c < C
+    for ci in range(c1 - c0):
+        c = c1 - 1 - ci
+        j = c - c0
+        at = (n * SAVE_EVERY + j) * sz
+        w1 = _load_mat(R1 + at, H1, D, offs_h, offs_d)
+        s1 = _load_mat(RS1 + at, H1, D, offs_h, offs_d)
+        k = _rows(K, n, c, Tp, C, D, offs_c, offs_d)
+        v = _rows(V, n, c, Tp, C, D, offs_c, offs_d)
+        last, dec, car, mix, ee, me, ml, dec_l, car_l = _coefs(DEC, CAR, MIX, EEND, MEND, n, c, NC, C, N_LAST,
+                                                              offs_c)
+        # the chunk-end state: W' = B_l W + f_l S - ..., S' = E S - ...
+        ddec_l = tl.sum(tl.sum(g1 * w1, axis=1), axis=0)
+        dcar_l = tl.sum(tl.sum(g1 * s1, axis=1), axis=0)
+        dee = tl.sum(tl.sum(gs1 * s1, axis=1), axis=0)
+        if DEPTH == 2:
+            w2 = _load_mat(R2 + at, D, H1, offs_d, offs_h)
+            s2 = _load_mat(RS2 + at, D, H1, offs_d, offs_h)
+            ddec_l += tl.sum(tl.sum(g2 * w2, axis=1), axis=0)
+            dcar_l += tl.sum(tl.sum(g2 * s2, axis=1), axis=0)
+            dee += tl.sum(tl.sum(gs2 * s2, axis=1), axis=0)
+            z1, a1, sg, dsilu, e1, d1, d2 = _inner2(k, v, w1, w2, DOT)
+            dd1, dk, dml, dme = _end_grads(g1, gs1, d1, k, ml, me, DOT)
+            dd2, da1, dml2, dme2 = _end_grads(g2, gs2, d2, a1, ml, me, DOT)
+            dml += dml2
+            dme += dme2
+            dw2 = dec_l * g2 + _load_mat(L2 + at, D, H1, offs_d, offs_h)
+            gs2 = car_l * g2 + ee * gs2 + _load_mat(LS2 + at, D, H1, offs_d, offs_h)
+            dw1 = dec_l * g1 + _load_mat(L1 + at, H1, D, offs_h, offs_d)
+            gs1 = car_l * g1 + ee * gs1 + _load_mat(LS1 + at, H1, D, offs_h, offs_d)
+            dk, dv, g1, g2 = _delta_grads(dd1, dd2, da1, z1, sg, dsilu, e1, d2, a1, k, w1, w2, dk, dw1, dw2, DEPTH,
+                                          DOT)
+        else:
+            d1 = 2.0 * (_mm(k, tl.trans(w1), DOT) - v)
+            dd1, dk, dml, dme = _end_grads(g1, gs1, d1, k, ml, me, DOT)
+            dw1 = dec_l * g1 + _load_mat(L1 + at, H1, D, offs_h, offs_d)
+            gs1 = car_l * g1 + ee * gs1 + _load_mat(LS1 + at, H1, D, offs_h, offs_d)
+            dk, dv, g1, _ = _delta_grads(dd1, dd1, dd1, dd1, dd1, dd1, dd1, dd1, dd1, k, w1, w1, dk, dw1, dw1, DEPTH,
+                                         DOT)
+        # added to the chunk's own part: the rows of k and v, the end row of B, f and c, and E_end, m_end
+        m = mc[:, None] & (offs_d[None, :] < D)
+        off = (n * Tp + c * C + offs_c[:, None]) * D + offs_d[None, :]
+        tl.store(DK + off, tl.load(DK + off, mask=m, other=0.0) + dk, mask=m)
+        tl.store(DV + off, tl.load(DV + off, mask=m, other=0.0) + dv, mask=m)
+        base = n * NC + c
+        tl.store(DDEC + base * C + last, tl.load(DDEC + base * C + last) + ddec_l)
+        tl.store(DCAR + base * C + last, tl.load(DCAR + base * C + last) + dcar_l)
+        row = DMIX + (base * C + last) * C + offs_c
+        ml_mask = offs_c <= last
+        tl.store(row, tl.load(row, mask=ml_mask, other=0.0) + dml, mask=ml_mask)
+        tl.store(DEEND + base, dee)
+        tl.store(DMEND + base * C + offs_c, dme, mask=mc)
+        # the last chunk's start weights are also an output (the state's chunk weights)
+        if HAS_WG:
+            if c == NC - 1:
+                g1 += _load_mat(DWG1 + n * sz, H1, D, offs_h, offs_d)
+                if DEPTH == 2:
+                    g2 += _load_mat(DWG2 + n * sz, D, H1, offs_d, offs_h)
     _store_mat(DW1 + n * sz, g1, H1, D, offs_h, offs_d)
     _store_mat(DS1 + n * sz, gs1, H1, D, offs_h, offs_d)
     if DEPTH == 2:
@@ -542,6 +738,13 @@ def _state_bytes(N: int, w1_shape, w2_shape, depth: int) -> int:
 # as it likes, so this is a measurement to make on a GPU (benchmarks/titans_kernels.py times both), not a
 # choice to make from the figures: the shipped form stays the default until then.
 LEAN_BACKWARD = False
+
+# The split backward (:func:`_bwd_local_kernel`, above): per recompute group three launches, the chunks' own part
+# in parallel (one program per chunk) and only the carried part in the loop over chunks, instead of one program
+# per sequence and head doing all of it in sequence. Its scratch is twice the other forms' (the chunk-local state
+# gradients beside the recomputed states). Off until a GPU has timed it (benchmarks/titans_kernels.py,
+# ``split_backward`` rows). Takes precedence over LEAN_BACKWARD.
+SPLIT_BACKWARD = False
 
 
 def _launch_shape(D: int, H1: int, C: int) -> dict:
@@ -699,12 +902,13 @@ def _scan_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dy: torch.Tenso
               car: torch.Tensor, mix: torch.Tensor, e_end: torch.Tensor, m_end: torch.Tensor, sw1: torch.Tensor,
               ss1: torch.Tensor, sw2: torch.Tensor, ss2: torch.Tensor, gw1: torch.Tensor, gs1: torch.Tensor,
               gw2: torch.Tensor, gs2: torch.Tensor, gwg1: Optional[torch.Tensor], gwg2: Optional[torch.Tensor], T: int,
-              C: int, depth: int, lean: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                       torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                       torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+              C: int, depth: int, lean: bool, split: bool) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients of q, k, v, the coefficients and the initial state (layer 2's empty at depth 1) from those
     of ``y``, the end state and the last chunk's start weights (layer 1's in layer 2's slots at depth 1; ``None``
-    where the loss does not reach them, which only the ``lean`` kernel takes: :data:`LEAN_BACKWARD`)."""
+    where the loss does not reach them, which only the ``lean`` and ``split`` forms take: :data:`LEAN_BACKWARD`,
+    :data:`SPLIT_BACKWARD`)."""
     N, Tp, D = q.shape
     NC = Tp // C
     R, nsave = _checkpoints(NC, _state_bytes(N, sw1.shape, sw2.shape, depth))
@@ -721,18 +925,35 @@ def _scan_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dy: torch.Tenso
     if depth == 1:
         dstate[2:] = [q.new_empty(N, 0, 0, dtype=torch.float32) for _ in range(2)]
     has_wg = gwg1 is not None
-    if not has_wg:  # never read (the lean kernel without them): any float32 pointer will do
+    if not has_wg:  # never read (the lean and split kernels without them): any float32 pointer will do
         gwg1 = gwg2 = gw1
-    _bwd_kernel[(N,)](q, k, v, dy.contiguous().float(), dec, car, mix, e_end, m_end, sw1, ss1, sw2, ss2, *scratch,
-                      *(g.contiguous().float() for g in (gw1, gs1, gw2, gs2, gwg1, gwg2)),
-                      dq, dk, dv, *dcoef, *kernel_dstate, NC, Tp, T - (NC - 1) * C, R, nsave, C, D, H1,
-                      DEPTH=depth, DOT=_DOT[q.dtype], LEAN=lean, HAS_WG=has_wg, **_launch_shape(D, H1, C))
+    grads = [g.contiguous().float() for g in (gw1, gs1, gw2, gs2, gwg1, gwg2)]
+    dy = dy.contiguous().float()
+    launch = dict(DEPTH=depth, DOT=_DOT[q.dtype], **_launch_shape(D, H1, C))
+    ints = (NC, Tp, T - (NC - 1) * C, R)
+    if split:  # per group, last first: its states, the chunks' own part, the carried part
+        local = [_empty(N, R, *t.shape[2:], device=q.device) for t in (sw1, ss1, sw2, ss2)]
+        if depth == 1:
+            scratch[2:], local[2:] = scratch[:2], local[:2]
+        for grp in reversed(range(nsave)):
+            c0, c1 = grp * R, min(grp * R + R, NC)
+            _bwd_recompute_kernel[(N,)](k, v, dec, car, mix, e_end, m_end, sw1, ss1, sw2, ss2, *scratch, grp, c0, c1,
+                                        *ints, nsave, C, D, H1, **launch)
+            _bwd_local_kernel[(N, c1 - c0)](q, k, v, dy, dec, car, mix, e_end, m_end, *scratch, *local, dq, dk, dv,
+                                            *dcoef[:3], c0, *ints, C, D, H1, **launch)
+            carried = grads[:4] if grp == nsave - 1 else kernel_dstate
+            _bwd_carry_kernel[(N,)](k, v, dec, car, mix, e_end, m_end, *scratch, *local, *carried, *grads[4:],
+                                    dk, dv, *dcoef, *kernel_dstate, c0, c1, *ints, C, D, H1, HAS_WG=has_wg, **launch)
+    else:
+        _bwd_kernel[(N,)](q, k, v, dy, dec, car, mix, e_end, m_end, sw1, ss1, sw2, ss2, *scratch, *grads,
+                          dq, dk, dv, *dcoef, *kernel_dstate, *ints, nsave, C, D, H1, LEAN=lean, HAS_WG=has_wg,
+                          **launch)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *dcoef, *dstate
 
 
 @_scan_bwd.register_fake
 def _(q, k, v, dy, dec, car, mix, e_end, m_end, sw1, ss1, sw2, ss2, gw1, gs1, gw2, gs2, gwg1, gwg2, T, C, depth,
-      lean):
+      lean, split):
     l2 = (gw2, gs2) if depth == 2 else [q.new_empty(q.shape[0], 0, 0)] * 2
     return (*(x.new_empty(x.shape) for x in (q, k, v)),
             *(q.new_empty(t.shape, dtype=torch.float32) for t in (dec, car, mix, e_end, m_end, gw1, gs1, *l2)))
@@ -760,12 +981,13 @@ def _scan_backward(ctx, dy, gw1, gs1, gw2, gs2, gwg1, gwg2, *_):
     l2 = (N, *sw2.shape[2:]) if depth == 2 else l1
     if depth == 1:  # layer 2's slots repeat layer 1's
         gw2, gs2, gwg2 = gw1, gs1, gwg1
-    lean = LEAN_BACKWARD
+    split = SPLIT_BACKWARD
+    lean = LEAN_BACKWARD and not split
     dy, gw1, gs1, gw2, gs2 = _grads_or_zeros((dy, gw1, gs1, gw2, gs2), (q.shape, l1, l1, l2, l2), q.device)
-    if not lean or (gwg1 is None) != (gwg2 is None):  # the lean kernel takes None for both, nothing else does
+    if not (lean or split) or (gwg1 is None) != (gwg2 is None):  # those two take None for both, nothing else does
         gwg1, gwg2 = _grads_or_zeros((gwg1, gwg2), (l1, l2), q.device)
     dq, dk, dv, *dcoef, dw1, ds1, dw2, ds2 = _scan_bwd(q, k, v, dy, dec, car, mix, e_end, m_end, sw1, ss1, sw2, ss2,
-                                                       gw1, gs1, gw2, gs2, gwg1, gwg2, T, C, depth, lean)
+                                                       gw1, gs1, gw2, gs2, gwg1, gwg2, T, C, depth, lean, split)
     if depth == 1:  # w2, s2 were w1, s1 again
         dw2 = ds2 = None
     return dq, dk, dv, *dcoef, dw1, ds1, dw2, ds2, None, None, None
