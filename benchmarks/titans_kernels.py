@@ -146,8 +146,8 @@ def variant(shape, warps, any_depth: bool = False, form: str = "shipped"):
     """Within the block, :func:`memtrain.kernels.titans.scan` launches the kernels at ``shape`` with
     ``num_warps=warps`` (None: the default); ``any_depth``: the any-depth kernels (:mod:`.triton_deep`, the state in
     memory) at depth 1-2 too; ``form``: the depth-1/2 backward's form, one of :data:`FORMS` (``lean``:
-    :data:`.triton_kernels.LEAN_BACKWARD`, ``split``: :data:`.triton_kernels.SPLIT_BACKWARD`). Yields the module
-    whose kernels run."""
+    :data:`.triton_kernels.LEAN_BACKWARD`, ``split``: :data:`.triton_kernels.SPLIT_BACKWARD`), set as a run sets
+    it, through ``MEMTRAIN_TITANS_BACKWARD``. Yields the module whose kernels run."""
     if form not in FORMS:
         raise ValueError(f"unknown backward form {form!r}; expected one of {', '.join(FORMS)}")
     N, T, D, hidden, depth, C = shape
@@ -162,19 +162,22 @@ def variant(shape, warps, any_depth: bool = False, form: str = "shipped"):
         return opts
 
     mod._launch_shape = launch
-    forms_from = triton_kernels.LEAN_BACKWARD, triton_kernels.SPLIT_BACKWARD
-    triton_kernels.LEAN_BACKWARD, triton_kernels.SPLIT_BACKWARD = form == "lean", form == "split"
+    form_from = os.environ.get(titans_kernels.BACKWARD_ENV)
+    os.environ[titans_kernels.BACKWARD_ENV] = form  # what a run picks it with (it overrides the module's flags)
     if any_depth:
         titans_kernels.DEEP_KERNEL_MIN_DEPTH = 1  # scan() picks the any-depth kernels at every depth
     try:
         yield mod
     finally:
         mod._launch_shape = base
-        triton_kernels.LEAN_BACKWARD, triton_kernels.SPLIT_BACKWARD = forms_from
+        if form_from is None:
+            os.environ.pop(titans_kernels.BACKWARD_ENV, None)
+        else:
+            os.environ[titans_kernels.BACKWARD_ENV] = form_from
         titans_kernels.DEEP_KERNEL_MIN_DEPTH = deep_from
 
 
-FORMS = ("shipped", "lean", "split")  # the depth-1/2 backward's forms (triton_kernels.LEAN_ / SPLIT_BACKWARD)
+FORMS = titans_kernels.BACKWARD_FORMS  # the depth-1/2 backward's forms (MEMTRAIN_TITANS_BACKWARD)
 
 
 def variants(name: str, warps: list[int], table: dict = SHAPES) -> list[tuple]:

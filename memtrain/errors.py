@@ -22,6 +22,11 @@ class CheckpointError(MemtrainError):
     """A checkpoint that cannot be loaded into this run."""
 
 
+class SettingError(MemtrainError):
+    """An environment variable memtrain reads (a switch such as ``MEMTRAIN_TITANS_BACKWARD``) set to a value it
+    does not take."""
+
+
 class LaunchError(MemtrainError):
     """An inconsistent process-group environment (launcher variables, world size, devices)."""
 

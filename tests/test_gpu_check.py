@@ -190,11 +190,14 @@ def test_the_real_plan_names_existing_files_and_loadable_recipes(capsys):
             assert max(idx) < len(bench.FULL)
     assert gc.select(gc.PLAN, "recipe_")[0].name == "recipe_400m_mag"
     # 15 device minutes: the fused kernels' tests (every recipe runs them), the recipe owed 52 steps, the kernels'
-    # launches (which backward form, warps, register-resident or any-depth; compiled ahead by --prepare), the layer
-    # target and eager MAC
-    assert names[:11] == ["env", "fused_kernels", "recipe_400m_mag", "titans_kernel_tune", "grouped_wgrad",
-                          "titans_layer", "recipe_170m_mac", "recipe_340m_mac", "recipe_760m_mal",
+    # launches (which backward form, warps, register-resident or any-depth; compiled ahead by --prepare), the split
+    # backward in that recipe, the layer target and eager MAC
+    assert names[:12] == ["env", "fused_kernels", "recipe_400m_mag", "titans_kernel_tune", "recipe_400m_mag_split",
+                          "grouped_wgrad", "titans_layer", "recipe_170m_mac", "recipe_340m_mac", "recipe_760m_mal",
                           "recipe_170m_mac_compiled", "recipe_170m_mac_cudagraphs"]
+    from memtrain.kernels.titans import BACKWARD_ENV
+
+    assert gc.select(gc.PLAN, "recipe_400m_mag_split")[0].env == {BACKWARD_ENV: "split"}
     # 400m-mag took 20 s to build and 87 s for its first step on an H200: 170 s gave 45 of its 52 steps
     assert gc.select(gc.PLAN, "recipe_400m_mag")[0].timeout_s >= 190
     guard = gc.select(gc.PLAN, "fused_kernels")[0]

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from memtrain.errors import SettingError
 from memtrain.kernels import titans as titans_kernels
 from memtrain.kernels.titans import reference, triton_kernels
 from memtrain.model.titans import NeuralMemory
@@ -131,6 +132,7 @@ def test_kernel_backward_forms_with_and_without_the_chunk_weights_gradient(monke
     the loss does not reach it (``HAS_WG=False``); the shipped one always reads it (zeros where missing). The
     split form launches its three kernels once per recompute group, last group first, the chunks' own part with
     one program per chunk of the group."""
+    monkeypatch.delenv(titans_kernels.BACKWARD_ENV, raising=False)
     monkeypatch.setattr(triton_kernels, "SCRATCH_BYTES", 0)
     monkeypatch.setattr(triton_kernels, "LEAN_BACKWARD", form == "lean")
     monkeypatch.setattr(triton_kernels, "SPLIT_BACKWARD", form == "split")
@@ -162,11 +164,42 @@ def test_kernel_backward_forms_with_and_without_the_chunk_weights_gradient(monke
         assert spy.forms == ([(True, False), (True, True)] if form == "lean" else [(False, True), (False, True)])
 
 
+def test_kernel_backward_form_from_the_environment(monkeypatch):
+    """``MEMTRAIN_TITANS_BACKWARD`` picks the depth-1/2 backward's form over the module's flags (a recipe timed with
+    each form on a GPU, unchanged code); unset, the flags decide. Another value is one error naming the variable
+    and the choices (a user's error: the command line prints it on one line), raised when a memory that may run the
+    kernels is built (before a run's first step), not by one that runs PyTorch's form; the kernel launched follows
+    the variable."""
+    env = titans_kernels.BACKWARD_ENV
+    monkeypatch.delenv(env, raising=False)
+    monkeypatch.setattr(triton_kernels, "LEAN_BACKWARD", True)
+    assert triton_kernels.backward_form() == "lean"
+    monkeypatch.setattr(triton_kernels, "SPLIT_BACKWARD", True)
+    assert triton_kernels.backward_form() == "split"
+    for form in titans_kernels.BACKWARD_FORMS:
+        monkeypatch.setenv(env, form)
+        assert triton_kernels.backward_form() == form
+    monkeypatch.setenv(env, "fast")
+    with pytest.raises(SettingError, match=r"^MEMTRAIN_TITANS_BACKWARD='fast': expected one of shipped, lean, split "
+                                         r"\(or unset it\)$"):
+        NeuralMemory(16, heads=2, kernel="auto")
+    NeuralMemory(16, heads=2, kernel="torch")  # never runs the kernels: the variable is not its concern
+    monkeypatch.setenv(env, "shipped")  # over SPLIT_BACKWARD
+    spy = _LaunchSpy(triton_kernels._bwd_kernel)
+    monkeypatch.setattr(triton_kernels, "_bwd_kernel", spy)
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    ins = [x.float().requires_grad_(True) for x in _inputs(gen, 1, 5, 4, 6, 2)]
+    y, *_ = titans_kernels.scan(*ins[:6], ins[6:8], ins[8:], ins[6:8], 0, 2, kernel="triton")
+    y.sum().backward()
+    assert spy.forms == [(False, True)]
+
+
 @pytest.mark.parametrize("form", ["lean", "split"])
 def test_kernel_lean_backward_through_aot_autograd(monkeypatch, form):
     """The lean and split backwards' operator takes ``None`` for a gradient the loss does not reach (the last
     chunk's start weights): traced by AOTAutograd (``aot_eager``, as compiled Titans blocks run it) its gradients
     equal the eager ones, and the traced backward launched the form without that gradient."""
+    monkeypatch.delenv(titans_kernels.BACKWARD_ENV, raising=False)
     monkeypatch.setattr(triton_kernels, "LEAN_BACKWARD", form == "lean")
     monkeypatch.setattr(triton_kernels, "SPLIT_BACKWARD", form == "split")
     if form == "lean":

@@ -164,10 +164,19 @@ PLAN: list[Phase] = [
                 "split forms (triton_kernels.LEAN_BACKWARD, SPLIT_BACKWARD) and the any-depth kernels (state in "
                 "memory) beside them: time, registers, spills, each loop's local-memory traffic as the device's "
                 "Triton compiled it, error against the shipped launch. Compiled for sm_90 with Triton 3.6 on a CPU, "
-                "the shipped depth-2 backward's spills move 3,952 KiB per chunk and program at chunk 16 (8,573 at "
-                "chunk 64), the lean form's 2,982 (8,484), 16 warps' 5,014 (22,894); the split form's loops over "
-                "chunks 2,420 (4,826) in 8,016 instructions per chunk against 9,981 (16,327 against 25,038), beside "
+                "the shipped depth-2 backward's spills move 3,906 KiB per chunk and program at chunk 16 (8,908 at "
+                "chunk 64), the lean form's 2,957 (8,590), 16 warps' 5,062 (23,558); the split form's loops over "
+                "chunks 1,846 (5,014) in 7,574 instructions per chunk against 9,910 (15,388 against 25,539), beside "
                 "one parallel program per chunk: whether that traffic predicts the time, and which form should ship"),
+    # The split backward in a whole recipe, beside recipe_400m_mag on the same machine: MAG is device-bound and
+    # half its device time is the scan's backward (an H200, 2026-11-27), so whether the split form should ship
+    # shows here first. Its kernels are compiled ahead like the shipped ones (mac's shape is mag's).
+    Phase("recipe_400m_mag_split",
+          _throughput("titans-400m-mag", "train.schedule.warmup=2", steps=20, extra=("--profile", "25")), 120,
+          capped=True, env={"MEMTRAIN_TITANS_BACKWARD": "split"},
+          about="titans-400m-mag with the split backward (MEMTRAIN_TITANS_BACKWARD=split: per recompute group the "
+                "chunks' own part in parallel, one program per chunk, and only the carried part in the loop over "
+                "chunks), beside recipe_400m_mag: tokens/s, the backward's time and the profiled step's kernels"),
     # Eager MAC computes its per-segment weight gradients once (memtrain.model.grouped_linear): checked in bf16
     # against the per-use sums and fp32 (passed on an H200, 2026-11-27); if that fails the later phases run without
     # it. After 400m-mag (which does not group), before MAC.

@@ -73,6 +73,22 @@ def kernel_unsupported(depth: int, head_dim: int, hidden: int, algorithm: str = 
     return None
 
 
+# MEMTRAIN_TITANS_BACKWARD=shipped|lean|split picks the depth-1/2 kernels' backward form for a run without changing
+# the code (:func:`.triton_kernels.backward_form`; tools/gpu_check.py times a whole recipe with the split one).
+BACKWARD_ENV = "MEMTRAIN_TITANS_BACKWARD"
+BACKWARD_FORMS = ("shipped", "lean", "split")
+
+
+def requested_backward() -> str | None:
+    """The backward form :data:`BACKWARD_ENV` asks for, None where it is unset; ValueError (one line) for another
+    value. A memory that may run the kernels checks it when it is built, so a bad value stops a run before its
+    first step rather than inside its first backward."""
+    form = os.environ.get(BACKWARD_ENV, "")
+    if form and form not in BACKWARD_FORMS:
+        raise ValueError(f"{BACKWARD_ENV}={form!r}: expected one of {', '.join(BACKWARD_FORMS)} (or unset it)")
+    return form or None
+
+
 def triton_available() -> bool:
     try:
         import triton  # noqa: F401

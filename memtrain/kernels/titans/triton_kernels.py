@@ -47,6 +47,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from memtrain.kernels.titans import requested_backward
+
 
 # The kernels' integer arguments that vary with a call's length (chunks, padded length, the last chunk's tokens,
 # the backward's checkpoint spacing and count). Triton specialises integer arguments by default (equal to 1,
@@ -79,6 +81,19 @@ def _load_mat(ptr, R, Cc, offs_r, offs_c):
 def _store_mat(ptr, x, R, Cc, offs_r, offs_c):
     m = (offs_r[:, None] < R) & (offs_c[None, :] < Cc)
     tl.store(ptr + offs_r[:, None] * Cc + offs_c[None, :], x, mask=m)
+
+
+@triton.jit
+def _load_cols(ptr, C, W, col0, Cc, offs_c, offs_x):
+    """Columns ``col0 .. col0 + Cc - 1`` of a row-major ``[C, W]`` float32 matrix as a ``[BC, len(offs_x)]`` tile."""
+    m = (offs_c[:, None] < C) & (offs_x[None, :] < Cc)
+    return tl.load(ptr + offs_c[:, None] * W + col0 + offs_x[None, :], mask=m, other=0.0)
+
+
+@triton.jit
+def _store_cols(ptr, x, C, W, col0, Cc, offs_c, offs_x):
+    m = (offs_c[:, None] < C) & (offs_x[None, :] < Cc)
+    tl.store(ptr + offs_c[:, None] * W + col0 + offs_x[None, :], x, mask=m)
 
 
 @triton.jit
@@ -123,15 +138,16 @@ def _coefs(DEC, CAR, MIX, EEND, MEND, n, c, NC, C, N_LAST, offs_c):
 
 @triton.jit
 def _inner2(k, v, w1, w2, DOT: tl.constexpr):
-    """Per-token gradients of a depth-2 memory at ``(w1, w2)``: pre-activations, hidden activations, sigmoid,
-    ``silu'``, the hidden delta before ``silu'`` (``e1``), and the deltas of both layers."""
+    """Per-token gradients of a depth-2 memory at ``(w1, w2)`` in factored form: the hidden activations ``a1``,
+    ``silu'`` of their pre-activations, ``curv = e1 silu''`` (``e1`` the hidden delta before ``silu'``: how the
+    layer-1 delta moves with its pre-activations, the second-order term) and the deltas of both layers."""
     z1 = _mm(k, tl.trans(w1), DOT)
     sg = tl.sigmoid(z1)
     a1 = z1 * sg
     dsilu = sg + a1 * (1.0 - sg)
     d2 = 2.0 * (_mm(a1, tl.trans(w2), DOT) - v)
     e1 = _mm(d2, w2, DOT)
-    return z1, a1, sg, dsilu, e1, e1 * dsilu, d2
+    return a1, dsilu, e1 * sg * (1.0 - sg) * (2.0 + z1 * (1.0 - 2.0 * sg)), e1 * dsilu, d2
 
 
 @triton.jit
@@ -239,7 +255,7 @@ def _fwd_kernel(Q, K, V, DEC, CAR, MIX, EEND, MEND, W1, S1, W2, S2,
         last, dec, car, mix, ee, me, ml, dec_l, car_l = _coefs(DEC, CAR, MIX, EEND, MEND, n, c, NC, C, N_LAST,
                                                               offs_c)
         if DEPTH == 2:
-            z1, a1, sg, dsilu, e1, d1, d2 = _inner2(k, v, w1, w2, DOT)
+            a1, dsilu, curv, d1, d2 = _inner2(k, v, w1, w2, DOT)
             h, p1, qw1, qs1 = _read(q, w1, s1, k, d1, dec, car, mix, DOT)
             h = h * tl.sigmoid(h)
             y, p2, hw2, hs2 = _read(h, w2, s2, a1, d2, dec, car, mix, DOT)
@@ -278,7 +294,7 @@ def _recompute_group(SW1, SS1, SW2, SS2, R1, RS1, R2, RS2, K, V, DEC, CAR, MIX, 
         v = _rows(V, n, c, Tp, C, D, offs_c, offs_d)
         last, dec, car, mix, ee, me, ml, dec_l, car_l = _coefs(DEC, CAR, MIX, EEND, MEND, n, c, NC, C, N_LAST, offs_c)
         if DEPTH == 2:
-            z1, a1, sg, dsilu, e1, d1, d2 = _inner2(k, v, w1, w2, DOT)
+            a1, dsilu, curv, d1, d2 = _inner2(k, v, w1, w2, DOT)
             w2, s2 = _advance(w2, s2, d2, a1, ml, me, dec_l, car_l, ee, DOT)
         else:
             d1 = 2.0 * (_mm(k, tl.trans(w1), DOT) - v)
@@ -286,7 +302,7 @@ def _recompute_group(SW1, SS1, SW2, SS2, R1, RS1, R2, RS2, K, V, DEC, CAR, MIX, 
 
 
 @triton.jit
-def _delta_grads(dd1, dd2, da1, z1, sg, dsilu, e1, d2, a1, k, w1, w2, dk, dw1, dw2, DEPTH: tl.constexpr,
+def _delta_grads(dd1, dd2, da1, dsilu, curv, d2, a1, k, w1, w2, dk, dw1, dw2, DEPTH: tl.constexpr,
                  DOT: tl.constexpr):
     """Gradients through the per-token gradients at the chunk-start weights, given those of their factors (the
     deltas ``dd1``, ``dd2`` and layer 2's inputs ``da1``; depth 1 ``d1 = 2 (W1 k - v)``, depth 2 the MLP's deltas
@@ -294,7 +310,7 @@ def _delta_grads(dd1, dd2, da1, z1, sg, dsilu, e1, d2, a1, k, w1, w2, dk, dw1, d
     ``(dd1, dd2, da1)``. At depth 1 the MLP's arguments are placeholders."""
     if DEPTH == 2:
         de1 = dd1 * dsilu
-        dz1 = dd1 * e1 * sg * (1.0 - sg) * (2.0 + z1 * (1.0 - 2.0 * sg))
+        dz1 = dd1 * curv
         dd2 += _mm(de1, tl.trans(w2), DOT)
         dw2 += _mm(tl.trans(d2), de1, DOT)
         dz2 = 2.0 * dd2
@@ -363,7 +379,7 @@ def _bwd_kernel(Q, K, V, DY, DEC, CAR, MIX, EEND, MEND, SW1, SS1, SW2, SS2, R1, 
                     dw2 = dec_l * g2
                     ds2 = car_l * g2 + ee * gs2
                 # recompute the chunk
-                z1, a1, sg, dsilu, e1, d1, d2 = _inner2(k, v, w1, w2, DOT)
+                a1, dsilu, curv, d1, d2 = _inner2(k, v, w1, w2, DOT)
                 zh, p1, qw1, qs1 = _read(q, w1, s1, k, d1, dec, car, mix, DOT)
                 sh = tl.sigmoid(zh)
                 h = zh * sh
@@ -410,10 +426,10 @@ def _bwd_kernel(Q, K, V, DY, DEC, CAR, MIX, EEND, MEND, SW1, SS1, SW2, SS2, R1, 
             # the per-token gradients at the chunk-start weights: d1 = 2 (W1 k - v) (depth 1), or the deltas of
             # the MLP (depth 2; with the second-order terms through silu'')
             if DEPTH == 2:
-                dk, dv, dw1, dw2 = _delta_grads(dd1, dd2, da1, z1, sg, dsilu, e1, d2, a1, k, w1, w2, dk, dw1, dw2,
+                dk, dv, dw1, dw2 = _delta_grads(dd1, dd2, da1, dsilu, curv, d2, a1, k, w1, w2, dk, dw1, dw2,
                                                 DEPTH, DOT)
             else:
-                dk, dv, dw1, _ = _delta_grads(dd1, dd1, dd1, dd1, dd1, dd1, dd1, dd1, dd1, k, w1, w1, dk, dw1, dw1,
+                dk, dv, dw1, _ = _delta_grads(dd1, dd1, dd1, dd1, dd1, dd1, dd1, k, w1, w1, dk, dw1, dw1,
                                               DEPTH, DOT)
             _store_chunk_grads(DQ, DK, DV, DDEC, DCAR, DMIX, DEEND, DMEND, dq, dk, dv, ddec, dcar, dmix, dee, dme,
                                ddec_l, dcar_l, dml, n, c, NC, Tp, C, D, last, offs_c, offs_d)
@@ -466,7 +482,7 @@ def _bwd_recompute_kernel(K, V, DEC, CAR, MIX, EEND, MEND, SW1, SS1, SW2, SS2, R
 
 
 @triton.jit(do_not_specialize=_RUNTIME_INTS + ["c0"])
-def _bwd_local_kernel(Q, K, V, DY, DEC, CAR, MIX, EEND, MEND, R1, RS1, R2, RS2, L1, LS1, L2, LS2,
+def _bwd_local_kernel(Q, K, V, DY, DEC, CAR, MIX, EEND, MEND, R1, RS1, R2, RS2, L1, LS1, L2, LS2, FAC,
                       DQ, DK, DV, DDEC, DCAR, DMIX, c0, NC, Tp, N_LAST, SAVE_EVERY, C, D, H1,
                       DEPTH: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr,
                       DOT: tl.constexpr):
@@ -490,7 +506,7 @@ def _bwd_local_kernel(Q, K, V, DY, DEC, CAR, MIX, EEND, MEND, R1, RS1, R2, RS2, 
     if DEPTH == 2:
         w2 = _load_mat(R2 + at, D, H1, offs_d, offs_h)
         s2 = _load_mat(RS2 + at, D, H1, offs_d, offs_h)
-        z1, a1, sg, dsilu, e1, d1, d2 = _inner2(k, v, w1, w2, DOT)
+        a1, dsilu, curv, d1, d2 = _inner2(k, v, w1, w2, DOT)
         zh, p1, qw1, qs1 = _read(q, w1, s1, k, d1, dec, car, mix, DOT)
         sh = tl.sigmoid(zh)
         h = zh * sh
@@ -508,13 +524,21 @@ def _bwd_local_kernel(Q, K, V, DY, DEC, CAR, MIX, EEND, MEND, R1, RS1, R2, RS2, 
         ddec += ddec1
         dcar += dcar1
         dmix += dmix1
-        dk, dv, dw1, dw2 = _delta_grads(dd1, dd2, da1, z1, sg, dsilu, e1, d2, a1, k, w1, w2, dk, dw1, dw2, DEPTH,
+        dk, dv, dw1, dw2 = _delta_grads(dd1, dd2, da1, dsilu, curv, d2, a1, k, w1, w2, dk, dw1, dw2, DEPTH,
                                         DOT)
         _store_mat(L2 + at, dw2, D, H1, offs_d, offs_h)
+        # the per-token gradients' factors, for the carried part (which then need not recompute them)
+        fw = 4 * H1 + D
+        fac = FAC + (n * SAVE_EVERY + j) * C * fw
+        _store_cols(fac, a1, C, fw, 0, H1, offs_c, offs_h)
+        _store_cols(fac, dsilu, C, fw, H1, H1, offs_c, offs_h)
+        _store_cols(fac, curv, C, fw, 2 * H1, H1, offs_c, offs_h)
+        _store_cols(fac, d1, C, fw, 3 * H1, H1, offs_c, offs_h)
+        _store_cols(fac, d2, C, fw, 4 * H1, D, offs_c, offs_d)
         _store_mat(LS2 + at, ds2, D, H1, offs_d, offs_h)
     else:
         ddec, dcar, dmix = ddec1, dcar1, dmix1
-        dk, dv, dw1, _ = _delta_grads(dd1, dd1, dd1, dd1, dd1, dd1, dd1, dd1, dd1, k, w1, w1, dk, dw1, dw1, DEPTH,
+        dk, dv, dw1, _ = _delta_grads(dd1, dd1, dd1, dd1, dd1, dd1, dd1, k, w1, w1, dk, dw1, dw1, DEPTH,
                                       DOT)
     _store_mat(L1 + at, dw1, H1, D, offs_h, offs_d)
     _store_mat(LS1 + at, ds1, H1, D, offs_h, offs_d)
@@ -531,8 +555,8 @@ def _bwd_local_kernel(Q, K, V, DY, DEC, CAR, MIX, EEND, MEND, R1, RS1, R2, RS2, 
 
 
 @triton.jit(do_not_specialize=_RUNTIME_INTS + ["c0", "c1"])
-def _bwd_carry_kernel(K, V, DEC, CAR, MIX, EEND, MEND, R1, RS1, R2, RS2, L1, LS1, L2, LS2, G1, GS1, G2, GS2, DWG1,
-                      DWG2, DK, DV, DDEC, DCAR, DMIX, DEEND, DMEND, DW1, DS1, DW2, DS2, c0, c1,
+def _bwd_carry_kernel(K, V, DEC, CAR, MIX, EEND, MEND, R1, RS1, R2, RS2, L1, LS1, L2, LS2, FAC, G1, GS1, G2, GS2,
+                      DWG1, DWG2, DK, DV, DDEC, DCAR, DMIX, DEEND, DMEND, DW1, DS1, DW2, DS2, c0, c1,
                       NC, Tp, N_LAST, SAVE_EVERY, C, D, H1,
                       DEPTH: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr,
                       DOT: tl.constexpr, HAS_WG: tl.constexpr):
@@ -557,7 +581,6 @@ def _bwd_carry_kernel(K, V, DEC, CAR, MIX, EEND, MEND, R1, RS1, R2, RS2, L1, LS1
         w1 = _load_mat(R1 + at, H1, D, offs_h, offs_d)
         s1 = _load_mat(RS1 + at, H1, D, offs_h, offs_d)
         k = _rows(K, n, c, Tp, C, D, offs_c, offs_d)
-        v = _rows(V, n, c, Tp, C, D, offs_c, offs_d)
         last, dec, car, mix, ee, me, ml, dec_l, car_l = _coefs(DEC, CAR, MIX, EEND, MEND, n, c, NC, C, N_LAST,
                                                               offs_c)
         # the chunk-end state: W' = B_l W + f_l S - ..., S' = E S - ...
@@ -570,7 +593,11 @@ def _bwd_carry_kernel(K, V, DEC, CAR, MIX, EEND, MEND, R1, RS1, R2, RS2, L1, LS1
             ddec_l += tl.sum(tl.sum(g2 * w2, axis=1), axis=0)
             dcar_l += tl.sum(tl.sum(g2 * s2, axis=1), axis=0)
             dee += tl.sum(tl.sum(gs2 * s2, axis=1), axis=0)
-            z1, a1, sg, dsilu, e1, d1, d2 = _inner2(k, v, w1, w2, DOT)
+            fw = 4 * H1 + D
+            fac = FAC + (n * SAVE_EVERY + j) * C * fw
+            a1 = _load_cols(fac, C, fw, 0, H1, offs_c, offs_h)
+            d1 = _load_cols(fac, C, fw, 3 * H1, H1, offs_c, offs_h)
+            d2 = _load_cols(fac, C, fw, 4 * H1, D, offs_c, offs_d)
             dd1, dk, dml, dme = _end_grads(g1, gs1, d1, k, ml, me, DOT)
             dd2, da1, dml2, dme2 = _end_grads(g2, gs2, d2, a1, ml, me, DOT)
             dml += dml2
@@ -579,14 +606,16 @@ def _bwd_carry_kernel(K, V, DEC, CAR, MIX, EEND, MEND, R1, RS1, R2, RS2, L1, LS1
             gs2 = car_l * g2 + ee * gs2 + _load_mat(LS2 + at, D, H1, offs_d, offs_h)
             dw1 = dec_l * g1 + _load_mat(L1 + at, H1, D, offs_h, offs_d)
             gs1 = car_l * g1 + ee * gs1 + _load_mat(LS1 + at, H1, D, offs_h, offs_d)
-            dk, dv, g1, g2 = _delta_grads(dd1, dd2, da1, z1, sg, dsilu, e1, d2, a1, k, w1, w2, dk, dw1, dw2, DEPTH,
+            dsilu = _load_cols(fac, C, fw, H1, H1, offs_c, offs_h)
+            curv = _load_cols(fac, C, fw, 2 * H1, H1, offs_c, offs_h)
+            dk, dv, g1, g2 = _delta_grads(dd1, dd2, da1, dsilu, curv, d2, a1, k, w1, w2, dk, dw1, dw2, DEPTH,
                                           DOT)
         else:
-            d1 = 2.0 * (_mm(k, tl.trans(w1), DOT) - v)
+            d1 = 2.0 * (_mm(k, tl.trans(w1), DOT) - _rows(V, n, c, Tp, C, D, offs_c, offs_d))
             dd1, dk, dml, dme = _end_grads(g1, gs1, d1, k, ml, me, DOT)
             dw1 = dec_l * g1 + _load_mat(L1 + at, H1, D, offs_h, offs_d)
             gs1 = car_l * g1 + ee * gs1 + _load_mat(LS1 + at, H1, D, offs_h, offs_d)
-            dk, dv, g1, _ = _delta_grads(dd1, dd1, dd1, dd1, dd1, dd1, dd1, dd1, dd1, k, w1, w1, dk, dw1, dw1, DEPTH,
+            dk, dv, g1, _ = _delta_grads(dd1, dd1, dd1, dd1, dd1, dd1, dd1, k, w1, w1, dk, dw1, dw1, DEPTH,
                                          DOT)
         # added to the chunk's own part: the rows of k and v, the end row of B, f and c, and E_end, m_end
         m = mc[:, None] & (offs_d[None, :] < D)
@@ -741,10 +770,16 @@ LEAN_BACKWARD = False
 
 # The split backward (:func:`_bwd_local_kernel`, above): per recompute group three launches, the chunks' own part
 # in parallel (one program per chunk) and only the carried part in the loop over chunks, instead of one program
-# per sequence and head doing all of it in sequence. Its scratch is twice the other forms' (the chunk-local state
-# gradients beside the recomputed states). Off until a GPU has timed it (benchmarks/titans_kernels.py,
-# ``split_backward`` rows). Takes precedence over LEAN_BACKWARD.
+# per sequence and head doing all of it in sequence. Its scratch is 2.3 times the other forms' at the recipes'
+# widths and chunk 16 (3.1 at chunk 64): beside the recomputed states, the chunk-local state gradients and the
+# per-token gradients' factors. Off until a GPU has timed it (benchmarks/titans_kernels.py, ``backward: split``
+# rows). Takes precedence over LEAN_BACKWARD.
 SPLIT_BACKWARD = False
+
+def backward_form() -> str:
+    """The depth-1/2 backward's form: what :data:`memtrain.kernels.titans.BACKWARD_ENV` asks for where it is set,
+    else :data:`SPLIT_BACKWARD` / :data:`LEAN_BACKWARD`."""
+    return requested_backward() or ("split" if SPLIT_BACKWARD else "lean" if LEAN_BACKWARD else "shipped")
 
 
 def _launch_shape(D: int, H1: int, C: int) -> dict:
@@ -933,16 +968,18 @@ def _scan_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dy: torch.Tenso
     ints = (NC, Tp, T - (NC - 1) * C, R)
     if split:  # per group, last first: its states, the chunks' own part, the carried part
         local = [_empty(N, R, *t.shape[2:], device=q.device) for t in (sw1, ss1, sw2, ss2)]
+        # the per-token gradients' factors at depth 2 (a1, silu', curv, d1: [C, H1] each; d2: [C, D])
+        fac = _empty(N, R, C, 4 * H1 + D, device=q.device) if depth == 2 else local[0]
         if depth == 1:
             scratch[2:], local[2:] = scratch[:2], local[:2]
         for grp in reversed(range(nsave)):
             c0, c1 = grp * R, min(grp * R + R, NC)
             _bwd_recompute_kernel[(N,)](k, v, dec, car, mix, e_end, m_end, sw1, ss1, sw2, ss2, *scratch, grp, c0, c1,
                                         *ints, nsave, C, D, H1, **launch)
-            _bwd_local_kernel[(N, c1 - c0)](q, k, v, dy, dec, car, mix, e_end, m_end, *scratch, *local, dq, dk, dv,
-                                            *dcoef[:3], c0, *ints, C, D, H1, **launch)
+            _bwd_local_kernel[(N, c1 - c0)](q, k, v, dy, dec, car, mix, e_end, m_end, *scratch, *local, fac, dq, dk,
+                                            dv, *dcoef[:3], c0, *ints, C, D, H1, **launch)
             carried = grads[:4] if grp == nsave - 1 else kernel_dstate
-            _bwd_carry_kernel[(N,)](k, v, dec, car, mix, e_end, m_end, *scratch, *local, *carried, *grads[4:],
+            _bwd_carry_kernel[(N,)](k, v, dec, car, mix, e_end, m_end, *scratch, *local, fac, *carried, *grads[4:],
                                     dk, dv, *dcoef, *kernel_dstate, c0, c1, *ints, C, D, H1, HAS_WG=has_wg, **launch)
     else:
         _bwd_kernel[(N,)](q, k, v, dy, dec, car, mix, e_end, m_end, sw1, ss1, sw2, ss2, *scratch, *grads,
@@ -981,8 +1018,8 @@ def _scan_backward(ctx, dy, gw1, gs1, gw2, gs2, gwg1, gwg2, *_):
     l2 = (N, *sw2.shape[2:]) if depth == 2 else l1
     if depth == 1:  # layer 2's slots repeat layer 1's
         gw2, gs2, gwg2 = gw1, gs1, gwg1
-    split = SPLIT_BACKWARD
-    lean = LEAN_BACKWARD and not split
+    form = backward_form()
+    split, lean = form == "split", form == "lean"
     dy, gw1, gs1, gw2, gs2 = _grads_or_zeros((dy, gw1, gs1, gw2, gs2), (q.shape, l1, l1, l2, l2), q.device)
     if not (lean or split) or (gwg1 is None) != (gwg2 is None):  # those two take None for both, nothing else does
         gwg1, gwg2 = _grads_or_zeros((gwg1, gwg2), (l1, l2), q.device)
