@@ -847,9 +847,10 @@ def compile_one(spec):
 # The backward kernels first (ptxas takes 10-30 s each, the forwards a few): two at a time on two cores. The scans at
 # chunk 64 only: a kernel's tiles grow with the chunk, and so does its shared memory (README: 61 / 139 KB for the
 # depth-2 backward at chunk 16 / 64, 2.1 / 33 KB and 3.1 / 49 KB for the coefficients'); the coefficients (a
-# second each) also at the recipes' 16.
+# second each) also at the recipes' 16; the split backward's three kernels (SPLIT_BACKWARD) last.
 specs = [("bwd", 2, 64), ("bwd", 4, 64), ("fwd", 2, 64), ("fwd", 4, 64), ("coef_bwd", 0, 64), ("coef_fwd", 0, 64),
-         ("coef_bwd", 0, 16), ("coef_fwd", 0, 16)]
+         ("coef_bwd", 0, 16), ("coef_fwd", 0, 16), ("bwd_local", 2, 64), ("bwd_carry", 2, 64),
+         ("bwd_recompute", 2, 64)]
 with multiprocessing.get_context("fork").Pool(2) as pool:
     print(json.dumps(pool.map(compile_one, specs, chunksize=1)))
 """
@@ -857,8 +858,9 @@ with multiprocessing.get_context("fork").Pool(2) as pool:
 
 def test_kernel_compiles_for_an_h100_within_its_shared_memory():
     """Compiled ahead of time for sm_90 (no GPU needed: Triton's own ptxas), the kernels at the recipes' shapes
-    (head size 64, hidden 128, bf16, chunk 64, the largest; depth 2, and depth 4 for the any-depth kernels, and
-    the coefficients') fit an H100's 227 KB of shared memory per block. With Triton's default software pipelining
+    (head size 64, hidden 128, bf16, chunk 64, the largest; depth 2 -- the split backward's three kernels too --,
+    and depth 4 for the any-depth kernels, and the coefficients') fit an H100's 227 KB of shared memory per
+    block. With Triton's default software pipelining
     the depth-2 backward needed 337-438 KB and would not launch. :func:`memtrain.kernels.titans.aot.compile_kernel`
     also reads ptxas's registers and spills (``benchmarks/titans_kernels.py --static`` tabulates them): the
     coefficients' kernels spill nothing."""
@@ -873,14 +875,15 @@ def test_kernel_compiles_for_an_h100_within_its_shared_memory():
     compiled = json.loads(run.stdout.strip().splitlines()[-1])
     assert [(r["kernel"], r["any_depth"], r["chunk"]) for r in compiled] == [
         ("bwd", False, 64), ("bwd", True, 64), ("fwd", False, 64), ("fwd", True, 64), ("coef_bwd", None, 64),
-        ("coef_fwd", None, 64), ("coef_bwd", None, 16), ("coef_fwd", None, 16)]
+        ("coef_fwd", None, 64), ("coef_bwd", None, 16), ("coef_fwd", None, 16), ("bwd_local", False, 64),
+        ("bwd_carry", False, 64), ("bwd_recompute", False, 64)]
     for r in compiled:
         assert r["shared"] <= 232448, r
         assert 0 < r["registers"] <= 255 and r["spill_stores"] >= 0 and r["spill_loads"] >= 0, r
     # ptxas's figures (read by memtrain.kernels.titans.aot): the coefficients' kernels at the recipes' chunk of 16
     # spill nothing; at chunk 64 their launch (16 warps) keeps the backward's spills to about 1 KB per thread, where
     # 4 warps spilled 24.9 KB (the scan kernels spill at these widths; README, "Registers and spills")
-    assert [r["spill_stores"] for r in compiled[-2:]] == [0, 0], compiled[-2:]
+    assert [r["spill_stores"] for r in compiled[6:8]] == [0, 0], compiled[6:8]
     assert [r["num_warps"] for r in compiled[4:6]] == [16, 16] and compiled[4]["spill_stores"] <= 2048, compiled[4:6]
     # the compiled code's innermost loops (aot.sass_loops): the depth-2 forward loops over chunks once, the backward
     # twice (recomputing a group's chunk-start states, then the chunks in reverse), and their spills run there, per
@@ -892,7 +895,12 @@ def test_kernel_compiles_for_an_h100_within_its_shared_memory():
         assert 4 * (loop["local_loads"] + loop["local_stores"]) <= loop["local_bytes"], loop
         assert loop["local_kib_per_program"] == round(loop["local_bytes"] * 32 * 8 / 1024, 1), loop  # 8 warps
         assert loop["mma"] > 0 and loop["shared"] > 0, loop
-    assert compiled[-2]["loops"] == [] and compiled[-1]["loops"] == []
+    assert compiled[6]["loops"] == [] and compiled[7]["loops"] == []
+    # the split backward: the chunk-local kernel (one chunk per program) has no loop, its whole program is counted;
+    # the carried part and the recompute loop over a group's chunks once each
+    local, carry, recompute = compiled[8:]
+    assert local["loops"] == [] and local["program"]["mma"] > 0 and local["program"]["instructions"] > 0, local
+    assert len(carry["loops"]) == 1 and len(recompute["loops"]) == 1, (carry["loops"], recompute["loops"])
 
 
 _SASS = """

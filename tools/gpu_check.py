@@ -154,7 +154,7 @@ PLAN: list[Phase] = [
     _recipe_phase("titans-400m-mag", 200),
     # Right after the owed recipe: the sweep decides the next change to the scan's backward (half of every
     # recipe's device time on an H200), and with its kernels compiled ahead (--prepare: 86 s of compiling on the
-    # 2-core development machine, a third of the 240 s it had) its 12 launches should time in about a minute (an
+    # 2-core development machine, a third of the 240 s it had) its 15 launches should time in about a minute (an
     # estimate). A phase that times out keeps what it printed, so a cache that misses still returns the recipes'
     # shapes first.
     Phase("titans_kernel_tune", [PY, "benchmarks/titans_kernels.py", "--shapes", TUNE_SHAPES, "--warps", TUNE_WARPS],
