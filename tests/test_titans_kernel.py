@@ -936,7 +936,7 @@ def test_kernel_sass_loops_counts_each_innermost_loops_local_memory():
     that one and the loop at 0x70-0xa0 are innermost; a forward branch and the one-instruction trap at the end are
     not loops. ``LDL.LU``, ``STL.128`` (16 bytes), ``STL`` (4) and ``LDL.LU.64`` (8) are local-memory accesses;
     ``LDSM`` and ``STS`` shared-memory ones; ``HMMA`` runs on the tensor cores, ``HFMA2.MMA`` (a move) does not."""
-    from memtrain.kernels.titans.aot import sass_loops
+    from memtrain.kernels.titans.aot import sass_loops, sass_program
 
     assert sass_loops(_SASS) == [
         {"instructions": 5, "local_loads": 0, "local_stores": 1, "local_bytes": 16, "shared": 1, "barriers": 0,
@@ -944,6 +944,9 @@ def test_kernel_sass_loops_counts_each_innermost_loops_local_memory():
         {"instructions": 6, "local_loads": 1, "local_stores": 1, "local_bytes": 12, "shared": 1, "barriers": 1,
          "mma": 0}]
     assert sass_loops("") == []
+    # the whole kernel, each instruction once (the split backward's chunk-local kernel has no loop)
+    assert sass_program(_SASS) == {"instructions": 18, "local_loads": 3, "local_stores": 2, "local_bytes": 36,
+                                   "shared": 2, "barriers": 1, "mma": 1}
 
 
 def test_kernel_prologue_compiles_for_an_h100_without_spills():

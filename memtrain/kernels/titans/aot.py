@@ -149,8 +149,9 @@ def compile_kernel(kernel: str, depth: int = 2, head_dim: int = 64, hidden: int 
     """Compile one Titans kernel for ``sm_<arch>`` and report it: ``kernel`` one of :data:`KERNELS` (the scan's
     forward / backward at ``depth`` -- the register-resident pair at depth 1-2, the any-depth pair at 3+ or where
     ``any_depth`` -- the split backward's three kernels at depth 1-2 (``bwd_recompute``, ``bwd_local``,
-    ``bwd_carry``: :data:`memtrain.kernels.titans.triton_kernels.SPLIT_BACKWARD`), the chunk coefficients' at ``chunk``, the layer's prologue, q/k/v at ``head_dim`` and the
-    gates for up to 21 heads, its output stage at ``head_dim``, or RoPE's pair at ``head_dim``), ``head_dim`` and
+    ``bwd_carry``: :data:`memtrain.kernels.titans.triton_kernels.SPLIT_BACKWARD`), the chunk coefficients' at
+    ``chunk``, the layer's prologue, q/k/v at ``head_dim`` and the gates for up to 21 heads, its output stage at
+    ``head_dim``, or RoPE's pair at ``head_dim``), ``head_dim`` and
     ``hidden`` (the memory's widths), ``num_warps`` (default: what the kernels launch with), ``half`` the dtype of
     q / k / v (``bf16``, ``fp16`` or ``fp32``), ``lean`` the depth-1/2 backward's lean form
     (:data:`memtrain.kernels.titans.triton_kernels.LEAN_BACKWARD`, compiled without the chunk weights' gradient).

@@ -465,9 +465,10 @@ def _bwd_kernel(Q, K, V, DY, DEC, CAR, MIX, EEND, MEND, SW1, SS1, SW2, SS2, R1, 
 # coefficients and the chunk-start state) does not depend on them. So per recompute group, three launches:
 # the group's chunk-start states into the scratch (one program per sequence and head), the chunks' own part (one
 # program per chunk of every sequence and head, all in parallel: the reads and their gradients, the part of the
-# work that needs q, dy and the [C, C] mixing products), and the carried part (one program per sequence and
-# head, in reverse: the end-state terms, the per-token gradients' chain and the chunk-local state gradients
-# loaded back). The sequential loop then does the end-state terms and the chain only.
+# work that needs q, dy and the [C, C] mixing products; it also stores the per-token gradients' factors), and the
+# carried part (one program per sequence and head, in reverse: the end-state terms and the per-token gradients'
+# chain on the factors read back, and the chunk-local state gradients added). The sequential loop then does the
+# end-state terms and the chain only: 14 of the 41 matrix products per chunk of the backward above.
 
 
 @triton.jit(do_not_specialize=_RUNTIME_INTS + ["grp", "c0", "c1"])
@@ -488,8 +489,9 @@ def _bwd_local_kernel(Q, K, V, DY, DEC, CAR, MIX, EEND, MEND, R1, RS1, R2, RS2, 
                       DOT: tl.constexpr):
     """Chunk ``c0 + program_id(1)``'s own part of the backward: everything its outputs' gradient ``dy`` reaches at
     its chunk-start state (read from the scratch ``R*``), as if the chunk-end state's gradients were zero. Writes
-    the gradients of q (final), k, v and the coefficients (the carried part adds its own), and those of the
-    chunk-start state into ``L*`` (``[N, SAVE_EVERY, ...]``, as the scratch)."""
+    the gradients of q (final), k, v and the coefficients (the carried part adds its own), those of the
+    chunk-start state into ``L*`` (``[N, SAVE_EVERY, ...]``, as the scratch) and, at depth 2, the per-token
+    gradients' factors ``a1 | silu' | curv | d1 | d2`` into ``FAC`` (``[N, SAVE_EVERY, C, 4 H1 + D]``)."""
     n = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     c = c0 + j
@@ -775,6 +777,7 @@ LEAN_BACKWARD = False
 # per-token gradients' factors. Off until a GPU has timed it (benchmarks/titans_kernels.py, ``backward: split``
 # rows). Takes precedence over LEAN_BACKWARD.
 SPLIT_BACKWARD = False
+
 
 def backward_form() -> str:
     """The depth-1/2 backward's form: what :data:`memtrain.kernels.titans.BACKWARD_ENV` asks for where it is set,
