@@ -165,8 +165,8 @@ PLAN: list[Phase] = [
                 "memory) beside them: time, registers, spills, each loop's local-memory traffic as the device's "
                 "Triton compiled it, error against the shipped launch. Compiled for sm_90 with Triton 3.6 on a CPU, "
                 "the shipped depth-2 backward's spills move 3,906 KiB per chunk and program at chunk 16 (8,908 at "
-                "chunk 64), the lean form's 2,957 (8,590), 16 warps' 5,062 (23,558); the split form's loops over "
-                "chunks 1,846 (5,014) in 7,574 instructions per chunk against 9,910 (15,388 against 25,539), beside "
+                "chunk 64), the lean form's 2,957 (8,590), 16 warps' 5,042 (23,558); the split form's loops over "
+                "chunks 1,805 (4,844) in 7,557 instructions per chunk against 9,910 (15,129 against 25,539), beside "
                 "one parallel program per chunk: whether that traffic predicts the time, and which form should ship"),
     # The split backward in a whole recipe, beside recipe_400m_mag on the same machine: MAG is device-bound and
     # half its device time is the scan's backward (an H200, 2026-11-27), so whether the split form should ship

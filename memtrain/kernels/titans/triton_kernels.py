@@ -303,19 +303,26 @@ def _recompute_group(SW1, SS1, SW2, SS2, R1, RS1, R2, RS2, K, V, DEC, CAR, MIX, 
 
 @triton.jit
 def _delta_grads(dd1, dd2, da1, dsilu, curv, d2, a1, k, w1, w2, dk, dw1, dw2, DEPTH: tl.constexpr,
-                 DOT: tl.constexpr):
+                 DOT: tl.constexpr, PAIRED: tl.constexpr):
     """Gradients through the per-token gradients at the chunk-start weights, given those of their factors (the
     deltas ``dd1``, ``dd2`` and layer 2's inputs ``da1``; depth 1 ``d1 = 2 (W1 k - v)``, depth 2 the MLP's deltas
     with the second-order terms through ``silu''``): added to ``dk``, ``dw1``, ``dw2``, and ``dv``. Linear in
-    ``(dd1, dd2, da1)``. At depth 1 the MLP's arguments are placeholders."""
+    ``(dd1, dd2, da1)``. At depth 1 the MLP's arguments are placeholders. ``PAIRED``: layer 2's two outer products
+    are summed before they are added to ``dw2`` (one conversion from the products' tensor-core layout into
+    ``dw2``'s, where adding each converts ``dw2`` there and back); the split backward's kernels take it (under
+    Triton 3.6 at chunk 16 their spill traffic falls 3-18%), the shipped and lean forms keep the two additions
+    (paired, the lean form's spills moved 56% more)."""
     if DEPTH == 2:
         de1 = dd1 * dsilu
         dz1 = dd1 * curv
         dd2 += _mm(de1, tl.trans(w2), DOT)
-        dw2 += _mm(tl.trans(d2), de1, DOT)
         dz2 = 2.0 * dd2
         dv = -dz2
-        dw2 += _mm(tl.trans(dz2), a1, DOT)
+        if PAIRED:
+            dw2 += _mm(tl.trans(d2), de1, DOT) + _mm(tl.trans(dz2), a1, DOT)
+        else:
+            dw2 += _mm(tl.trans(d2), de1, DOT)
+            dw2 += _mm(tl.trans(dz2), a1, DOT)
         da1 += _mm(dz2, w2, DOT)
         dz1 += da1 * dsilu
     else:
@@ -427,10 +434,10 @@ def _bwd_kernel(Q, K, V, DY, DEC, CAR, MIX, EEND, MEND, SW1, SS1, SW2, SS2, R1, 
             # the MLP (depth 2; with the second-order terms through silu'')
             if DEPTH == 2:
                 dk, dv, dw1, dw2 = _delta_grads(dd1, dd2, da1, dsilu, curv, d2, a1, k, w1, w2, dk, dw1, dw2,
-                                                DEPTH, DOT)
+                                                DEPTH, DOT, False)
             else:
                 dk, dv, dw1, _ = _delta_grads(dd1, dd1, dd1, dd1, dd1, dd1, dd1, k, w1, w1, dk, dw1, dw1,
-                                              DEPTH, DOT)
+                                              DEPTH, DOT, False)
             _store_chunk_grads(DQ, DK, DV, DDEC, DCAR, DMIX, DEEND, DMEND, dq, dk, dv, ddec, dcar, dmix, dee, dme,
                                ddec_l, dcar_l, dml, n, c, NC, Tp, C, D, last, offs_c, offs_d)
             # the chunk-start state's gradients become the previous chunk's end-state gradients
@@ -527,7 +534,7 @@ def _bwd_local_kernel(Q, K, V, DY, DEC, CAR, MIX, EEND, MEND, R1, RS1, R2, RS2, 
         dcar += dcar1
         dmix += dmix1
         dk, dv, dw1, dw2 = _delta_grads(dd1, dd2, da1, dsilu, curv, d2, a1, k, w1, w2, dk, dw1, dw2, DEPTH,
-                                        DOT)
+                                        DOT, True)
         _store_mat(L2 + at, dw2, D, H1, offs_d, offs_h)
         # the per-token gradients' factors, for the carried part (which then need not recompute them)
         fw = 4 * H1 + D
@@ -541,7 +548,7 @@ def _bwd_local_kernel(Q, K, V, DY, DEC, CAR, MIX, EEND, MEND, R1, RS1, R2, RS2, 
     else:
         ddec, dcar, dmix = ddec1, dcar1, dmix1
         dk, dv, dw1, _ = _delta_grads(dd1, dd1, dd1, dd1, dd1, dd1, dd1, k, w1, w1, dk, dw1, dw1, DEPTH,
-                                      DOT)
+                                      DOT, True)
     _store_mat(L1 + at, dw1, H1, D, offs_h, offs_d)
     _store_mat(LS1 + at, ds1, H1, D, offs_h, offs_d)
     mc = offs_c < C
@@ -611,14 +618,14 @@ def _bwd_carry_kernel(K, V, DEC, CAR, MIX, EEND, MEND, R1, RS1, R2, RS2, L1, LS1
             dsilu = _load_cols(fac, C, fw, H1, H1, offs_c, offs_h)
             curv = _load_cols(fac, C, fw, 2 * H1, H1, offs_c, offs_h)
             dk, dv, g1, g2 = _delta_grads(dd1, dd2, da1, dsilu, curv, d2, a1, k, w1, w2, dk, dw1, dw2, DEPTH,
-                                          DOT)
+                                          DOT, True)
         else:
             d1 = 2.0 * (_mm(k, tl.trans(w1), DOT) - _rows(V, n, c, Tp, C, D, offs_c, offs_d))
             dd1, dk, dml, dme = _end_grads(g1, gs1, d1, k, ml, me, DOT)
             dw1 = dec_l * g1 + _load_mat(L1 + at, H1, D, offs_h, offs_d)
             gs1 = car_l * g1 + ee * gs1 + _load_mat(LS1 + at, H1, D, offs_h, offs_d)
             dk, dv, g1, _ = _delta_grads(dd1, dd1, dd1, dd1, dd1, dd1, dd1, k, w1, w1, dk, dw1, dw1, DEPTH,
-                                         DOT)
+                                         DOT, True)
         # added to the chunk's own part: the rows of k and v, the end row of B, f and c, and E_end, m_end
         m = mc[:, None] & (offs_d[None, :] < D)
         off = (n * Tp + c * C + offs_c[:, None]) * D + offs_d[None, :]
