@@ -788,13 +788,15 @@ def test_kernel_recipe_key_forcing_triton_where_it_cannot_run_is_one_recipe_erro
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("chunk,depth", [(16, 2), (16, 3)])
-def test_kernel_at_recipe_shapes_on_gpu(chunk, depth):
+@pytest.mark.parametrize("chunk,depth,form", [(16, 2, "shipped"), (16, 3, "shipped"), (16, 2, "split")])
+def test_kernel_at_recipe_shapes_on_gpu(monkeypatch, chunk, depth, form):
     """Compiled at the recipes' shapes (head size 64, hidden 128, depth 2, and depth 3 for the any-depth kernels,
-    1000 tokens: a partial last chunk):
+    1000 tokens: a partial last chunk; at depth 2 also the split backward, whose kernels hand their results to each
+    other through memory):
     float32 inputs against float64 within 1e-4 (outputs, state, input gradients), and bf16 inputs (bf16 dot
     products) against float32 within bf16 rounding. Chunk 16 only: the IEEE float32 backward at chunk 64 takes
     over ten minutes to compile (bf16 at chunk 64 is covered by the benchmark's error column)."""
+    monkeypatch.setenv(titans_kernels.BACKWARD_ENV, form)
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     ins = _inputs(gen, 3, 1000, 64, 128, depth)
     ins[3] = ins[3] * 0.1  # theta ~ 0.005, as the recipes' initialisation
@@ -815,6 +817,14 @@ def test_kernel_at_recipe_shapes_on_gpu(chunk, depth):
     y16 = titans_kernels.scan(q.to(half), k.to(half), v.to(half), lr, log_eta, log_keep, w, s, w, 0, chunk,
                               kernel="triton")[0]
     assert _rel(y16, y32) < 3e-2
+    # the bf16 backward (what training runs) against the float32 one, within bf16 rounding
+    grads = []
+    for dt in (torch.float32, half):
+        qkv = [x.to(dt).requires_grad_(True) for x in (q, k, v)]
+        y = titans_kernels.scan(*qkv, lr, log_eta, log_keep, w, s, w, 0, chunk, kernel="triton")[0]
+        grads.append(torch.autograd.grad(y.float().square().sum(), qkv))
+    for a, b in zip(grads[1], grads[0]):
+        assert torch.isfinite(a).all() and _rel(a, b) < 3e-2, _rel(a, b)
 
 
 def test_kernel_refuses_memories_too_wide_for_its_tiles():

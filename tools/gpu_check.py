@@ -223,9 +223,12 @@ PLAN: list[Phase] = [
                        "the memory kernels run one program per (sequence, head), 64 at micro-batch 4 on 132 SMs; "
                        "at 8 they fill the GPU, so a kernel-bound MAG gains nearly 2x (about 90 GiB: an H200, "
                        "not an H100)"),
-    Phase("titans_kernel_gpu", _pytest("-m", "gpu", "tests/test_titans_kernel.py"), 150, "pytest",
-          "the compiled Titans kernels at the recipes' shapes (depth 2 chunk 16 / 64, depth 3) against "
-          "the PyTorch form, bf16 (passed on an H200, 2026-11-26)"),
+    # 95 s on an H200 for the first two cases, mostly compiling; the split backward's case compiles its three
+    # kernels in float32 and bf16 besides
+    Phase("titans_kernel_gpu", _pytest("-m", "gpu", "tests/test_titans_kernel.py"), 240, "pytest",
+          "the compiled Titans kernels at the recipes' shapes (depth 2 and 3, chunk 16; the split backward at "
+          "depth 2) against the float64 PyTorch form, and bf16 against float32 forward and backward (the first "
+          "two passed on an H200, 2026-11-26)"),
     Phase("titans_layer_rest", [PY, "benchmarks/titans.py", "--configs", "1,2,3,4"], 240,
           about="the layer at T8192, at d768 chunk 16, and at depth 3 and 4 (the any-depth kernels)"),
     Phase("titans_kernel_all", _pytest("tests/test_titans_kernel.py", "-m", "not gpu"), 300, "pytest",
