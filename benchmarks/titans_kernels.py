@@ -320,7 +320,7 @@ def static(warps: list[int], names: list[str], table: dict = SHAPES) -> int:
         depth = shape[4]
         variants = [(depth >= titans_kernels.DEEP_KERNEL_MIN_DEPTH, w, "shipped")
                     for w in dict.fromkeys([default_warps(shape), *warps])]
-        if depth < titans_kernels.DEEP_KERNEL_MIN_DEPTH:  # the other backwards and the any-depth kernels, default launch
+        if depth < titans_kernels.DEEP_KERNEL_MIN_DEPTH:  # the other backwards, the any-depth kernels: default warps
             variants += [(False, None, "lean"), (False, None, "split"), (True, None, "shipped")]
         rows += [(name, shape, any_depth, w, form) for any_depth, w, form in variants]
 

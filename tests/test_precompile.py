@@ -35,9 +35,10 @@ def _precompile(cache: Path, *extra: str) -> list[dict]:
 
 
 def test_kernel_precompile_fills_a_triton_cache_that_a_second_machine_finds(tmp_path):
-    """Every launch of the sweep's variants (shipped with 4 warps, lean and split backwards, 8 warps, any-depth; forward and backward, the
-    gates' backward too) compiles once for sm_90 without a GPU; a second process, and a copy installed elsewhere (the
-    original deleted: Triton finds entries through the paths their group files record), find them all."""
+    """Every launch of the sweep's variants (shipped with 4 warps, lean and split backwards, 8 warps, any-depth;
+    forward and backward, the gates' backward too) compiles once for sm_90 without a GPU; a second process, and a
+    copy installed elsewhere (the original deleted: Triton finds entries through the paths their group files
+    record), find them all."""
     first = _precompile(tmp_path / "a")
     rows, summary = first[:-1], first[-1]
     assert [(r["num_warps"], r["backward"], r["any_depth"]) for r in rows] == [
