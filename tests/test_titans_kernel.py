@@ -172,6 +172,7 @@ def test_kernel_backward_form_from_the_environment(monkeypatch):
     the variable."""
     env = titans_kernels.BACKWARD_ENV
     monkeypatch.delenv(env, raising=False)
+    monkeypatch.setattr(triton_kernels, "SPLIT_BACKWARD", False)
     monkeypatch.setattr(triton_kernels, "LEAN_BACKWARD", True)
     assert triton_kernels.backward_form() == "lean"
     monkeypatch.setattr(triton_kernels, "SPLIT_BACKWARD", True)
