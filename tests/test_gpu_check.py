@@ -192,12 +192,14 @@ def test_the_real_plan_names_existing_files_and_loadable_recipes(capsys):
     # 15 device minutes: the fused kernels' tests (every recipe runs them), the recipe owed 52 steps, the kernels'
     # launches (which backward form, warps, register-resident or any-depth; compiled ahead by --prepare), the split
     # backward in that recipe, the layer target and eager MAC
-    assert names[:12] == ["env", "fused_kernels", "recipe_400m_mag", "titans_kernel_tune", "recipe_400m_mag_split",
+    assert names[:13] == ["env", "fused_kernels", "recipe_400m_mag", "titans_kernel_tune", "recipe_400m_mag_split",
                           "grouped_wgrad", "titans_layer", "recipe_170m_mac", "recipe_340m_mac", "recipe_760m_mal",
-                          "recipe_170m_mac_compiled", "recipe_170m_mac_cudagraphs"]
+                          "recipe_760m_mal_split", "recipe_170m_mac_compiled", "recipe_170m_mac_cudagraphs"]
     from memtrain.kernels.titans import BACKWARD_ENV
 
-    assert gc.select(gc.PLAN, "recipe_400m_mag_split")[0].env == {BACKWARD_ENV: "split"}
+    for name in ("recipe_400m_mag_split", "recipe_760m_mal_split"):  # the same recipe as the shipped run before
+        split, shipped = gc.select(gc.PLAN, name)[0], gc.select(gc.PLAN, name.removesuffix("_split"))[0]
+        assert split.env == {BACKWARD_ENV: "split"} and split.argv[:4] == shipped.argv[:4], (split.argv, shipped.argv)
     # 400m-mag took 20 s to build and 87 s for its first step on an H200: 170 s gave 45 of its 52 steps
     assert gc.select(gc.PLAN, "recipe_400m_mag")[0].timeout_s >= 190
     guard = gc.select(gc.PLAN, "fused_kernels")[0]

@@ -115,6 +115,17 @@ def _recipe_phase(recipe: str, timeout_s: float, steps: int = 50, why: str = "")
                        f"one profiled step (device-busy fraction, top 25 kernels){why}")
 
 
+def _split_phase(recipe: str, timeout_s: float) -> Phase:
+    name = recipe.removeprefix('titans-').replace('-', '_')
+    return Phase(f"recipe_{name}_split",
+                 _throughput(recipe, "train.schedule.warmup=2", steps=20, extra=("--profile", "25")), timeout_s,
+                 capped=True, env={"MEMTRAIN_TITANS_BACKWARD": "split"},
+                 about=f"{recipe} with the split backward (MEMTRAIN_TITANS_BACKWARD=split: per recompute group the "
+                       "chunks' own part in parallel, one program per chunk, and only the carried part in the loop "
+                       f"over chunks), beside recipe_{name}: tokens/s, the backward's time and the profiled step's "
+                       "kernels")
+
+
 def _micro_batch_phase(recipe: str, micro_batch: int, steps: int, timeout_s: float, why: str) -> Phase:
     return Phase(f"recipe_{recipe.removeprefix('titans-').replace('-', '_')}_mb{micro_batch}",
                  _throughput(recipe, "train.schedule.warmup=2", f"train.micro_batch_size={micro_batch}",
@@ -171,12 +182,7 @@ PLAN: list[Phase] = [
     # The split backward in a whole recipe, beside recipe_400m_mag on the same machine: MAG is device-bound and
     # half its device time is the scan's backward (an H200, 2026-11-27), so whether the split form should ship
     # shows here first. Its kernels are compiled ahead like the shipped ones (mac's shape is mag's).
-    Phase("recipe_400m_mag_split",
-          _throughput("titans-400m-mag", "train.schedule.warmup=2", steps=20, extra=("--profile", "25")), 120,
-          capped=True, env={"MEMTRAIN_TITANS_BACKWARD": "split"},
-          about="titans-400m-mag with the split backward (MEMTRAIN_TITANS_BACKWARD=split: per recompute group the "
-                "chunks' own part in parallel, one program per chunk, and only the carried part in the loop over "
-                "chunks), beside recipe_400m_mag: tokens/s, the backward's time and the profiled step's kernels"),
+    _split_phase("titans-400m-mag", 120),
     # Eager MAC computes its per-segment weight gradients once (memtrain.model.grouped_linear): checked in bf16
     # against the per-use sums and fp32 (passed on an H200, 2026-11-27); if that fails the later phases run without
     # it. After 400m-mag (which does not group), before MAC.
@@ -193,6 +199,8 @@ PLAN: list[Phase] = [
     _recipe_phase("titans-340m-mac", 130, why="; 52 finite steps on an H200 already (2026-11-27, fused kernels "
                   "off): its figures with them on"),
     _recipe_phase("titans-760m-mal", 130),
+    # MAL is the recipe nearest 10% MFU (8.0% on an H200) and as device-bound as MAG
+    _split_phase("titans-760m-mal", 120),
     Phase("recipe_170m_mac_compiled",
           _throughput("titans-170m-mac", "train.schedule.warmup=2", "model.compile=true", steps=20), 180,
           capped=True,
