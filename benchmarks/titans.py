@@ -11,7 +11,9 @@ output and input gradient against the PyTorch form on the first 1024 tokens, wit
 ``torch_nonfinite`` counting their non-finite elements; ``kernel_impl`` names the kernel
 pair: ``triton_kernels`` for depth 1-2, ``triton_deep`` for depth 3+; at depth 1-2 the ``kernel_any_depth_*``
 columns time ``triton_deep`` as well, to show what holding the state in registers buys, unless
-``--no-any-depth``); and
+``--no-any-depth``, and ``kernel_backward`` names the scan backward's form those columns ran while each other form
+of ``--backward`` (default ``shipped,split``) gets its own ``kernel_<form>_*`` columns; ``--profile K`` adds one
+profiled forward+backward of the kernels, ``kernel_profile_*``: device-busy fraction and the top K ops); and
 ``titans_pytorch`` (tokens/s of titans-pytorch's layer at the closest settings, or
 ``"not installed"``). The layer is built with the Titans recipes' memory settings (:func:`make_memory`), not
 ``NeuralMemory``'s paper defaults, which diverge at these sizes. Each timing is the median over repeats after a
@@ -55,6 +57,7 @@ matched ``MemoryMLP``. How its semantics differ from the paper (and from memtrai
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import statistics
 import sys
@@ -65,11 +68,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmarks' profiling helper
 
 from memtrain.config import TitansConfig  # noqa: E402
 from memtrain.kernels import titans as titans_kernels  # noqa: E402
 from memtrain.kernels.titans import triton_available  # noqa: E402
 from memtrain.model.titans import NeuralMemory  # noqa: E402
+from profiling import profile_call  # noqa: E402
 
 FULL = [  # (batch, seq_len, dim, heads, depth, chunk_size)
     (4, 2048, 512, 8, 2, 64),
@@ -128,7 +133,7 @@ def make_memory(dim: int, heads: int, depth: int, chunk: int) -> NeuralMemory:
 
 
 def run(cfg, device: torch.device, repeats: int, seq_repeats: int, tp_cls, tp_error: str | None,
-        any_depth: bool = True) -> dict:
+        any_depth: bool = True, forms: tuple[str, ...] = ("shipped",), profile: int = 0) -> dict:
     B, T, dim, H, depth, C = cfg
     torch.manual_seed(0)
     mem = make_memory(dim, H, depth, C).to(device)
@@ -145,7 +150,7 @@ def run(cfg, device: torch.device, repeats: int, seq_repeats: int, tp_cls, tp_er
         out[f"{algorithm}_s"] = round(secs[algorithm], 4)
     out["speedup_chunked_vs_sequential"] = round(secs["sequential"] / secs["chunked"], 2)
     if device.type == "cuda" and triton_available():
-        out.update(kernel_columns(mem, x, warm, repeats, secs, any_depth))
+        out.update(kernel_columns(mem, x, warm, repeats, secs, any_depth, forms, profile))
     else:
         out["kernel"] = "skipped: the Triton kernels are timed on CUDA only"
     if tp_cls is None:
@@ -170,13 +175,17 @@ def run(cfg, device: torch.device, repeats: int, seq_repeats: int, tp_cls, tp_er
 
 
 def kernel_columns(mem: NeuralMemory, x: torch.Tensor, warm: torch.Tensor, repeats: int, secs: dict,
-                   any_depth: bool = True) -> dict:
+                   any_depth: bool = True, forms: tuple[str, ...] = ("shipped",), profile: int = 0) -> dict:
     """The fused Triton kernels (``kernel="triton"``) as bf16 training runs them (bf16 autocast: bf16 q/k/v and
     dot products, fp32 gates, state and accumulation): forward+backward tokens/s, the first call's wall time
     (Triton compiles the two kernels), and the largest relative error of the output and the input gradient
     against the PyTorch chunked form under the same autocast (which runs the inner loop in fp32), i.e. the
     bf16 rounding of the kernels' dot products. float32 inputs are not timed: ``auto`` keeps them in PyTorch
-    (module docstring of memtrain.kernels.titans)."""
+    (module docstring of memtrain.kernels.titans). At depth 1-2 ``kernel_backward`` names the backward form those
+    columns ran (the default, or ``MEMTRAIN_TITANS_BACKWARD``), and each other form of ``forms`` (``shipped``,
+    ``lean``, ``split``) gets the same columns, ``kernel_<form>_*``, through that variable. ``profile`` > 0: one
+    more forward+backward of the default kernels profiled (``kernel_profile_*``: wall time, device-busy fraction,
+    the top ``profile`` ops: :func:`profiling.profile_call`)."""
     B, T = x.shape[:2]
     out = {}
 
@@ -212,6 +221,28 @@ def kernel_columns(mem: NeuralMemory, x: torch.Tensor, warm: torch.Tensor, repea
     deep_from = titans_kernels.DEEP_KERNEL_MIN_DEPTH
     out["kernel_impl"] = "triton_deep" if mem.depth >= deep_from else "triton_kernels"
     columns("kernel")
+    if profile:
+        mem.kernel = "triton"
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            prof = profile_call(lambda: mem(x)[0].float().square().mean().backward(), x.device, profile)
+        mem.kernel = "torch"
+        out.update({f"kernel_profile_{k}": v for k, v in prof.items()})
+    if mem.depth < deep_from:
+        from memtrain.kernels.titans.triton_kernels import backward_form
+
+        out["kernel_backward"] = default = backward_form()  # what the "kernel" columns ran
+        for form in forms:
+            if form == default:
+                continue
+            saved = os.environ.get(titans_kernels.BACKWARD_ENV)
+            os.environ[titans_kernels.BACKWARD_ENV] = form  # read at every call of the scan's backward
+            try:
+                columns(f"kernel_{form}")
+            finally:
+                if saved is None:
+                    os.environ.pop(titans_kernels.BACKWARD_ENV)
+                else:
+                    os.environ[titans_kernels.BACKWARD_ENV] = saved
     hidden = mem.init_weights[0].shape[-2]
     if any_depth and mem.depth < deep_from and titans_kernels.kernel_fits(mem.head_dim, hidden, deep_from):
         titans_kernels.DEEP_KERNEL_MIN_DEPTH = 1  # the any-depth kernels at this depth too
@@ -234,7 +265,19 @@ def main() -> None:
                     help="folder to prepend to sys.path for titans_pytorch (e.g. a pip --target folder)")
     ap.add_argument("--no-any-depth", dest="any_depth", action="store_false",
                     help="at depth 1-2, skip the any-depth kernels' columns (two more kernels to compile)")
+    ap.add_argument("--backward", default="shipped,split",
+                    help="at depth 1-2, the scan backward's forms to time (comma-separated: shipped, lean, split; "
+                         "MEMTRAIN_TITANS_BACKWARD); default shipped,split")
+    ap.add_argument("--profile", type=int, default=0, metavar="K",
+                    help="on CUDA, profile one more forward+backward of the kernels: device-busy fraction, top K ops")
     args = ap.parse_args()
+    forms = tuple(f.strip() for f in args.backward.split(",") if f.strip())
+    unknown = [f for f in forms if f not in titans_kernels.BACKWARD_FORMS]
+    if unknown or not forms:
+        ap.error(f"--backward takes {', '.join(titans_kernels.BACKWARD_FORMS)} separated by commas, got "
+                 f"{args.backward!r}")
+    if args.profile < 0:
+        ap.error("--profile must be >= 0")
     device = torch.device(args.device)
     repeats = args.repeats or (3 if args.quick else 5)
     tp_cls, tp_error = titans_pytorch_class(args.titans_pytorch_path)
@@ -245,7 +288,8 @@ def main() -> None:
         except (ValueError, IndexError):
             ap.error(f"--configs takes indices 0-{len(configs) - 1} separated by commas, got {args.configs!r}")
     for cfg in configs:
-        print(json.dumps(run(cfg, device, repeats, args.seq_repeats, tp_cls, tp_error, args.any_depth)), flush=True)
+        print(json.dumps(run(cfg, device, repeats, args.seq_repeats, tp_cls, tp_error, args.any_depth, forms,
+                             args.profile)), flush=True)
 
 
 if __name__ == "__main__":

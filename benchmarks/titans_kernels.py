@@ -121,15 +121,17 @@ def _compiled_info(fn) -> dict:
 
 def _loop_info(kernel) -> dict:
     """``loops`` and ``program`` (the whole kernel) of a launched kernel's cubin as
-    :func:`memtrain.kernels.titans.aot.compile_kernel` reports them ahead of time (with ``local_kib_per_program``):
-    the timings set beside the traffic the static figures predict."""
-    from memtrain.kernels.titans.aot import cubin_loops
+    :func:`memtrain.kernels.titans.aot.compile_kernel` reports them ahead of time (with ``local_kib_per_program``),
+    and its stack frame (``stack_frame``, ``frame_kib_per_program``): the timings set beside the traffic the static
+    figures predict and the local memory the running programs keep live."""
+    from memtrain.kernels.titans.aot import cubin_frame, cubin_loops
 
     try:
         loops, program = cubin_loops(kernel.asm["cubin"], kernel.metadata.num_warps, whole=True)
-    except Exception:  # no cubin (the interpreter) or no nvdisasm run
+        frame = cubin_frame(kernel.asm["cubin"], kernel.metadata.num_warps)
+    except Exception:  # no cubin (the interpreter) or no nvdisasm / cuobjdump run
         return {}
-    return {} if loops is None else {"loops": loops, "program": program}
+    return {} if loops is None else {"loops": loops, "program": program, **frame}
 
 
 def _module(depth: int):
@@ -351,8 +353,9 @@ def static(warps: list[int], names: list[str], table: dict = SHAPES) -> int:
                 failed += 1
                 continue
             rec["num_warps"] = r["num_warps"]
-            rec.update({f"{r['kernel']}_{k}": r[k] for k in ("registers", "spill_stores", "spill_loads", "shared",
-                                                             "loops", "program")})
+            rec.update({f"{r['kernel']}_{k}": r.get(k) for k in ("registers", "spill_stores", "spill_loads", "shared",
+                                                                 "stack_frame", "frame_kib_per_program", "loops",
+                                                                 "program")})
         mod = triton_deep if any_depth else triton_kernels
         shipped = any_depth == (shape[4] >= titans_kernels.DEEP_KERNEL_MIN_DEPTH) and form == "shipped"
         rec["default"] = shipped and (w is None or w == mod._launch_shape(shape[2], shape[3], shape[5])["num_warps"])

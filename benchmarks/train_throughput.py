@@ -86,11 +86,12 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Iterator, Optional
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmarks' profiling helper
 
 from memtrain.config import Recipe, load_recipe  # noqa: E402
 from memtrain.launcher.console import library_output, set_library_log_levels  # noqa: E402
@@ -99,6 +100,7 @@ from memtrain.launcher.train import (  # noqa: E402
     label_kwargs, output_loss_sum, scored_tokens, to_device, token_loss_sum, training_flops_per_token,
 )
 from memtrain.parallel import dist  # noqa: E402
+from profiling import profile_call  # noqa: E402
 
 
 def _version(package: str) -> Optional[str]:
@@ -372,34 +374,14 @@ def time_steps(runner, batches: Iterator[dict], device: torch.device, accum: int
 
 
 def profile_step(runner, batches: Iterator[dict], device: torch.device, accum: int, step: int, top: int) -> dict:
-    """One more optimizer step under ``torch.profiler``: where its time goes. ``profile_step_s`` is its wall time,
-    ``profile_device_busy_s`` the summed time of the device's kernels and copies (on CPU: every op's self time),
-    so busy / step near 1 means device-bound and well below 1 host-bound (launch overhead, Python); the
-    ``top`` ops by self device time, with their launch counts. The profiler adds host overhead to the step."""
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = device.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    """One more optimizer step under ``torch.profiler`` (:func:`profiling.profile_call`): where its time goes.
+    ``profile_step_s`` is its wall time, ``profile_device_busy_s`` the summed time of the device's kernels and
+    copies (on CPU: every op's self time), so busy / step near 1 means device-bound and well below 1 host-bound
+    (launch overhead, Python); the ``top`` ops by self device time, with their launch counts. The profiler adds
+    host overhead to the step."""
     micro = [to_device(next(batches), device) for _ in range(accum)]
-    _sync(device)
-    with profile(activities=activities) as prof:
-        t0 = time.perf_counter()
-        runner.step(micro, step, StepClock(device, sync=True))
-        _sync(device)
-        step_s = time.perf_counter() - t0
-    from torch.autograd import DeviceType
-
-    # On a GPU the device's own events (kernels, copies): an ATen op's row repeats its kernels' time.
-    key = "self_device_time_total" if cuda else "self_cpu_time_total"
-    events = [e for e in prof.key_averages() if getattr(e, key, 0) > 0
-              and (not cuda or e.device_type == DeviceType.CUDA)]
-    events.sort(key=lambda e: getattr(e, key), reverse=True)
-    busy = sum(getattr(e, key) for e in events) / 1e6
-    return {"profile_step_s": step_s, "profile_device_busy_s": busy,
-            "profile_busy_fraction": busy / step_s if step_s else None,
-            "profile_launches": sum(e.count for e in events) if cuda else None,
-            "profile_top": [{"name": e.key[:120], "self_s": _round(getattr(e, key) / 1e6), "count": e.count}
-                            for e in events[:top]]}
+    prof = profile_call(lambda: runner.step(micro, step, StepClock(device, sync=True)), device, top)
+    return {f"profile_{k}": v for k, v in prof.items()}
 
 
 def _rounded(rec: dict) -> dict:

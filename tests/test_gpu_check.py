@@ -288,6 +288,8 @@ def test_kernel_launch_sweep_benchmark_under_the_interpreter():
             assert 0 < row[f"{kernel}_registers"] <= 255 and row[f"{kernel}_spill_stores"] >= 0, row
             assert 0 < row[f"{kernel}_shared"] <= 232448, row
             assert row[f"{kernel}_program"] is None or row[f"{kernel}_program"]["instructions"] > 0, row
+            assert row[f"{kernel}_stack_frame"] is None or row[f"{kernel}_frame_kib_per_program"] == round(
+                row[f"{kernel}_stack_frame"] * 32 * row["num_warps"] / 1024, 1), row
         if split and row["bwd_local_loops"] is not None:  # one chunk per program: no loop; the other two loop
             assert [len(row[f"bwd_{part}_loops"]) for part in ("recompute", "local", "carry")] == [1, 0, 1], row
 
@@ -297,8 +299,9 @@ def test_kernel_sweep_records_the_launched_kernels_loops(monkeypatch):
     the binary the device's Triton launched (``device_caches``), so each timing sits beside the spill traffic of
     that binary: ``local_kib_per_program`` is a loop's local bytes per thread times the program's threads (here
     24 bytes x 8 warps x 32 = 6 KiB); ``program`` counts the whole kernel (a kernel without loops, as the split
-    backward's chunk-local part, runs it once per program). A kernel without a cubin or nvdisasm gives no
-    ``loops``, not an error."""
+    backward's chunk-local part, runs it once per program); ``stack_frame`` is cuobjdump's, per thread, and
+    ``frame_kib_per_program`` times the threads. A kernel without a cubin or nvdisasm gives no ``loops``, not an
+    error."""
     from types import SimpleNamespace
 
     from memtrain.kernels.titans import aot
@@ -319,6 +322,8 @@ def test_kernel_sweep_records_the_launched_kernels_loops(monkeypatch):
         return sass
 
     monkeypatch.setattr(aot, "_sass", disassemble)
+    monkeypatch.setattr(aot, "_res_usage", lambda cubin: f"Function _bwd_kernel:\n  REG:255 STACK:{len(cubin)} "
+                                                         "SHARED:0 LOCAL:0")
     kernel = SimpleNamespace(asm={"cubin": b"cubin"}, n_regs=255, n_spills=64,
                              metadata=SimpleNamespace(num_warps=8, shared=61440))
     fn = SimpleNamespace(device_caches={0: ({"key": kernel},)})
@@ -327,7 +332,8 @@ def test_kernel_sweep_records_the_launched_kernels_loops(monkeypatch):
     figures = {"local_loads": 1, "local_stores": 1, "local_bytes": 24, "shared": 0, "barriers": 0, "mma": 1,
                "local_kib_per_program": 6.0}
     assert info == {"n_regs": 255, "n_spills": 64, "shared": 61440,
-                    "loops": [{"instructions": 4, **figures}], "program": {"instructions": 5, **figures}}
+                    "loops": [{"instructions": 4, **figures}], "program": {"instructions": 5, **figures},
+                    "stack_frame": 5, "frame_kib_per_program": 1.2}  # 5 bytes x 256 threads
     assert tk._compiled_info(SimpleNamespace(device_caches={0: ({"key": SimpleNamespace(
         asm={}, n_regs=1, n_spills=0, metadata=SimpleNamespace(num_warps=4, shared=0))},)})) == {
         "n_regs": 1, "n_spills": 0, "shared": 0}
@@ -531,3 +537,49 @@ def test_the_precompiled_cache_is_installed_where_triton_finds_its_files(tmp_pat
     env = {}
     empty = gc.install_triton_cache(env, tmp_path / "none", dest)
     assert empty["installed"] == 0 and "run --prepare" in empty["why"] and "TRITON_CACHE_DIR" not in env
+
+
+def test_layer_benchmark_times_each_backward_form_and_profiles_the_kernels(monkeypatch):
+    """benchmarks/titans.py's kernel columns (on a GPU; here the kernels under the interpreter, at a tiny odd
+    shape): ``kernel_backward`` names the form the ``kernel_*`` columns ran, each other form asked for gets its own
+    columns through ``MEMTRAIN_TITANS_BACKWARD`` (set only while they run), computing what the default does, and
+    ``--profile K`` adds one profiled forward+backward (its wall time, busy fraction, top K ops)."""
+    import warnings
+
+    from memtrain.kernels.titans import BACKWARD_ENV
+
+    bench = _load("titans_bench", ROOT / "benchmarks" / "titans.py")
+    monkeypatch.delenv(BACKWARD_ENV, raising=False)
+    launched = []
+    real = bench.profile_call
+
+    def spy(fn, device, top):
+        launched.append(os.environ.get(BACKWARD_ENV))
+        return real(fn, device, top)
+
+    monkeypatch.setattr(bench, "profile_call", spy)
+    from memtrain.kernels.titans import triton_kernels as tk
+
+    ran, form = [], tk.backward_form
+
+    def seen():  # the form each scan backward runs
+        ran.append(form())
+        return ran[-1]
+
+    monkeypatch.setattr(tk, "backward_form", seen)
+    torch.manual_seed(0)
+    mem = bench.make_memory(24, 2, 2, 4)  # head size 12, chunks of 4
+    x = torch.randn(1, 19, 24)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # autocast("cuda") on a machine without CUDA
+        out = bench.kernel_columns(mem, x, x[:, :11], 1, {"chunked": 1.0}, any_depth=False,
+                                   forms=("shipped", "lean", "split"), profile=2)
+    assert out["kernel_backward"] == "shipped" and launched == [None]
+    assert [f for i, f in enumerate(ran) if i == 0 or ran[i - 1] != f] == ["shipped", "lean", "split"], ran
+    assert BACKWARD_ENV not in os.environ and mem.kernel == "torch"
+    for prefix in ("kernel", "kernel_lean", "kernel_split"):
+        assert out[f"{prefix}_bf16_tokens_per_s"] > 0 and out[f"{prefix}_nonfinite"] == 0, out
+        assert out[f"{prefix}_max_rel_err_vs_torch"] < 1e-4, (prefix, out)  # float32 here: the scan's own error
+    assert "kernel_shipped_bf16_tokens_per_s" not in out
+    assert out["kernel_profile_step_s"] > 0 and 0 < out["kernel_profile_busy_fraction"] <= 1.5
+    assert len(out["kernel_profile_top"]) == 2 and all(t["count"] >= 1 for t in out["kernel_profile_top"])

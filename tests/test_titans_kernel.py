@@ -907,6 +907,13 @@ def test_kernel_compiles_for_an_h100_within_its_shared_memory():
         assert loop["local_kib_per_program"] == round(loop["local_bytes"] * 32 * 8 / 1024, 1), loop  # 8 warps
         assert loop["mma"] > 0 and loop["shared"] > 0, loop
     assert compiled[6]["loops"] == [] and compiled[7]["loops"] == []
+    # the stack frame the spills live in (cuobjdump -res-usage, aot.cubin_frame): none without spills, and per
+    # program the frame times the threads (the depth-2 backward's: about 2.3 MB per program at chunk 64, more than
+    # an SM's L1 holds)
+    assert [r["stack_frame"] for r in compiled[6:8]] == [0, 0], compiled[6:8]
+    for r in compiled[:2] + compiled[8:]:
+        assert r["stack_frame"] >= 4 * 255 and r["frame_kib_per_program"] == round(
+            r["stack_frame"] * 32 * r["num_warps"] / 1024, 1), r
     # the split backward: the chunk-local kernel (one chunk per program) has no loop, its whole program is counted;
     # the carried part and the recompute loop over a group's chunks once each
     local, carry, recompute = compiled[8:]
@@ -958,6 +965,19 @@ def test_kernel_sass_loops_counts_each_innermost_loops_local_memory():
     # the whole kernel, each instruction once (the split backward's chunk-local kernel has no loop)
     assert sass_program(_SASS) == {"instructions": 18, "local_loads": 3, "local_stores": 2, "local_bytes": 36,
                                    "shared": 2, "barriers": 1, "mma": 1}
+
+
+def test_kernel_stack_frame_is_read_from_cuobjdumps_resource_usage():
+    """:func:`memtrain.kernels.titans.aot.stack_frame` on ``cuobjdump -res-usage`` as Triton's own cuobjdump prints
+    it for a compiled kernel (here the split backward's recompute kernel at chunk 16, Triton 3.6, sm_90: 824 bytes per
+    thread, as ptxas's ``bytes stack frame``)."""
+    from memtrain.kernels.titans.aot import stack_frame
+
+    report = ("\nResource usage:\n Common:\n  GLOBAL:0\n Function _bwd_recompute_kernel:\n"
+              "  REG:255 STACK:824 SHARED:1024 LOCAL:0 CONSTANT[0]:712 TEXTURE:0 SURFACE:0 SAMPLER:0\n")
+    assert stack_frame(report) == 824
+    assert stack_frame(report.replace("STACK:824", "STACK:0")) == 0
+    assert stack_frame("") is None
 
 
 def test_kernel_prologue_compiles_for_an_h100_without_spills():

@@ -190,9 +190,11 @@ PLAN: list[Phase] = [
           "pytest", "eager MAC's grouped per-segment weight gradients in bf16 (Triton kernels) against autograd's "
           "per-use sums and fp32; on failure the later phases set MEMTRAIN_GROUPED_WGRAD=0",
           on_failure_env={"MEMTRAIN_GROUPED_WGRAD": "0"}),
-    Phase("titans_layer", [PY, "benchmarks/titans.py", "--configs", "0", "--no-any-depth"], 180,
+    Phase("titans_layer", [PY, "benchmarks/titans.py", "--configs", "0", "--no-any-depth", "--profile", "15"], 180,
           about="the layer target: B4 T2048 d512 8 heads depth 2 chunk 64, kernel vs torch chunked vs "
-                "sequential vs titans-pytorch (target: kernel >= 1M tokens/s, >= 10x titans-pytorch)"),
+                "sequential vs titans-pytorch (target: kernel >= 1M tokens/s, >= 10x titans-pytorch), the split "
+                "backward's column beside the shipped one, and one profiled forward+backward (440K tokens/s on an "
+                "H200, 18.6 ms per 8,192 tokens: where they go)"),
     _recipe_phase("titans-170m-mac", 110, steps=20,
                   why="; with the fused kernels on (19,850 tokens/s with them off on an H200, 2026-11-27) and the "
                       "eager baseline of recipe_170m_mac_compiled"),

@@ -129,18 +129,50 @@ def cubin_loops(cubin: bytes, num_warps: int, whole: bool = False):
     return (loops, program) if whole else loops
 
 
-def _sass(cubin: bytes) -> Optional[str]:
-    """A compiled kernel's SASS (``nvdisasm -c``), or None where Triton ships no ``nvdisasm``."""
+def _run_tool(name: str, args: list[str], cubin: bytes) -> Optional[str]:
+    """What Triton's own CUDA tool ``name`` (``nvdisasm``, ``cuobjdump``) prints for ``cubin``, or None where
+    Triton ships no such tool."""
     import triton.backends.nvidia as nvidia
 
-    tool = os.path.join(os.path.dirname(nvidia.__file__), "bin", "nvdisasm")
+    tool = os.path.join(os.path.dirname(nvidia.__file__), "bin", name)
     if not os.access(tool, os.X_OK):
         return None
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "kernel.cubin")
         with open(path, "wb") as f:
             f.write(cubin)
-        return subprocess.run([tool, "-c", path], capture_output=True, text=True, check=True, timeout=300).stdout
+        return subprocess.run([tool, *args, path], capture_output=True, text=True, check=True, timeout=300).stdout
+
+
+def _sass(cubin: bytes) -> Optional[str]:
+    """A compiled kernel's SASS (``nvdisasm -c``), or None where Triton ships no ``nvdisasm``."""
+    return _run_tool("nvdisasm", ["-c"], cubin)
+
+
+def _res_usage(cubin: bytes) -> Optional[str]:
+    """A compiled kernel's resource usage (``cuobjdump -res-usage``), or None where Triton ships no ``cuobjdump``."""
+    return _run_tool("cuobjdump", ["-res-usage"], cubin)
+
+
+_RES_STACK = re.compile(r"\bSTACK:(\d+)")
+
+
+def stack_frame(res_usage: str) -> Optional[int]:
+    """The stack frame (bytes per thread: the spilled registers' home in local memory) in ``cuobjdump -res-usage``'s
+    report of one kernel (``REG:255 STACK:4136 SHARED:0 LOCAL:0 ...``), None if it names none."""
+    m = _RES_STACK.search(res_usage)
+    return int(m.group(1)) if m else None
+
+
+def cubin_frame(cubin: bytes, num_warps: int) -> dict:
+    """A compiled kernel's stack frame: ``stack_frame`` (bytes per thread, :func:`stack_frame`) and
+    ``frame_kib_per_program`` (times the program's threads: the local memory one running program keeps live, which
+    the SM's L1 holds only in part and the GPU's L2 holds for every running program only while their sum fits it);
+    empty where Triton ships no ``cuobjdump``."""
+    frame = stack_frame(_res_usage(cubin) or "")
+    if frame is None:
+        return {}
+    return {"stack_frame": frame, "frame_kib_per_program": round(frame * 32 * num_warps / 1024, 1)}
 
 
 def compile_kernel(kernel: str, depth: int = 2, head_dim: int = 64, hidden: int = 128, chunk: int = 16, *,
@@ -156,7 +188,9 @@ def compile_kernel(kernel: str, depth: int = 2, head_dim: int = 64, hidden: int 
     q / k / v (``bf16``, ``fp16`` or ``fp32``), ``lean`` the depth-1/2 backward's lean form
     (:data:`memtrain.kernels.titans.triton_kernels.LEAN_BACKWARD`, compiled without the chunk weights' gradient).
     Returns the arguments with ``shared`` (bytes per program), ``registers`` (per thread), ``spill_stores`` and
-    ``spill_loads`` (bytes of spill instructions in the compiled code, per thread) and ``loops`` (each innermost
+    ``spill_loads`` (bytes of spill instructions in the compiled code, per thread), ``stack_frame`` and
+    ``frame_kib_per_program`` (the local memory the spills live in, per thread and per program,
+    :func:`cubin_frame`; absent without ``cuobjdump``) and ``loops`` (each innermost
     loop's instructions, local-memory loads and stores and their bytes, shared-memory accesses, barriers and
     tensor-core instructions per iteration and thread, :func:`sass_loops`, and ``local_kib_per_program``: the
     local bytes times the program's threads; None without ``nvdisasm``) and ``program`` (the same figures for the
@@ -246,7 +280,8 @@ def compile_kernel(kernel: str, depth: int = 2, head_dim: int = 64, hidden: int 
     loops, program = cubin_loops(compiled.asm["cubin"], launch["num_warps"], whole=True)
     return {"kernel": kernel, "depth": depth if scan else None, "any_depth": deep if scan else None,
             "head_dim": head_dim, "hidden": hidden, "chunk": chunk, "half": half, "capability": arch, **launch,
-            "shared": compiled.metadata.shared, **_ptxas_figures(log.getvalue()), "loops": loops, "program": program}
+            "shared": compiled.metadata.shared, **_ptxas_figures(log.getvalue()),
+            **cubin_frame(compiled.asm["cubin"], launch["num_warps"]), "loops": loops, "program": program}
 
 
-__all__ = ["KERNELS", "compile_kernel", "cubin_loops", "sass_loops", "sass_program"]
+__all__ = ["KERNELS", "compile_kernel", "cubin_frame", "cubin_loops", "sass_loops", "sass_program", "stack_frame"]
