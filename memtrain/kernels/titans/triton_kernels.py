@@ -522,6 +522,7 @@ def _bwd_local_kernel(Q, K, V, DY, DEC, CAR, MIX, EEND, MEND, R1, RS1, R2, RS2, 
         _, p2, hw2, hs2 = _read(h, w2, s2, a1, d2, dec, car, mix, DOT)
         dh, da1, dd2, dw2, ds2, ddec, dcar, dmix = _read_grads(dy, h, w2, s2, a1, d2, p2, hw2, hs2, dec, car, mix,
                                                                DOT)
+        _store_mat(LS2 + at, ds2, D, H1, offs_d, offs_h)
         dz_q = dh * (sh + h * (1.0 - sh))
     else:
         d1 = 2.0 * (_mm(k, tl.trans(w1), DOT) - v)
@@ -529,6 +530,7 @@ def _bwd_local_kernel(Q, K, V, DY, DEC, CAR, MIX, EEND, MEND, R1, RS1, R2, RS2, 
         dz_q = dy
     dq, dk, dd1, dw1, ds1, ddec1, dcar1, dmix1 = _read_grads(dz_q, q, w1, s1, k, d1, p1, qw1, qs1, dec, car, mix,
                                                              DOT)
+    _store_mat(LS1 + at, ds1, H1, D, offs_h, offs_d)
     if DEPTH == 2:
         ddec += ddec1
         dcar += dcar1
@@ -544,13 +546,11 @@ def _bwd_local_kernel(Q, K, V, DY, DEC, CAR, MIX, EEND, MEND, R1, RS1, R2, RS2, 
         _store_cols(fac, curv, C, fw, 2 * H1, H1, offs_c, offs_h)
         _store_cols(fac, d1, C, fw, 3 * H1, H1, offs_c, offs_h)
         _store_cols(fac, d2, C, fw, 4 * H1, D, offs_c, offs_d)
-        _store_mat(LS2 + at, ds2, D, H1, offs_d, offs_h)
     else:
         ddec, dcar, dmix = ddec1, dcar1, dmix1
         dk, dv, dw1, _ = _delta_grads(dd1, dd1, dd1, dd1, dd1, dd1, dd1, k, w1, w1, dk, dw1, dw1, DEPTH,
                                       DOT, True)
     _store_mat(L1 + at, dw1, H1, D, offs_h, offs_d)
-    _store_mat(LS1 + at, ds1, H1, D, offs_h, offs_d)
     mc = offs_c < C
     lower = (offs_c[:, None] >= offs_c[None, :]) & mc[:, None] & mc[None, :]
     base = n * NC + c
