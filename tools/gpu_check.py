@@ -218,6 +218,14 @@ PLAN: list[Phase] = [
           about="titans-170m-mac with its compiled blocks replayed as CUDA graphs (model.compile_mode: "
                 "reduce-overhead: one launch per block forward and backward), beside recipe_170m_mac and "
                 "recipe_170m_mac_compiled: what is left of the host's dispatch cost"),
+    # MAG and MAL are device-bound and the scan's backward is half their device time; the other half (0.33 of
+    # 400m-mag's 0.71 s) is the rest of the block, run eagerly, where compiled blocks fuse the elementwise work
+    Phase("recipe_400m_mag_compiled",
+          _throughput("titans-400m-mag", "train.schedule.warmup=2", "model.compile=true", steps=20,
+                      extra=("--profile", "25")), 180, capped=True,
+          about="titans-400m-mag with model.compile: true (each block one graph, the scan kernels custom operators "
+                "in it), beside recipe_400m_mag: what compiling the half of MAG's device time that is not the scan's "
+                "backward gains, and the profiled step's kernels"),
     Phase("recipe_170m_mac_ungrouped",
           _throughput("titans-170m-mac", "train.schedule.warmup=2", steps=20, extra=("--profile", "25")), 110,
           capped=True, env={"MEMTRAIN_GROUPED_WGRAD": "0"},
