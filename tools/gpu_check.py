@@ -239,8 +239,10 @@ PLAN: list[Phase] = [
                        "peak memory says whether 8 fits an H100"),
     _micro_batch_phase("titans-400m-mag", 8, 15, 150,
                        "the memory kernels run one program per (sequence, head), 64 at micro-batch 4 on 132 SMs; "
-                       "at 8 they fill the GPU, so a kernel-bound MAG gains nearly 2x (about 90 GiB: an H200, "
-                       "not an H100)"),
+                       "at 8 they fill the GPU, so a kernel-bound MAG would gain nearly 2x if each program's cost were its "
+                       "own; but the backward's spills ran at HBM's pace once the programs' stack frames exceeded the "
+                       "L2 (48-96 programs on an H200, README), and 128 programs keep 129 MiB live (about 90 GiB: an "
+                       "H200, not an H100)"),
     # 95 s on an H200 for the first two cases, mostly compiling; the split backward's case compiles its three
     # kernels in float32 and bf16 besides
     Phase("titans_kernel_gpu", _pytest("-m", "gpu", "tests/test_titans_kernel.py"), 240, "pytest",
