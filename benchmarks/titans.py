@@ -11,9 +11,10 @@ output and input gradient against the PyTorch form on the first 1024 tokens, wit
 ``torch_nonfinite`` counting their non-finite elements; ``kernel_impl`` names the kernel
 pair: ``triton_kernels`` for depth 1-2, ``triton_deep`` for depth 3+; at depth 1-2 the ``kernel_any_depth_*``
 columns time ``triton_deep`` as well, to show what holding the state in registers buys, unless
-``--no-any-depth``, and ``kernel_backward`` names the scan backward's form those columns ran while each other form
-of ``--backward`` (default ``shipped,split``) gets its own ``kernel_<form>_*`` columns; ``--profile K`` adds one
-profiled forward+backward of the kernels, ``kernel_profile_*``: device-busy fraction and the top K ops); and
+``--no-any-depth``, and ``kernel_forward`` / ``kernel_backward`` name the scan kernels' forms those columns ran while
+each other form of ``--forms`` (default ``shipped,split``: the split form splits forward and backward) gets its own
+``kernel_<form>_*`` columns; ``--profile K`` adds one profiled forward+backward of the kernels,
+``kernel_profile_*``: device-busy fraction and the top K ops); and
 ``titans_pytorch`` (tokens/s of titans-pytorch's layer at the closest settings, or
 ``"not installed"``). The layer is built with the Titans recipes' memory settings (:func:`make_memory`), not
 ``NeuralMemory``'s paper defaults, which diverge at these sizes. Each timing is the median over repeats after a
@@ -57,7 +58,6 @@ matched ``MemoryMLP``. How its semantics differ from the paper (and from memtrai
 from __future__ import annotations
 
 import argparse
-import os
 import json
 import statistics
 import sys
@@ -181,11 +181,12 @@ def kernel_columns(mem: NeuralMemory, x: torch.Tensor, warm: torch.Tensor, repea
     (Triton compiles the two kernels), and the largest relative error of the output and the input gradient
     against the PyTorch chunked form under the same autocast (which runs the inner loop in fp32), i.e. the
     bf16 rounding of the kernels' dot products. float32 inputs are not timed: ``auto`` keeps them in PyTorch
-    (module docstring of memtrain.kernels.titans). At depth 1-2 ``kernel_backward`` names the backward form those
-    columns ran (the default, or ``MEMTRAIN_TITANS_BACKWARD``), and each other form of ``forms`` (``shipped``,
-    ``lean``, ``split``) gets the same columns, ``kernel_<form>_*``, through that variable. ``profile`` > 0: one
-    more forward+backward of the default kernels profiled (``kernel_profile_*``: wall time, device-busy fraction,
-    the top ``profile`` ops: :func:`profiling.profile_call`)."""
+    (module docstring of memtrain.kernels.titans). At depth 1-2 ``kernel_forward`` and ``kernel_backward`` name the
+    forms those columns ran (the defaults, or ``MEMTRAIN_TITANS_FORWARD`` / ``_BACKWARD``), and each other form of
+    ``forms`` (``shipped``, ``lean``, ``split``: :data:`memtrain.kernels.titans.FORMS`) gets the same columns,
+    ``kernel_<form>_*``, through those variables. ``profile`` > 0: one more forward+backward of the default kernels
+    profiled (``kernel_profile_*``: wall time, device-busy fraction, the top ``profile`` ops:
+    :func:`profiling.profile_call`)."""
     B, T = x.shape[:2]
     out = {}
 
@@ -228,21 +229,15 @@ def kernel_columns(mem: NeuralMemory, x: torch.Tensor, warm: torch.Tensor, repea
         mem.kernel = "torch"
         out.update({f"kernel_profile_{k}": v for k, v in prof.items()})
     if mem.depth < deep_from:
-        from memtrain.kernels.titans.triton_kernels import backward_form
+        from memtrain.kernels.titans.triton_kernels import backward_form, forward_form
 
-        out["kernel_backward"] = default = backward_form()  # what the "kernel" columns ran
+        ran = {titans_kernels.FORWARD_ENV: forward_form(), titans_kernels.BACKWARD_ENV: backward_form()}
+        out["kernel_forward"], out["kernel_backward"] = ran.values()  # what the "kernel" columns ran
         for form in forms:
-            if form == default:
+            if titans_kernels.form_env(form) == ran:
                 continue
-            saved = os.environ.get(titans_kernels.BACKWARD_ENV)
-            os.environ[titans_kernels.BACKWARD_ENV] = form  # read at every call of the scan's backward
-            try:
+            with titans_kernels.kernel_form(form):  # read at every call of the scan
                 columns(f"kernel_{form}")
-            finally:
-                if saved is None:
-                    os.environ.pop(titans_kernels.BACKWARD_ENV)
-                else:
-                    os.environ[titans_kernels.BACKWARD_ENV] = saved
     hidden = mem.init_weights[0].shape[-2]
     if any_depth and mem.depth < deep_from and titans_kernels.kernel_fits(mem.head_dim, hidden, deep_from):
         titans_kernels.DEEP_KERNEL_MIN_DEPTH = 1  # the any-depth kernels at this depth too
@@ -265,17 +260,17 @@ def main() -> None:
                     help="folder to prepend to sys.path for titans_pytorch (e.g. a pip --target folder)")
     ap.add_argument("--no-any-depth", dest="any_depth", action="store_false",
                     help="at depth 1-2, skip the any-depth kernels' columns (two more kernels to compile)")
-    ap.add_argument("--backward", default="shipped,split",
-                    help="at depth 1-2, the scan backward's forms to time (comma-separated: shipped, lean, split; "
-                         "MEMTRAIN_TITANS_BACKWARD); default shipped,split")
+    ap.add_argument("--forms", default="shipped,split",
+                    help="at depth 1-2, the scan kernels' forms to time (comma-separated: shipped, lean -- the "
+                         "backward's --, split -- forward and backward; MEMTRAIN_TITANS_FORWARD / _BACKWARD); "
+                         "default shipped,split")
     ap.add_argument("--profile", type=int, default=0, metavar="K",
                     help="on CUDA, profile one more forward+backward of the kernels: device-busy fraction, top K ops")
     args = ap.parse_args()
-    forms = tuple(f.strip() for f in args.backward.split(",") if f.strip())
-    unknown = [f for f in forms if f not in titans_kernels.BACKWARD_FORMS]
+    forms = tuple(f.strip() for f in args.forms.split(",") if f.strip())
+    unknown = [f for f in forms if f not in titans_kernels.FORMS]
     if unknown or not forms:
-        ap.error(f"--backward takes {', '.join(titans_kernels.BACKWARD_FORMS)} separated by commas, got "
-                 f"{args.backward!r}")
+        ap.error(f"--forms takes {', '.join(titans_kernels.FORMS)} separated by commas, got {args.forms!r}")
     if args.profile < 0:
         ap.error("--profile must be >= 0")
     device = torch.device(args.device)

@@ -13,11 +13,12 @@ result beyond rounding). One JSON line per shape and variant; ``default: true`` 
 At depth 1-2 the any-depth kernels (``kernels: triton_deep``: the state in memory, not in registers; what
 depth 3+ runs) are timed beside the shipped pair at their default launch: at the recipes' shapes the pair's
 state spills from registers (``--static``), so which is faster is measured, not assumed. So are the pair's
-other two backward forms (``backward``): ``lean`` (:data:`memtrain.kernels.titans.triton_kernels.LEAN_BACKWARD`:
+other two forms (``backward``): ``lean`` (:data:`memtrain.kernels.titans.triton_kernels.LEAN_BACKWARD`:
 the same computation ordered so that fewer state tiles ride through its loops, whose spills move less memory under
 one Triton's compiler and more under another) and ``split`` (:data:`~memtrain.kernels.titans.triton_kernels.
 SPLIT_BACKWARD`: the chunks' own part of the backward in parallel, one program per chunk, and only the carried part
-in the loop over chunks).
+in the loop over chunks; with :data:`~memtrain.kernels.titans.triton_kernels.SPLIT_FORWARD`, ``forward: split``:
+the forward's reads in parallel and only the recurrence in the loop).
 
 Shapes. ``layer``: the layer benchmark's target (B4 x 8 heads, T 2048, head 64, hidden 128, depth 2, chunk
 64); ``mac``: titans-170m/340m-mac's memory writes (B4 x 12 heads, one 512-token segment per call, chunk 16);
@@ -147,11 +148,13 @@ def default_warps(shape) -> int:
 def variant(shape, warps, any_depth: bool = False, form: str = "shipped"):
     """Within the block, :func:`memtrain.kernels.titans.scan` launches the kernels at ``shape`` with
     ``num_warps=warps`` (None: the default); ``any_depth``: the any-depth kernels (:mod:`.triton_deep`, the state in
-    memory) at depth 1-2 too; ``form``: the depth-1/2 backward's form, one of :data:`FORMS` (``lean``:
-    :data:`.triton_kernels.LEAN_BACKWARD`, ``split``: :data:`.triton_kernels.SPLIT_BACKWARD`), set as a run sets
-    it, through ``MEMTRAIN_TITANS_BACKWARD``. Yields the module whose kernels run."""
+    memory) at depth 1-2 too; ``form``: the depth-1/2 kernels' form, one of :data:`FORMS` (``lean``:
+    :data:`.triton_kernels.LEAN_BACKWARD`, ``split``: :data:`.triton_kernels.SPLIT_FORWARD` and
+    :data:`.triton_kernels.SPLIT_BACKWARD`), set as a run sets it, through ``MEMTRAIN_TITANS_FORWARD`` and
+    ``MEMTRAIN_TITANS_BACKWARD`` (:func:`memtrain.kernels.titans.kernel_form`). Yields the module whose kernels
+    run."""
     if form not in FORMS:
-        raise ValueError(f"unknown backward form {form!r}; expected one of {', '.join(FORMS)}")
+        raise ValueError(f"unknown kernel form {form!r}; expected one of {', '.join(FORMS)}")
     N, T, D, hidden, depth, C = shape
     deep_from = titans_kernels.DEEP_KERNEL_MIN_DEPTH
     mod = triton_deep if any_depth else _module(depth)
@@ -164,22 +167,17 @@ def variant(shape, warps, any_depth: bool = False, form: str = "shipped"):
         return opts
 
     mod._launch_shape = launch
-    form_from = os.environ.get(titans_kernels.BACKWARD_ENV)
-    os.environ[titans_kernels.BACKWARD_ENV] = form  # what a run picks it with (it overrides the module's flags)
     if any_depth:
         titans_kernels.DEEP_KERNEL_MIN_DEPTH = 1  # scan() picks the any-depth kernels at every depth
     try:
-        yield mod
+        with titans_kernels.kernel_form(form):  # what a run picks it with (over the module's flags)
+            yield mod
     finally:
         mod._launch_shape = base
-        if form_from is None:
-            os.environ.pop(titans_kernels.BACKWARD_ENV, None)
-        else:
-            os.environ[titans_kernels.BACKWARD_ENV] = form_from
         titans_kernels.DEEP_KERNEL_MIN_DEPTH = deep_from
 
 
-FORMS = titans_kernels.BACKWARD_FORMS  # the depth-1/2 backward's forms (MEMTRAIN_TITANS_BACKWARD)
+FORMS = titans_kernels.FORMS  # the depth-1/2 kernels' forms (MEMTRAIN_TITANS_FORWARD / _BACKWARD)
 
 
 def variants(name: str, warps: list[int], table: dict = SHAPES) -> list[tuple]:
@@ -196,13 +194,14 @@ def variants(name: str, warps: list[int], table: dict = SHAPES) -> list[tuple]:
     return out
 
 
-def _backward_kernels(mod, form: str) -> dict:
-    """The backward's kernels in ``mod`` under ``form``, by the names their records use."""
+def _scan_kernels(mod, form: str) -> dict:
+    """The forward's and backward's kernels in ``mod`` under ``form``, by the names their records use."""
     if mod is triton_deep:
-        return {"bwd": mod._bwd_deep_kernel}
+        return {"fwd": mod._fwd_deep_kernel, "bwd": mod._bwd_deep_kernel}
     if form == "split":
-        return {f"bwd_{part}": getattr(mod, f"_bwd_{part}_kernel") for part in ("recompute", "local", "carry")}
-    return {"bwd": mod._bwd_kernel}
+        return {**{f"fwd_{part}": getattr(mod, f"_fwd_{part}_kernel") for part in ("advance", "read")},
+                **{f"bwd_{part}": getattr(mod, f"_bwd_{part}_kernel") for part in ("recompute", "local", "carry")}}
+    return {"fwd": mod._fwd_kernel, "bwd": mod._bwd_kernel}
 
 
 def measure(shape, warps, device, repeats_ms: int, any_depth: bool = False, form: str = "shipped") -> tuple[
@@ -241,13 +240,13 @@ def measure(shape, warps, device, repeats_ms: int, any_depth: bool = False, form
             t0 = time.perf_counter()
             fwd_bwd()
             fwd_bwd_ms = (time.perf_counter() - t0) * 1e3
-        info = {f"fwd_{k}": x for k, x in _compiled_info(getattr(mod, "_fwd_kernel", None)
-                                                      or getattr(mod, "_fwd_deep_kernel", None)).items()}
-        for part, fn in _backward_kernels(mod, form).items():
+        info = {}
+        for part, fn in _scan_kernels(mod, form).items():
             info.update({f"{part}_{k}": x for k, x in _compiled_info(fn).items()})
     shipped = mod is _module(depth)
     rec = {"N": N, "T": T, "head_dim": D, "hidden": hidden, "depth": depth, "chunk": C,
            "kernels": mod.__name__.rsplit(".", 1)[-1], "num_warps": warps or default, "backward": form,
+           "forward": "split" if form == "split" else "shipped",
            "default": shipped and (warps is None or warps == default) and form == "shipped",
            "first_call_s": round(first_s, 2),
            "triton_compiled": [n for n, hit in first_events if not hit],
@@ -308,12 +307,12 @@ def _compile(spec: tuple) -> dict:
 
 def static(warps: list[int], names: list[str], table: dict = SHAPES) -> int:
     """``--static``: each shape's kernels compiled for sm_90 under each launch, one JSON line per shape, kernels
-    (register-resident or any-depth), ``num_warps`` and backward form (``backward``), with the forward's and
-    backward's (the split form's three: ``bwd_recompute``, ``bwd_local``, ``bwd_carry``) registers, spills, shared
-    memory, innermost loops (instructions and local-memory loads, stores and bytes per iteration and thread: the
-    spills that run per chunk; :func:`memtrain.kernels.titans.aot.sass_loops`) and whole-kernel figures
-    (``program``: what the split form's chunk-local kernel, which has no loop, runs per chunk). The compiles run in
-    parallel (one process per core)."""
+    (register-resident or any-depth), ``num_warps`` and form (``backward``, ``forward``), with the forward's and
+    backward's (the split form's five: ``fwd_advance``, ``fwd_read``, ``bwd_recompute``, ``bwd_local``,
+    ``bwd_carry``) registers, spills, shared memory, stack frames, innermost loops (instructions and local-memory
+    loads, stores and bytes per iteration and thread: the spills that run per chunk;
+    :func:`memtrain.kernels.titans.aot.sass_loops`) and whole-kernel figures (``program``: what the split form's
+    per-chunk kernels, which have no loop, run per chunk). The compiles run in parallel (one process per core)."""
     import multiprocessing
 
     rows = []
@@ -327,7 +326,8 @@ def static(warps: list[int], names: list[str], table: dict = SHAPES) -> int:
         rows += [(name, shape, any_depth, w, form) for any_depth, w, form in variants]
 
     def kernels(form):
-        return ("fwd", "bwd_recompute", "bwd_local", "bwd_carry") if form == "split" else ("fwd", "bwd")
+        return (("fwd_advance", "fwd_read", "bwd_recompute", "bwd_local", "bwd_carry") if form == "split" else
+                ("fwd", "bwd"))
 
     # a compiled kernel depends on the widths, depth and chunk, not on N or T (mac and mag share theirs); the
     # forward has one form
@@ -346,7 +346,8 @@ def static(warps: list[int], names: list[str], table: dict = SHAPES) -> int:
     for name, shape, any_depth, w, form in rows:
         rec = {"shape": name, "device": "sm_90 (compiled ahead of time, not run)", "N": shape[0], "T": shape[1],
                "head_dim": shape[2], "hidden": shape[3], "depth": shape[4], "chunk": shape[5],
-               "kernels": "triton_deep" if any_depth else "triton_kernels", "backward": form}
+               "kernels": "triton_deep" if any_depth else "triton_kernels", "backward": form,
+               "forward": "split" if form == "split" else "shipped"}
         for r in (compiled[key(kernel, shape, any_depth, w, form)] for kernel in kernels(form)):
             if "error" in r:
                 rec[f"{r['kernel']}_error"] = r["error"]

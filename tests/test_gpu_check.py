@@ -195,11 +195,11 @@ def test_the_real_plan_names_existing_files_and_loadable_recipes(capsys):
     assert names[:13] == ["env", "fused_kernels", "recipe_400m_mag", "titans_kernel_tune", "recipe_400m_mag_split",
                           "grouped_wgrad", "titans_layer", "recipe_170m_mac", "recipe_340m_mac", "recipe_760m_mal",
                           "recipe_760m_mal_split", "recipe_170m_mac_compiled", "recipe_170m_mac_cudagraphs"]
-    from memtrain.kernels.titans import BACKWARD_ENV
+    from memtrain.kernels.titans import form_env
 
     for name in ("recipe_400m_mag_split", "recipe_760m_mal_split"):  # the same recipe as the shipped run before
         split, shipped = gc.select(gc.PLAN, name)[0], gc.select(gc.PLAN, name.removesuffix("_split"))[0]
-        assert split.env == {BACKWARD_ENV: "split"} and split.argv[:4] == shipped.argv[:4], (split.argv, shipped.argv)
+        assert split.env == form_env("split") and split.argv[:4] == shipped.argv[:4], (split.argv, shipped.argv)
     # 400m-mag took 20 s to build and 87 s for its first step on an H200: 170 s gave 45 of its 52 steps
     assert gc.select(gc.PLAN, "recipe_400m_mag")[0].timeout_s >= 190
     guard = gc.select(gc.PLAN, "fused_kernels")[0]
@@ -284,14 +284,17 @@ def test_kernel_launch_sweep_benchmark_under_the_interpreter():
         ("triton_kernels", 4, "split", False), ("triton_deep", 4, "shipped", False)]
     for row in rows:
         split = row["backward"] == "split"
-        for kernel in ("fwd", *(("bwd_recompute", "bwd_local", "bwd_carry") if split else ("bwd",))):
+        assert row["forward"] == ("split" if split else "shipped"), row
+        for kernel in (("fwd_advance", "fwd_read", "bwd_recompute", "bwd_local", "bwd_carry") if split else
+                       ("fwd", "bwd")):
             assert 0 < row[f"{kernel}_registers"] <= 255 and row[f"{kernel}_spill_stores"] >= 0, row
             assert 0 < row[f"{kernel}_shared"] <= 232448, row
             assert row[f"{kernel}_program"] is None or row[f"{kernel}_program"]["instructions"] > 0, row
             assert row[f"{kernel}_stack_frame"] is None or row[f"{kernel}_frame_kib_per_program"] == round(
                 row[f"{kernel}_stack_frame"] * 32 * row["num_warps"] / 1024, 1), row
-        if split and row["bwd_local_loops"] is not None:  # one chunk per program: no loop; the other two loop
+        if split and row["bwd_local_loops"] is not None:  # one chunk per program: no loop; the others loop
             assert [len(row[f"bwd_{part}_loops"]) for part in ("recompute", "local", "carry")] == [1, 0, 1], row
+            assert [len(row[f"fwd_{part}_loops"]) for part in ("advance", "read")] == [1, 0], row
 
 
 def test_kernel_sweep_records_the_launched_kernels_loops(monkeypatch):
@@ -543,13 +546,15 @@ def test_layer_benchmark_times_each_backward_form_and_profiles_the_kernels(monke
     """benchmarks/titans.py's kernel columns (on a GPU; here the kernels under the interpreter, at a tiny odd
     shape): ``kernel_backward`` names the form the ``kernel_*`` columns ran, each other form asked for gets its own
     columns through ``MEMTRAIN_TITANS_BACKWARD`` (set only while they run), computing what the default does, and
-    ``--profile K`` adds one profiled forward+backward (its wall time, busy fraction, top K ops)."""
+    ``--profile K`` adds one profiled forward+backward (its wall time, busy fraction, top K ops). The split form
+    splits the forward too."""
     import warnings
 
-    from memtrain.kernels.titans import BACKWARD_ENV
+    from memtrain.kernels.titans import BACKWARD_ENV, FORWARD_ENV
 
     bench = _load("titans_bench", ROOT / "benchmarks" / "titans.py")
     monkeypatch.delenv(BACKWARD_ENV, raising=False)
+    monkeypatch.delenv(FORWARD_ENV, raising=False)
     launched = []
     real = bench.profile_call
 
@@ -560,13 +565,18 @@ def test_layer_benchmark_times_each_backward_form_and_profiles_the_kernels(monke
     monkeypatch.setattr(bench, "profile_call", spy)
     from memtrain.kernels.titans import triton_kernels as tk
 
-    ran, form = [], tk.backward_form
+    ran, form, ran_fwd, form_fwd = [], tk.backward_form, [], tk.forward_form
 
     def seen():  # the form each scan backward runs
         ran.append(form())
         return ran[-1]
 
+    def seen_fwd():  # and each scan forward
+        ran_fwd.append(form_fwd())
+        return ran_fwd[-1]
+
     monkeypatch.setattr(tk, "backward_form", seen)
+    monkeypatch.setattr(tk, "forward_form", seen_fwd)
     torch.manual_seed(0)
     mem = bench.make_memory(24, 2, 2, 4)  # head size 12, chunks of 4
     x = torch.randn(1, 19, 24)
@@ -574,9 +584,10 @@ def test_layer_benchmark_times_each_backward_form_and_profiles_the_kernels(monke
         warnings.simplefilter("ignore")  # autocast("cuda") on a machine without CUDA
         out = bench.kernel_columns(mem, x, x[:, :11], 1, {"chunked": 1.0}, any_depth=False,
                                    forms=("shipped", "lean", "split"), profile=2)
-    assert out["kernel_backward"] == "shipped" and launched == [None]
+    assert out["kernel_backward"] == out["kernel_forward"] == "shipped" and launched == [None]
     assert [f for i, f in enumerate(ran) if i == 0 or ran[i - 1] != f] == ["shipped", "lean", "split"], ran
-    assert BACKWARD_ENV not in os.environ and mem.kernel == "torch"
+    assert [f for i, f in enumerate(ran_fwd) if i == 0 or ran_fwd[i - 1] != f] == ["shipped", "split"], ran_fwd
+    assert BACKWARD_ENV not in os.environ and FORWARD_ENV not in os.environ and mem.kernel == "torch"
     for prefix in ("kernel", "kernel_lean", "kernel_split"):
         assert out[f"{prefix}_bf16_tokens_per_s"] > 0 and out[f"{prefix}_nonfinite"] == 0, out
         assert out[f"{prefix}_max_rel_err_vs_torch"] < 1e-4, (prefix, out)  # float32 here: the scan's own error

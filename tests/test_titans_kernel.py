@@ -185,6 +185,22 @@ def test_kernel_backward_form_from_the_environment(monkeypatch):
                                          r"\(or unset it\)$"):
         NeuralMemory(16, heads=2, kernel="auto")
     NeuralMemory(16, heads=2, kernel="torch")  # never runs the kernels: the variable is not its concern
+    fwd = titans_kernels.FORWARD_ENV  # the forward's form the same way
+    monkeypatch.delenv(fwd, raising=False)
+    monkeypatch.setattr(triton_kernels, "SPLIT_FORWARD", True)
+    assert triton_kernels.forward_form() == "split"
+    monkeypatch.setattr(triton_kernels, "SPLIT_FORWARD", False)
+    assert triton_kernels.forward_form() == "shipped"
+    for form in titans_kernels.FORWARD_FORMS:
+        monkeypatch.setenv(fwd, form)
+        assert triton_kernels.forward_form() == form
+    monkeypatch.setenv(fwd, "fast")
+    monkeypatch.setenv(env, "split")
+    with pytest.raises(SettingError, match=r"^MEMTRAIN_TITANS_FORWARD='fast': expected one of shipped, split "
+                                         r"\(or unset it\)$"):
+        NeuralMemory(16, heads=2, kernel="triton")
+    NeuralMemory(16, heads=2, kernel="torch")
+    monkeypatch.setenv(fwd, "shipped")
     monkeypatch.setenv(env, "shipped")  # over SPLIT_BACKWARD
     spy = _LaunchSpy(triton_kernels._bwd_kernel)
     monkeypatch.setattr(triton_kernels, "_bwd_kernel", spy)
@@ -193,6 +209,40 @@ def test_kernel_backward_form_from_the_environment(monkeypatch):
     y, *_ = titans_kernels.scan(*ins[:6], ins[6:8], ins[8:], ins[6:8], 0, 2, kernel="triton")
     y.sum().backward()
     assert spy.forms == [(False, True)]
+
+
+@pytest.mark.parametrize("N,T,D,hidden,depth,chunk", [(3, 11, 5, 9, 2, 4), (2, 13, 5, 5, 1, 3), (1, 40, 4, 6, 2, 2),
+                                                     (3, 9, 17, 19, 2, 3), (1, 3, 7, 5, 2, 5)])
+def test_kernel_split_forward_matches_reference(monkeypatch, N, T, D, hidden, depth, chunk):
+    """The split forward (``MEMTRAIN_TITANS_FORWARD=split``: per recompute group the recurrence in one program per
+    sequence and head, then the reads in one program per chunk) against the float64 PyTorch form: outputs, end
+    state, the last chunk's start weights, and every gradient through the states it saves for the backward (the
+    first from the initial state, each next one written by the group before; poisoned buffers would show a missing
+    one). Depth 1 and 2, ending inside a chunk, shorter than one, several groups. Its two kernels launch once per
+    group, first group first, the reads with one program per chunk of the group; the one-program forward not at
+    all."""
+    monkeypatch.setenv(titans_kernels.FORWARD_ENV, "split")
+    monkeypatch.delenv(titans_kernels.BACKWARD_ENV, raising=False)
+    monkeypatch.setattr(triton_kernels, "SCRATCH_BYTES", 0)
+    whole = _LaunchSpy(triton_kernels._fwd_kernel, ())
+    monkeypatch.setattr(triton_kernels, "_fwd_kernel", whole)
+    advance = _LaunchSpy(triton_kernels._fwd_advance_kernel, ())
+    monkeypatch.setattr(triton_kernels, "_fwd_advance_kernel", advance)
+    read = _LaunchSpy(triton_kernels._fwd_read_kernel, ())
+    monkeypatch.setattr(triton_kernels, "_fwd_read_kernel", read)
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    ins, ref, out = _both(gen, N, T, D, hidden, depth, chunk)
+    for i, (a, b) in enumerate(zip(out, ref)):
+        assert torch.isfinite(a).all() and _rel(a, b) < 1e-4, (i, _rel(a, b))
+    cots = [torch.randn(r.shape, generator=gen, dtype=torch.float64).to(DEVICE) for r in ref]
+    g_ref = torch.autograd.grad(sum((r * c).sum() for r, c in zip(ref, cots)), ins)
+    g_out = torch.autograd.grad(sum((o.double() * c).sum() for o, c in zip(out, cots)), ins)
+    for name, a, b in zip(["q", "k", "v", "lr", "log_eta", "log_keep", "w", "s"], g_out, g_ref):
+        assert torch.isfinite(a).all() and _rel(a, b) < 1e-4, (f"d{name}", _rel(a, b))
+    NC = -(-T // chunk)
+    R, nsave = triton_kernels._checkpoints(NC, 0)
+    assert whole.grids == [] and advance.grids == [(N,)] * nsave
+    assert read.grids == [(N, min(R, NC - g * R)) for g in range(nsave)]
 
 
 @pytest.mark.parametrize("form", ["lean", "split"])
@@ -261,10 +311,13 @@ def test_kernel_backward_at_every_checkpoint_spacing(monkeypatch, depth, split):
     """The backward restarts from every R-th chunk's saved state (R from the scratch budget, at least
     ceil(sqrt(n_chunks))): 7 chunks at R = 3 (the smallest; a partial last group), 5 (partial), 7 (one group,
     the default here: only the first chunk's state saved) against the float64 reference, outputs and every
-    gradient; at depth 1-2 also the split backward (``SPLIT_BACKWARD``)."""
+    gradient; at depth 1-2 also the split forward and backward (``SPLIT_FORWARD``, ``SPLIT_BACKWARD``)."""
     from memtrain.kernels.titans import triton_deep
 
     monkeypatch.setattr(triton_kernels, "SPLIT_BACKWARD", split)
+    monkeypatch.setattr(triton_kernels, "SPLIT_FORWARD", split)
+    monkeypatch.delenv(titans_kernels.BACKWARD_ENV, raising=False)
+    monkeypatch.delenv(titans_kernels.FORWARD_ENV, raising=False)
 
     N, T, D, hidden, chunk = 1, 13, 5, 7, 2  # 7 chunks, the last partial
     state = 8 * N * (D * hidden + hidden * D if depth == 2 else D * D if depth == 1 else 3 * 16 * 16)
@@ -308,17 +361,22 @@ def test_kernel_custom_operators_pass_opcheck():
     for depth in (1, 2):
         state = [x.requires_grad_(True) for x in _inputs(gen, N, NC * C, D, H, depth, dtype=torch.float32)[6:]]
         w, s = state[:depth], state[depth:]
-        torch.library.opcheck(triton_kernels._scan_fwd, (q, k, v, *coef, w[0], s[0], w[-1], s[-1], T, C, depth))
+        for split in (False, True):  # the forward's two forms (SPLIT_FORWARD)
+            torch.library.opcheck(triton_kernels._scan_fwd, (q, k, v, *coef, w[0], s[0], w[-1], s[-1], T, C, depth,
+                                                             split))
     # Other strides than dense row-major (what a compiled graph may hand an operator): the same results.
 
-    def scan(q, k, v, mix, e_end, w1, w2, s1, s2):
-        return triton_kernels._scan_fwd(q, k, v, coef[0], coef[1], mix, e_end, coef[4], w1, s1, w2, s2, T, C, 2)
+    def scan(q, k, v, mix, e_end, w1, w2, s1, s2, split=False):
+        return triton_kernels._scan_fwd(q, k, v, coef[0], coef[1], mix, e_end, coef[4], w1, s1, w2, s2, T, C, 2,
+                                        split)
 
     dense = [x.detach() for x in (q, k, v, coef[2], coef[3], *w, *s)]
     strided = [x.transpose(-1, -2).contiguous().transpose(-1, -2) for x in dense]  # same values, column-major
     assert not any(x.is_contiguous() for x in strided)
     for a, b in zip(scan(*dense), scan(*strided)):
         torch.testing.assert_close(b, a, rtol=0, atol=0, equal_nan=True)
+    for a, b in zip(scan(*dense), scan(*dense, split=True)):  # the forms agree to rounding
+        assert _rel(b, a) < 1e-5
     state = _inputs(gen, N, NC * C, D, H, 3, dtype=torch.float32)[6:]
     wc, sc = (triton_deep._pack(x, 16).requires_grad_(True) for x in (state[:3], state[3:]))
     torch.library.opcheck(triton_deep._deep_fwd, (q, k, v, *coef, wc, sc, T, C))
@@ -672,12 +730,16 @@ def test_kernel_lengths_share_one_compiled_binary(monkeypatch, split):
     benchmark's warm-up), so every argument that changes with the length must be left unspecialised and every
     constexpr must not change with it; else each new length costs another 10-30 s compile of each kernel (the
     layer benchmark ran out of time on an H200 recompiling). Launches are recorded, not run. ``split``: the
-    split backward's three kernels (launched per recompute group) in place of ``_bwd_kernel``."""
+    split backward's three kernels and the split forward's two (launched per recompute group) in place of
+    ``_bwd_kernel`` and ``_fwd_kernel``."""
     import inspect
 
     from memtrain.kernels.titans import triton_deep
 
     monkeypatch.setattr(triton_kernels, "SPLIT_BACKWARD", split)
+    monkeypatch.setattr(triton_kernels, "SPLIT_FORWARD", split)
+    monkeypatch.delenv(titans_kernels.BACKWARD_ENV, raising=False)
+    monkeypatch.delenv(titans_kernels.FORWARD_ENV, raising=False)
     monkeypatch.setattr(triton_kernels, "SCRATCH_BYTES", 0)  # several recompute groups per call
     calls: dict = {}
 
@@ -691,7 +753,8 @@ def test_kernel_lengths_share_one_compiled_binary(monkeypatch, split):
             return launch
 
     backward = ["_bwd_recompute_kernel", "_bwd_local_kernel", "_bwd_carry_kernel"] if split else ["_bwd_kernel"]
-    kernels = {(triton_kernels, "_fwd_kernel"), *((triton_kernels, name) for name in backward),
+    backward += ["_fwd_advance_kernel", "_fwd_read_kernel"] if split else ["_fwd_kernel"]  # with the forward's
+    kernels = {*((triton_kernels, name) for name in backward),
                (triton_deep, "_fwd_deep_kernel"), (triton_deep, "_bwd_deep_kernel")}
     unspecialised = {name: _unspecialised(getattr(mod, name)) for mod, name in kernels}
     arg_names = {name: list(inspect.signature(getattr(mod, name).fn).parameters) for mod, name in kernels}
@@ -792,12 +855,13 @@ def test_kernel_recipe_key_forcing_triton_where_it_cannot_run_is_one_recipe_erro
 @pytest.mark.parametrize("chunk,depth,form", [(16, 2, "shipped"), (16, 3, "shipped"), (16, 2, "split")])
 def test_kernel_at_recipe_shapes_on_gpu(monkeypatch, chunk, depth, form):
     """Compiled at the recipes' shapes (head size 64, hidden 128, depth 2, and depth 3 for the any-depth kernels,
-    1000 tokens: a partial last chunk; at depth 2 also the split backward, whose kernels hand their results to each
-    other through memory):
+    1000 tokens: a partial last chunk; at depth 2 also the split forward and backward, whose kernels hand their
+    results to each other through memory):
     float32 inputs against float64 within 1e-4 (outputs, state, input gradients), and bf16 inputs (bf16 dot
     products) against float32 within bf16 rounding. Chunk 16 only: the IEEE float32 backward at chunk 64 takes
     over ten minutes to compile (bf16 at chunk 64 is covered by the benchmark's error column)."""
     monkeypatch.setenv(titans_kernels.BACKWARD_ENV, form)
+    monkeypatch.setenv(titans_kernels.FORWARD_ENV, "split" if form == "split" else "shipped")
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     ins = _inputs(gen, 3, 1000, 64, 128, depth)
     ins[3] = ins[3] * 0.1  # theta ~ 0.005, as the recipes' initialisation
@@ -861,7 +925,7 @@ def compile_one(spec):
 # second each) also at the recipes' 16; the split backward's three kernels (SPLIT_BACKWARD) last.
 specs = [("bwd", 2, 64), ("bwd", 4, 64), ("fwd", 2, 64), ("fwd", 4, 64), ("coef_bwd", 0, 64), ("coef_fwd", 0, 64),
          ("coef_bwd", 0, 16), ("coef_fwd", 0, 16), ("bwd_local", 2, 64), ("bwd_carry", 2, 64),
-         ("bwd_recompute", 2, 64)]
+         ("bwd_recompute", 2, 64), ("fwd_advance", 2, 64), ("fwd_read", 2, 64)]
 with multiprocessing.get_context("fork").Pool(2) as pool:
     print(json.dumps(pool.map(compile_one, specs, chunksize=1)))
 """
@@ -869,9 +933,9 @@ with multiprocessing.get_context("fork").Pool(2) as pool:
 
 def test_kernel_compiles_for_an_h100_within_its_shared_memory():
     """Compiled ahead of time for sm_90 (no GPU needed: Triton's own ptxas), the kernels at the recipes' shapes
-    (head size 64, hidden 128, bf16, chunk 64, the largest; depth 2 -- the split backward's three kernels too --,
-    and depth 4 for the any-depth kernels, and the coefficients') fit an H100's 227 KB of shared memory per
-    block. With Triton's default software pipelining
+    (head size 64, hidden 128, bf16, chunk 64, the largest; depth 2 -- the split backward's three kernels and the
+    split forward's two too --, and depth 4 for the any-depth kernels, and the coefficients') fit an H100's 227 KB
+    of shared memory per block. With Triton's default software pipelining
     the depth-2 backward needed 337-438 KB and would not launch. :func:`memtrain.kernels.titans.aot.compile_kernel`
     also reads ptxas's registers and spills (``benchmarks/titans_kernels.py --static`` tabulates them): the
     coefficients' kernels spill nothing."""
@@ -887,7 +951,7 @@ def test_kernel_compiles_for_an_h100_within_its_shared_memory():
     assert [(r["kernel"], r["any_depth"], r["chunk"]) for r in compiled] == [
         ("bwd", False, 64), ("bwd", True, 64), ("fwd", False, 64), ("fwd", True, 64), ("coef_bwd", None, 64),
         ("coef_fwd", None, 64), ("coef_bwd", None, 16), ("coef_fwd", None, 16), ("bwd_local", False, 64),
-        ("bwd_carry", False, 64), ("bwd_recompute", False, 64)]
+        ("bwd_carry", False, 64), ("bwd_recompute", False, 64), ("fwd_advance", False, 64), ("fwd_read", False, 64)]
     for r in compiled:
         assert r["shared"] <= 232448, r
         assert 0 < r["registers"] <= 255 and r["spill_stores"] >= 0 and r["spill_loads"] >= 0, r
@@ -912,13 +976,15 @@ def test_kernel_compiles_for_an_h100_within_its_shared_memory():
     # an SM's L1 holds)
     assert [r["stack_frame"] for r in compiled[6:8]] == [0, 0], compiled[6:8]
     for r in compiled[:2] + compiled[8:]:
-        assert r["stack_frame"] >= 4 * 255 and r["frame_kib_per_program"] == round(
-            r["stack_frame"] * 32 * r["num_warps"] / 1024, 1), r
+        assert r["frame_kib_per_program"] == round(r["stack_frame"] * 32 * r["num_warps"] / 1024, 1), r
+    assert all(r["stack_frame"] >= 4 * 255 for r in compiled[:2] + compiled[8:11]), compiled  # the backwards spill
     # the split backward: the chunk-local kernel (one chunk per program) has no loop, its whole program is counted;
     # the carried part and the recompute loop over a group's chunks once each
-    local, carry, recompute = compiled[8:]
+    local, carry, recompute, advance, read = compiled[8:]
     assert local["loops"] == [] and local["program"]["mma"] > 0 and local["program"]["instructions"] > 0, local
     assert len(carry["loops"]) == 1 and len(recompute["loops"]) == 1, (carry["loops"], recompute["loops"])
+    # the split forward: the recurrence loops over a group's chunks, the reads (one chunk per program) do not
+    assert len(advance["loops"]) == 1 and read["loops"] == [] and read["program"]["mma"] > 0, (advance, read)
 
 
 _SASS = """

@@ -119,11 +119,12 @@ def _split_phase(recipe: str, timeout_s: float) -> Phase:
     name = recipe.removeprefix('titans-').replace('-', '_')
     return Phase(f"recipe_{name}_split",
                  _throughput(recipe, "train.schedule.warmup=2", steps=20, extra=("--profile", "25")), timeout_s,
-                 capped=True, env={"MEMTRAIN_TITANS_BACKWARD": "split"},
-                 about=f"{recipe} with the split backward (MEMTRAIN_TITANS_BACKWARD=split: per recompute group the "
-                       "chunks' own part in parallel, one program per chunk, and only the carried part in the loop "
-                       f"over chunks), beside recipe_{name}: tokens/s, the backward's time and the profiled step's "
-                       "kernels")
+                 capped=True, env={"MEMTRAIN_TITANS_FORWARD": "split", "MEMTRAIN_TITANS_BACKWARD": "split"},
+                 about=f"{recipe} with the split kernels (MEMTRAIN_TITANS_BACKWARD=split: per recompute group the "
+                       "chunks' own part of the backward in parallel, one program per chunk, and only the carried part "
+                       "in the loop over chunks; MEMTRAIN_TITANS_FORWARD=split: the forward's reads in parallel, only "
+                       f"the recurrence in the loop), beside recipe_{name}: tokens/s, the forward's and backward's "
+                       "times and the profiled step's kernels")
 
 
 def _micro_batch_phase(recipe: str, micro_batch: int, steps: int, timeout_s: float, why: str) -> Phase:
@@ -171,15 +172,17 @@ PLAN: list[Phase] = [
     Phase("titans_kernel_tune", [PY, "benchmarks/titans_kernels.py", "--shapes", TUNE_SHAPES, "--warps", TUNE_WARPS],
           150,
           about="the scan kernels alone at the recipes' shapes (mac and mag share compiled kernels) and the layer "
-                "target under the shipped num_warps and 16 (4 spills 2-3x more, --static), the backward's lean and "
-                "split forms (triton_kernels.LEAN_BACKWARD, SPLIT_BACKWARD) and the any-depth kernels (state in "
+                "target under the shipped num_warps and 16 (4 spills 2-3x more, --static), the backward's lean form "
+                "and the split forward and backward (triton_kernels.LEAN_BACKWARD, SPLIT_FORWARD, SPLIT_BACKWARD) "
+                "and the any-depth kernels (state in "
                 "memory) beside them: time, registers, spills, each loop's local-memory traffic as the device's "
                 "Triton compiled it, error against the shipped launch. Compiled for sm_90 with Triton 3.6 on a CPU, "
                 "the shipped depth-2 backward's spills move 3,906 KiB per chunk and program at chunk 16 (8,908 at "
                 "chunk 64), the lean form's 2,957 (8,590), 16 warps' 5,042 (23,558); the split form's loops over "
                 "chunks 1,805 (4,844) in 7,557 instructions per chunk against 9,910 (15,129 against 25,539), beside "
-                "one parallel program per chunk: whether that traffic predicts the time, and which form should ship"),
-    # The split backward in a whole recipe, beside recipe_400m_mag on the same machine: MAG is device-bound and
+                "one parallel program per chunk; the split forward's loop 290 (1,138) against the forward's 840 "
+                "(2,000): whether that traffic predicts the time, and which form should ship"),
+    # The split kernels in a whole recipe, beside recipe_400m_mag on the same machine: MAG is device-bound and
     # half its device time is the scan's backward (an H200, 2026-11-27), so whether the split form should ship
     # shows here first. Its kernels are compiled ahead like the shipped ones (mac's shape is mag's).
     _split_phase("titans-400m-mag", 120),
@@ -193,7 +196,7 @@ PLAN: list[Phase] = [
     Phase("titans_layer", [PY, "benchmarks/titans.py", "--configs", "0", "--no-any-depth", "--profile", "15"], 180,
           about="the layer target: B4 T2048 d512 8 heads depth 2 chunk 64, kernel vs torch chunked vs "
                 "sequential vs titans-pytorch (target: kernel >= 1M tokens/s, >= 10x titans-pytorch), the split "
-                "backward's column beside the shipped one, and one profiled forward+backward (440K tokens/s on an "
+                "kernels' column beside the shipped one, and one profiled forward+backward (440K tokens/s on an "
                 "H200, 18.6 ms per 8,192 tokens: where they go)"),
     _recipe_phase("titans-170m-mac", 110, steps=20,
                   why="; with the fused kernels on (19,850 tokens/s with them off on an H200, 2026-11-27) and the "
@@ -243,11 +246,11 @@ PLAN: list[Phase] = [
                        "own; but the backward's spills ran at HBM's pace once the programs' stack frames exceeded the "
                        "L2 (48-96 programs on an H200, README), and 128 programs keep 129 MiB live (about 90 GiB: an "
                        "H200, not an H100)"),
-    # 95 s on an H200 for the first two cases, mostly compiling; the split backward's case compiles its three
-    # kernels in float32 and bf16 besides
+    # 95 s on an H200 for the first two cases, mostly compiling; the split case compiles its five kernels in
+    # float32 and bf16 besides
     Phase("titans_kernel_gpu", _pytest("-m", "gpu", "tests/test_titans_kernel.py"), 240, "pytest",
-          "the compiled Titans kernels at the recipes' shapes (depth 2 and 3, chunk 16; the split backward at "
-          "depth 2) against the float64 PyTorch form, and bf16 against float32 forward and backward (the first "
+          "the compiled Titans kernels at the recipes' shapes (depth 2 and 3, chunk 16; the split forward and "
+          "backward at depth 2) against the float64 PyTorch form, and bf16 against float32 forward and backward (the first "
           "two passed on an H200, 2026-11-26)"),
     Phase("titans_layer_rest", [PY, "benchmarks/titans.py", "--configs", "1,2,3,4"], 240,
           about="the layer at T8192, at d768 chunk 16, and at depth 3 and 4 (the any-depth kernels)"),

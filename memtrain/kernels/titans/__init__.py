@@ -25,6 +25,7 @@ the kernels; the result is the same function either way.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -87,6 +88,49 @@ def requested_backward() -> str | None:
     if form and form not in BACKWARD_FORMS:
         raise ValueError(f"{BACKWARD_ENV}={form!r}: expected one of {', '.join(BACKWARD_FORMS)} (or unset it)")
     return form or None
+
+
+# MEMTRAIN_TITANS_FORWARD=shipped|split picks the depth-1/2 kernels' forward form the same way
+# (:func:`.triton_kernels.forward_form`).
+FORWARD_ENV = "MEMTRAIN_TITANS_FORWARD"
+FORWARD_FORMS = ("shipped", "split")
+
+
+def requested_forward() -> str | None:
+    """The forward form :data:`FORWARD_ENV` asks for, None where it is unset; ValueError (one line) for another
+    value, checked where :func:`requested_backward` is."""
+    form = os.environ.get(FORWARD_ENV, "")
+    if form and form not in FORWARD_FORMS:
+        raise ValueError(f"{FORWARD_ENV}={form!r}: expected one of {', '.join(FORWARD_FORMS)} (or unset it)")
+    return form or None
+
+
+# The depth-1/2 kernels' forms, as the benchmarks and the GPU check compare them: the backward's three, the split one
+# with the forward split too. Each is a setting of the two variables above.
+FORMS = ("shipped", "lean", "split")
+
+
+def form_env(form: str) -> dict[str, str]:
+    """The settings of :data:`FORWARD_ENV` and :data:`BACKWARD_ENV` that pick ``form``, one of :data:`FORMS`."""
+    if form not in FORMS:
+        raise ValueError(f"unknown kernel form {form!r}; expected one of {', '.join(FORMS)}")
+    return {FORWARD_ENV: "split" if form == "split" else "shipped", BACKWARD_ENV: form}
+
+
+@contextlib.contextmanager
+def kernel_form(form: str):
+    """Within the block the depth-1/2 kernels run ``form`` (:func:`form_env`), set as a run sets it, through the
+    environment; the variables are restored after."""
+    saved = {k: os.environ.get(k) for k in (FORWARD_ENV, BACKWARD_ENV)}
+    os.environ.update(form_env(form))
+    try:
+        yield
+    finally:
+        for k, x in saved.items():
+            if x is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = x
 
 
 def triton_available() -> bool:

@@ -35,7 +35,7 @@ import subprocess
 import tempfile
 from typing import Optional
 
-KERNELS = ("fwd", "bwd", "bwd_recompute", "bwd_local", "bwd_carry", "coef_fwd", "coef_bwd", "qkv_fwd", "qkv_bwd",
+KERNELS = ("fwd", "bwd", "fwd_advance", "fwd_read", "bwd_recompute", "bwd_local", "bwd_carry", "coef_fwd", "coef_bwd", "qkv_fwd", "qkv_bwd",
            "gates_fwd", "gates_bwd", "out_fwd", "out_bwd", "rope_fwd", "rope_bwd")
 # The scan kernels' integer arguments; every other non-constexpr argument is a pointer.
 _INTS = {"NC", "Tp", "N_LAST", "SAVE_EVERY", "NSAVE", "C", "D", "H1", "grp", "c0", "c1"}
@@ -183,7 +183,9 @@ def compile_kernel(kernel: str, depth: int = 2, head_dim: int = 64, hidden: int 
     """Compile one Titans kernel for ``sm_<arch>`` and report it: ``kernel`` one of :data:`KERNELS` (the scan's
     forward / backward at ``depth`` -- the register-resident pair at depth 1-2, the any-depth pair at 3+ or where
     ``any_depth`` -- the split backward's three kernels at depth 1-2 (``bwd_recompute``, ``bwd_local``,
-    ``bwd_carry``: :data:`memtrain.kernels.titans.triton_kernels.SPLIT_BACKWARD`), the chunk coefficients' at
+    ``bwd_carry``: :data:`memtrain.kernels.titans.triton_kernels.SPLIT_BACKWARD`), the split forward's two
+    (``fwd_advance``, ``fwd_read``: :data:`~memtrain.kernels.titans.triton_kernels.SPLIT_FORWARD`), the chunk
+    coefficients' at
     ``chunk``, the layer's prologue, q/k/v at ``head_dim`` and the gates for up to 21 heads, its output stage at
     ``head_dim``, or RoPE's pair at ``head_dim``), ``head_dim`` and
     ``hidden`` (the memory's widths), ``num_warps`` (default: what the kernels launch with), ``half`` the dtype of
@@ -252,8 +254,8 @@ def compile_kernel(kernel: str, depth: int = 2, head_dim: int = 64, hidden: int 
     else:
         deep = depth >= DEEP_KERNEL_MIN_DEPTH if any_depth is None else any_depth
         if deep and kernel not in ("fwd", "bwd"):
-            raise ValueError(f"the split backward ({kernel!r}) is the depth-1/2 kernels' only; got depth {depth}"
-                             f"{' with any_depth' if any_depth else ''}")
+            raise ValueError(f"the split forward and backward ({kernel!r}) are the depth-1/2 kernels' only; got depth "
+                             f"{depth}{' with any_depth' if any_depth else ''}")
         mod = triton_deep if deep else tk
         fn = getattr(mod, f"_{kernel}_deep_kernel" if deep else f"_{kernel}_kernel")
         consts = mod._launch_shape(head_dim, hidden, chunk)

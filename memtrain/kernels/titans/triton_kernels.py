@@ -47,7 +47,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from memtrain.kernels.titans import requested_backward
+from memtrain.kernels.titans import requested_backward, requested_forward
 
 
 # The kernels' integer arguments that vary with a call's length (chunks, padded length, the last chunk's tokens,
@@ -277,7 +277,7 @@ def _recompute_group(SW1, SS1, SW2, SS2, R1, RS1, R2, RS2, K, V, DEC, CAR, MIX, 
                      N_LAST, SAVE_EVERY, NSAVE, C, D, H1, offs_c, offs_d, offs_h, DEPTH: tl.constexpr,
                      DOT: tl.constexpr):
     """The chunk-start states of chunks ``c0 .. c1 - 1`` (group ``grp``, from the state the forward saved at its
-    start) into the scratch ``R1, RS1, R2, RS2`` (``[N, SAVE_EVERY, ...]``)."""
+    start) into the scratch ``R1, RS1, R2, RS2`` (``[N, SAVE_EVERY, ...]``); returns the state at ``c1``."""
     sz = H1 * D
     w1 = _load_mat(SW1 + (n * NSAVE + grp) * sz, H1, D, offs_h, offs_d)
     s1 = _load_mat(SS1 + (n * NSAVE + grp) * sz, H1, D, offs_h, offs_d)
@@ -299,6 +299,7 @@ def _recompute_group(SW1, SS1, SW2, SS2, R1, RS1, R2, RS2, K, V, DEC, CAR, MIX, 
         else:
             d1 = 2.0 * (_mm(k, tl.trans(w1), DOT) - v)
         w1, s1 = _advance(w1, s1, d1, k, ml, me, dec_l, car_l, ee, DOT)
+    return w1, s1, w2, s2
 
 
 @triton.jit
@@ -487,6 +488,79 @@ def _bwd_recompute_kernel(K, V, DEC, CAR, MIX, EEND, MEND, SW1, SS1, SW2, SS2, R
     _recompute_group(SW1, SS1, SW2, SS2, R1, RS1, R2, RS2, K, V, DEC, CAR, MIX, EEND, MEND, n, grp, c0, c1, NC, Tp,
                      N_LAST, SAVE_EVERY, NSAVE, C, D, H1, tl.arange(0, BC), tl.arange(0, BD), tl.arange(0, BH),
                      DEPTH, DOT)
+
+
+# The split forward (SPLIT_FORWARD, MEMTRAIN_TITANS_FORWARD=split): per recompute group two launches. The chunks'
+# recurrence alone, one program per sequence and head (the backward's recompute loop: the per-token gradients at
+# each chunk's start weights and the chunk-end state, no reads), writes every chunk-start state of the group into a
+# scratch and the group's end state as the next saved state; then every chunk of the group reads its outputs at
+# once, one program per chunk, from its start state. The loop over chunks keeps the forward's recurrence and drops
+# its reads (the q rows, the masked [C, C] products, the output rows).
+
+
+@triton.jit(do_not_specialize=_RUNTIME_INTS + ["grp", "c0", "c1"])
+def _fwd_advance_kernel(K, V, DEC, CAR, MIX, EEND, MEND, SW1, SS1, SW2, SS2, R1, RS1, R2, RS2, W1o, S1o, W2o, S2o,
+                        grp, c0, c1, NC, Tp, N_LAST, SAVE_EVERY, NSAVE, C, D, H1,
+                        DEPTH: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr,
+                        DOT: tl.constexpr):
+    """Group ``grp``'s chunk-start states into ``R*`` from the state saved at its start (``SW*[grp]``), and the
+    state at its end into ``SW*[grp + 1]``, or after the last group into ``W1o .. S2o`` (the call's end state)."""
+    n = tl.program_id(0).to(tl.int64)
+    offs_c = tl.arange(0, BC)
+    offs_d = tl.arange(0, BD)
+    offs_h = tl.arange(0, BH)
+    w1, s1, w2, s2 = _recompute_group(SW1, SS1, SW2, SS2, R1, RS1, R2, RS2, K, V, DEC, CAR, MIX, EEND, MEND, n, grp,
+                                      c0, c1, NC, Tp, N_LAST, SAVE_EVERY, NSAVE, C, D, H1, offs_c, offs_d, offs_h,
+                                      DEPTH, DOT)
+    sz = H1 * D
+    if grp + 1 < NSAVE:
+        at = (n * NSAVE + grp + 1) * sz
+        _store_mat(SW1 + at, w1, H1, D, offs_h, offs_d)
+        _store_mat(SS1 + at, s1, H1, D, offs_h, offs_d)
+        if DEPTH == 2:
+            _store_mat(SW2 + at, w2, D, H1, offs_d, offs_h)
+            _store_mat(SS2 + at, s2, D, H1, offs_d, offs_h)
+    else:
+        _store_mat(W1o + n * sz, w1, H1, D, offs_h, offs_d)
+        _store_mat(S1o + n * sz, s1, H1, D, offs_h, offs_d)
+        if DEPTH == 2:
+            _store_mat(W2o + n * sz, w2, D, H1, offs_d, offs_h)
+            _store_mat(S2o + n * sz, s2, D, H1, offs_d, offs_h)
+
+
+@triton.jit(do_not_specialize=_RUNTIME_INTS + ["c0"])
+def _fwd_read_kernel(Q, K, V, DEC, CAR, MIX, EEND, MEND, R1, RS1, R2, RS2, Y, WG1, WG2, c0, NC, Tp, N_LAST,
+                     SAVE_EVERY, C, D, H1, DEPTH: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr,
+                     BH: tl.constexpr, DOT: tl.constexpr):
+    """Chunk ``c0 + program_id(1)``'s outputs from its start state (read from the scratch ``R*``), as the forward
+    kernel reads them; the last chunk also writes its start weights (``WG*``)."""
+    n = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    c = c0 + j
+    offs_c = tl.arange(0, BC)
+    offs_d = tl.arange(0, BD)
+    offs_h = tl.arange(0, BH)
+    sz = H1 * D
+    at = (n * SAVE_EVERY + j) * sz
+    w1 = _load_mat(R1 + at, H1, D, offs_h, offs_d)
+    s1 = _load_mat(RS1 + at, H1, D, offs_h, offs_d)
+    q, k, v = _qkv(Q, K, V, n, c, Tp, C, D, offs_c, offs_d)
+    last, dec, car, mix, ee, me, ml, dec_l, car_l = _coefs(DEC, CAR, MIX, EEND, MEND, n, c, NC, C, N_LAST, offs_c)
+    if DEPTH == 2:
+        w2 = _load_mat(R2 + at, D, H1, offs_d, offs_h)
+        s2 = _load_mat(RS2 + at, D, H1, offs_d, offs_h)
+        a1, dsilu, curv, d1, d2 = _inner2(k, v, w1, w2, DOT)
+        h, p1, qw1, qs1 = _read(q, w1, s1, k, d1, dec, car, mix, DOT)
+        h = h * tl.sigmoid(h)
+        y, p2, hw2, hs2 = _read(h, w2, s2, a1, d2, dec, car, mix, DOT)
+    else:
+        d1 = 2.0 * (_mm(k, tl.trans(w1), DOT) - v)
+        y, p1, qw1, qs1 = _read(q, w1, s1, k, d1, dec, car, mix, DOT)
+    _store_rows(Y, y, n, c, Tp, C, D, offs_c, offs_d)
+    if c == NC - 1:  # the last chunk's start weights: the state's chunk weights when it is partial
+        _store_mat(WG1 + n * sz, w1, H1, D, offs_h, offs_d)
+        if DEPTH == 2:
+            _store_mat(WG2 + n * sz, w2, D, H1, offs_d, offs_h)
 
 
 @triton.jit(do_not_specialize=_RUNTIME_INTS + ["c0"])
@@ -786,6 +860,19 @@ LEAN_BACKWARD = False
 SPLIT_BACKWARD = False
 
 
+# The split forward (:func:`_fwd_advance_kernel`, :func:`_fwd_read_kernel`): per recompute group the recurrence in
+# one program per sequence and head and the reads in one program per chunk, in place of one program per sequence
+# and head doing both. Its scratch (the group's chunk-start states) lives during one call's forward: the backward's
+# recompute scratch, at most SCRATCH_BYTES. Off until a GPU has timed it.
+SPLIT_FORWARD = False
+
+
+def forward_form() -> str:
+    """The depth-1/2 forward's form: what :data:`memtrain.kernels.titans.FORWARD_ENV` asks for where it is set,
+    else :data:`SPLIT_FORWARD`."""
+    return requested_forward() or ("split" if SPLIT_FORWARD else "shipped")
+
+
 def backward_form() -> str:
     """The depth-1/2 backward's form: what :data:`memtrain.kernels.titans.BACKWARD_ENV` asks for where it is set,
     else :data:`SPLIT_BACKWARD` / :data:`LEAN_BACKWARD`."""
@@ -920,25 +1007,42 @@ def _scan_shapes(q, w1, w2, C: int, depth: int) -> list[tuple[int, ...]]:
 @torch.library.custom_op("memtrain::titans_scan_fwd", mutates_args=())
 def _scan_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dec: torch.Tensor, car: torch.Tensor,
               mix: torch.Tensor, e_end: torch.Tensor, m_end: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor,
-              w2: torch.Tensor, s2: torch.Tensor, T: int, C: int, depth: int) -> tuple[
+              w2: torch.Tensor, s2: torch.Tensor, T: int, C: int, depth: int, split: bool) -> tuple[
         torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
         torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``split``: the split forward (:data:`SPLIT_FORWARD`), the same outputs."""
     N, Tp, D = q.shape
     NC = Tp // C
+    H1 = w1.shape[1]
     R, nsave = _checkpoints(NC, _state_bytes(N, w1.shape, w2.shape, depth))
     q, k, v, dec, car, mix, e_end, m_end, w1, s1, w2, s2 = _dense(q, k, v, dec, car, mix, e_end, m_end, w1, s1, w2, s2)
     outs = [_empty(*shape, device=q.device) for shape in _scan_shapes(q, w1, w2, C, depth)]
     y, w1o, s1o, w2o, s2o, wg1, wg2, sw1, ss1, sw2, ss2 = outs
     if depth == 1:
-        w2o, s2o, wg2, sw2, ss2 = w1o, s1o, wg1, sw1, ss1
-    _fwd_kernel[(N,)](q, k, v, dec, car, mix, e_end, m_end, w1, s1, w2, s2, y, w1o, s1o, w2o, s2o, wg1, wg2,
-                      sw1, ss1, sw2, ss2, NC, Tp, T - (NC - 1) * C, R, nsave, C, D, w1.shape[1],
-                      DEPTH=depth, DOT=_DOT[q.dtype], **_launch_shape(D, w1.shape[1], C))
+        w2, s2, w2o, s2o, wg2, sw2, ss2 = w1, s1, w1o, s1o, wg1, sw1, ss1
+    coef = (dec, car, mix, e_end, m_end)
+    ints = (NC, Tp, T - (NC - 1) * C, R)
+    launch = dict(DEPTH=depth, DOT=_DOT[q.dtype], **_launch_shape(D, H1, C))
+    if split:  # per group: the recurrence (its chunk-start states, the next saved state), then every chunk's reads
+        saved = (sw1, ss1, sw2, ss2)
+        for t, x in zip(saved, (w1, s1, w2, s2)):
+            t[:, 0].copy_(x)  # the first group starts from the initial state
+        scratch = [_empty(N, R, *t.shape[2:], device=q.device) for t in saved]
+        if depth == 1:
+            scratch[2:] = scratch[:2]
+        for grp in range(nsave):
+            c0, c1 = grp * R, min(grp * R + R, NC)
+            _fwd_advance_kernel[(N,)](k, v, *coef, *saved, *scratch, w1o, s1o, w2o, s2o, grp, c0, c1, *ints, nsave,
+                                      C, D, H1, **launch)
+            _fwd_read_kernel[(N, c1 - c0)](q, k, v, *coef, *scratch, y, wg1, wg2, c0, *ints, C, D, H1, **launch)
+    else:
+        _fwd_kernel[(N,)](q, k, v, *coef, w1, s1, w2, s2, y, w1o, s1o, w2o, s2o, wg1, wg2, sw1, ss1, sw2, ss2, *ints,
+                          nsave, C, D, H1, **launch)
     return tuple(outs)
 
 
 @_scan_fwd.register_fake
-def _(q, k, v, dec, car, mix, e_end, m_end, w1, s1, w2, s2, T, C, depth):
+def _(q, k, v, dec, car, mix, e_end, m_end, w1, s1, w2, s2, T, C, depth, split):
     return tuple(q.new_empty(shape, dtype=torch.float32) for shape in _scan_shapes(q, w1, w2, C, depth))
 
 
@@ -1022,7 +1126,7 @@ _scan_setup = _restart_setup(7, 12)
 
 def _scan_backward(ctx, dy, gw1, gs1, gw2, gs2, gwg1, gwg2, *_):
     q, k, v, dec, car, mix, e_end, m_end, sw1, ss1, sw2, ss2 = ctx.saved_tensors
-    T, C, depth = ctx.meta
+    T, C, depth, _ = ctx.meta
     N = q.shape[0]
     l1 = (N, *sw1.shape[2:])
     l2 = (N, *sw2.shape[2:]) if depth == 2 else l1
@@ -1037,7 +1141,7 @@ def _scan_backward(ctx, dy, gw1, gs1, gw2, gs2, gwg1, gwg2, *_):
                                                        gw1, gs1, gw2, gs2, gwg1, gwg2, T, C, depth, lean, split)
     if depth == 1:  # w2, s2 were w1, s1 again
         dw2 = ds2 = None
-    return dq, dk, dv, *dcoef, dw1, ds1, dw2, ds2, None, None, None
+    return dq, dk, dv, *dcoef, dw1, ds1, dw2, ds2, None, None, None, None
 
 
 _scan_fwd.register_autograd(_scan_backward, setup_context=_scan_setup)
@@ -1048,7 +1152,8 @@ def _scan(q, k, v, coef, T: int, C: int, w, s):
     depth = len(w)
     w1, w2 = w[0], w[-1]
     s1, s2 = s[0], s[-1]
-    y, w1o, s1o, w2o, s2o, wg1, wg2, *_ = _scan_fwd(q, k, v, *coef, w1, s1, w2, s2, T, C, depth)
+    y, w1o, s1o, w2o, s2o, wg1, wg2, *_ = _scan_fwd(q, k, v, *coef, w1, s1, w2, s2, T, C, depth,
+                                                    forward_form() == "split")
     if depth == 2:
         return y, [w1o, w2o], [s1o, s2o], [wg1, wg2]
     return y, [w1o], [s1o], [wg1]
