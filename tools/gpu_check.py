@@ -242,16 +242,16 @@ PLAN: list[Phase] = [
                        "peak memory says whether 8 fits an H100"),
     _micro_batch_phase("titans-400m-mag", 8, 15, 150,
                        "the memory kernels run one program per (sequence, head), 64 at micro-batch 4 on 132 SMs; "
-                       "at 8 they fill the GPU, so a kernel-bound MAG would gain nearly 2x if each program's cost were its "
-                       "own; but the backward's spills ran at HBM's pace once the programs' stack frames exceeded the "
-                       "L2 (48-96 programs on an H200, README), and 128 programs keep 129 MiB live (about 90 GiB: an "
-                       "H200, not an H100)"),
+                       "at 8 they fill the GPU, so a kernel-bound MAG would gain nearly 2x if each program's cost "
+                       "were its own; but the backward's spills ran at HBM's pace once the programs' stack frames "
+                       "exceeded the L2 (48-96 programs on an H200, README), and 128 programs keep 129 MiB live "
+                       "(about 90 GiB: an H200, not an H100)"),
     # 95 s on an H200 for the first two cases, mostly compiling; the split case compiles its five kernels in
     # float32 and bf16 besides
     Phase("titans_kernel_gpu", _pytest("-m", "gpu", "tests/test_titans_kernel.py"), 240, "pytest",
           "the compiled Titans kernels at the recipes' shapes (depth 2 and 3, chunk 16; the split forward and "
-          "backward at depth 2) against the float64 PyTorch form, and bf16 against float32 forward and backward (the first "
-          "two passed on an H200, 2026-11-26)"),
+          "backward at depth 2) against the float64 PyTorch form, and bf16 against float32 forward and backward "
+          "(the first two passed on an H200, 2026-11-26)"),
     Phase("titans_layer_rest", [PY, "benchmarks/titans.py", "--configs", "1,2,3,4"], 240,
           about="the layer at T8192, at d768 chunk 16, and at depth 3 and 4 (the any-depth kernels)"),
     Phase("titans_kernel_all", _pytest("tests/test_titans_kernel.py", "-m", "not gpu"), 300, "pytest",

@@ -35,8 +35,8 @@ import subprocess
 import tempfile
 from typing import Optional
 
-KERNELS = ("fwd", "bwd", "fwd_advance", "fwd_read", "bwd_recompute", "bwd_local", "bwd_carry", "coef_fwd", "coef_bwd", "qkv_fwd", "qkv_bwd",
-           "gates_fwd", "gates_bwd", "out_fwd", "out_bwd", "rope_fwd", "rope_bwd")
+KERNELS = ("fwd", "bwd", "fwd_advance", "fwd_read", "bwd_recompute", "bwd_local", "bwd_carry", "coef_fwd", "coef_bwd",
+           "qkv_fwd", "qkv_bwd", "gates_fwd", "gates_bwd", "out_fwd", "out_bwd", "rope_fwd", "rope_bwd")
 # The scan kernels' integer arguments; every other non-constexpr argument is a pointer.
 _INTS = {"NC", "Tp", "N_LAST", "SAVE_EVERY", "NSAVE", "C", "D", "H1", "grp", "c0", "c1"}
 _HALF = {"Q", "K", "V"}  # q, k, v reach the kernels in the activations' half precision in training
@@ -185,8 +185,7 @@ def compile_kernel(kernel: str, depth: int = 2, head_dim: int = 64, hidden: int 
     ``any_depth`` -- the split backward's three kernels at depth 1-2 (``bwd_recompute``, ``bwd_local``,
     ``bwd_carry``: :data:`memtrain.kernels.titans.triton_kernels.SPLIT_BACKWARD`), the split forward's two
     (``fwd_advance``, ``fwd_read``: :data:`~memtrain.kernels.titans.triton_kernels.SPLIT_FORWARD`), the chunk
-    coefficients' at
-    ``chunk``, the layer's prologue, q/k/v at ``head_dim`` and the gates for up to 21 heads, its output stage at
+    coefficients' at ``chunk``, the layer's prologue, q/k/v at ``head_dim`` and the gates for up to 21 heads, its output stage at
     ``head_dim``, or RoPE's pair at ``head_dim``), ``head_dim`` and
     ``hidden`` (the memory's widths), ``num_warps`` (default: what the kernels launch with), ``half`` the dtype of
     q / k / v (``bf16``, ``fp16`` or ``fp32``), ``lean`` the depth-1/2 backward's lean form
