@@ -35,21 +35,22 @@ def _precompile(cache: Path, *extra: str) -> list[dict]:
 
 
 def test_kernel_precompile_fills_a_triton_cache_that_a_second_machine_finds(tmp_path):
-    """Every launch of the sweep's variants (shipped with 4 warps, lean and split backwards, 8 warps, any-depth;
-    forward and backward, the gates' backward too) compiles once for sm_90 without a GPU; a second process, and a
+    """Every launch of the sweep's variants (shipped with 4 warps, the lean backward, the split forward and backward,
+    8 warps, any-depth; forward and backward, the gates' backward too) compiles once for sm_90 without a GPU; a second process, and a
     copy installed elsewhere (the original deleted: Triton finds entries through the paths their group files
     record), find them all."""
     first = _precompile(tmp_path / "a")
     rows, summary = first[:-1], first[-1]
     assert [(r["num_warps"], r["backward"], r["any_depth"]) for r in rows] == [
         (4, "shipped", False), (4, "lean", False), (4, "split", False), (8, "shipped", False), (4, "shipped", True)]
-    split = ["_bwd_recompute_kernel", "_bwd_local_kernel", "_bwd_carry_kernel"]
+    split = ["_fwd_advance_kernel", "_fwd_read_kernel", "_bwd_recompute_kernel", "_bwd_local_kernel",
+             "_bwd_carry_kernel"]
     assert rows[0]["compiled"] == ["_coef_fwd_kernel", "_fwd_kernel", "_bwd_kernel", "_coef_bwd_kernel"]
     assert rows[1]["compiled"] == ["_bwd_kernel"] and rows[1]["cached"] == []  # the rest reused in memory
     assert rows[2]["compiled"] == split and rows[2]["cached"] == []
     assert rows[3]["compiled"] == ["_fwd_kernel", "_bwd_kernel"]
     assert rows[4]["compiled"] == ["_fwd_deep_kernel", "_bwd_deep_kernel"]
-    assert summary["compiled"] == 12 and summary["kernels_in_cache"] == 12 and summary["target"] == "cuda:90"
+    assert summary["compiled"] == 14 and summary["kernels_in_cache"] == 14 and summary["target"] == "cuda:90"
     kernels = precompile.cache_kernels(tmp_path / "a")
     assert sorted(kernels.values()) == sorted(["_coef_fwd_kernel", "_fwd_kernel", "_bwd_kernel", "_coef_bwd_kernel",
                                                "_bwd_kernel", *split, "_fwd_kernel", "_bwd_kernel", "_fwd_deep_kernel",
@@ -61,13 +62,13 @@ def test_kernel_precompile_fills_a_triton_cache_that_a_second_machine_finds(tmp_
     assert json.loads((tmp_path / "a" / "precompiled.json").read_text()) == summary
 
     again = _precompile(tmp_path / "a")
-    assert all(r["compiled"] == [] for r in again[:-1]) and again[-1]["compiled"] == 0 and again[-1]["cached"] == 12
+    assert all(r["compiled"] == [] for r in again[:-1]) and again[-1]["compiled"] == 0 and again[-1]["cached"] == 14
 
     installed = precompile.install_cache(tmp_path / "a", tmp_path / "b")
     assert installed == kernels
     shutil.rmtree(tmp_path / "a")
     moved = _precompile(tmp_path / "b")
-    assert moved[-1]["compiled"] == 0 and moved[-1]["cached"] == 12
+    assert moved[-1]["compiled"] == 0 and moved[-1]["cached"] == 14
 
 
 def test_kernel_precompile_restores_triton_and_keys_another_build(tmp_path):
