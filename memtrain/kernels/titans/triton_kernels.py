@@ -490,6 +490,17 @@ def _bwd_recompute_kernel(K, V, DEC, CAR, MIX, EEND, MEND, SW1, SS1, SW2, SS2, R
                      DEPTH, DOT)
 
 
+@triton.jit
+def _chunk_program(c0, SAVE_EVERY, D, H1, BC: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr):
+    """The indices of a one-program-per-chunk kernel of the split forms (grid: sequences and heads x the chunks of
+    a recompute group from ``c0``): ``(n, j, c, sz, at, offs_c, offs_d, offs_h)``, ``j`` the chunk's slot in the
+    group's scratch, ``at`` that slot's offset in a state tile of ``sz`` elements."""
+    n = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    sz = H1 * D
+    return (n, j, c0 + j, sz, (n * SAVE_EVERY + j) * sz, tl.arange(0, BC), tl.arange(0, BD), tl.arange(0, BH))
+
+
 # The split forward (SPLIT_FORWARD, MEMTRAIN_TITANS_FORWARD=split): per recompute group two launches. The chunks'
 # recurrence alone, one program per sequence and head (the backward's recompute loop: the per-token gradients at
 # each chunk's start weights and the chunk-end state, no reads), writes every chunk-start state of the group into a
@@ -534,14 +545,7 @@ def _fwd_read_kernel(Q, K, V, DEC, CAR, MIX, EEND, MEND, R1, RS1, R2, RS2, Y, WG
                      BH: tl.constexpr, DOT: tl.constexpr):
     """Chunk ``c0 + program_id(1)``'s outputs from its start state (read from the scratch ``R*``), as the forward
     kernel reads them; the last chunk also writes its start weights (``WG*``)."""
-    n = tl.program_id(0).to(tl.int64)
-    j = tl.program_id(1)
-    c = c0 + j
-    offs_c = tl.arange(0, BC)
-    offs_d = tl.arange(0, BD)
-    offs_h = tl.arange(0, BH)
-    sz = H1 * D
-    at = (n * SAVE_EVERY + j) * sz
+    n, j, c, sz, at, offs_c, offs_d, offs_h = _chunk_program(c0, SAVE_EVERY, D, H1, BC, BD, BH)
     w1 = _load_mat(R1 + at, H1, D, offs_h, offs_d)
     s1 = _load_mat(RS1 + at, H1, D, offs_h, offs_d)
     q, k, v = _qkv(Q, K, V, n, c, Tp, C, D, offs_c, offs_d)
@@ -573,14 +577,7 @@ def _bwd_local_kernel(Q, K, V, DY, DEC, CAR, MIX, EEND, MEND, R1, RS1, R2, RS2, 
     the gradients of q (final), k, v and the coefficients (the carried part adds its own), those of the
     chunk-start state into ``L*`` (``[N, SAVE_EVERY, ...]``, as the scratch) and, at depth 2, the per-token
     gradients' factors ``a1 | silu' | curv | d1 | d2`` into ``FAC`` (``[N, SAVE_EVERY, C, 4 H1 + D]``)."""
-    n = tl.program_id(0).to(tl.int64)
-    j = tl.program_id(1)
-    c = c0 + j
-    offs_c = tl.arange(0, BC)
-    offs_d = tl.arange(0, BD)
-    offs_h = tl.arange(0, BH)
-    sz = H1 * D
-    at = (n * SAVE_EVERY + j) * sz
+    n, j, c, sz, at, offs_c, offs_d, offs_h = _chunk_program(c0, SAVE_EVERY, D, H1, BC, BD, BH)
     w1 = _load_mat(R1 + at, H1, D, offs_h, offs_d)
     s1 = _load_mat(RS1 + at, H1, D, offs_h, offs_d)
     q, k, v = _qkv(Q, K, V, n, c, Tp, C, D, offs_c, offs_d)
@@ -1025,7 +1022,7 @@ def _scan_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dec: torch.Tens
     launch = dict(DEPTH=depth, DOT=_DOT[q.dtype], **_launch_shape(D, H1, C))
     if split:  # per group: the recurrence (its chunk-start states, the next saved state), then every chunk's reads
         saved = (sw1, ss1, sw2, ss2)
-        for t, x in zip(saved, (w1, s1, w2, s2)):
+        for t, x in zip(saved[:2 * depth], (w1, s1, w2, s2)):  # depth 1: layer 2's slots are layer 1's
             t[:, 0].copy_(x)  # the first group starts from the initial state
         scratch = [_empty(N, R, *t.shape[2:], device=q.device) for t in saved]
         if depth == 1:
