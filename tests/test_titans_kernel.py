@@ -920,8 +920,8 @@ def compile_one(spec):
 
 
 # The backward kernels first (ptxas takes 10-30 s each, the forwards a few): two at a time on two cores. The scans at
-# chunk 64 only: a kernel's tiles grow with the chunk, and so does its shared memory (README: 61 / 139 KB for the
-# depth-2 backward at chunk 16 / 64, 2.1 / 33 KB and 3.1 / 49 KB for the coefficients'); the coefficients (a
+# chunk 64 only: a kernel's tiles grow with the chunk, and so does its shared memory (docs/titans-kernels.md: 61 / 139
+# KB for the depth-2 backward at chunk 16 / 64, 2.1 / 33 KB and 3.1 / 49 KB for the coefficients'); the coefficients (a
 # second each) also at the recipes' 16; the split backward's three kernels (SPLIT_BACKWARD) last.
 specs = [("bwd", 2, 64), ("bwd", 4, 64), ("fwd", 2, 64), ("fwd", 4, 64), ("coef_bwd", 0, 64), ("coef_fwd", 0, 64),
          ("coef_bwd", 0, 16), ("coef_fwd", 0, 16), ("bwd_local", 2, 64), ("bwd_carry", 2, 64),
@@ -957,7 +957,7 @@ def test_kernel_compiles_for_an_h100_within_its_shared_memory():
         assert 0 < r["registers"] <= 255 and r["spill_stores"] >= 0 and r["spill_loads"] >= 0, r
     # ptxas's figures (read by memtrain.kernels.titans.aot): the coefficients' kernels at the recipes' chunk of 16
     # spill nothing; at chunk 64 their launch (16 warps) keeps the backward's spills to about 1 KB per thread, where
-    # 4 warps spilled 24.9 KB (the scan kernels spill at these widths; README, "Registers and spills")
+    # 4 warps spilled 24.9 KB (the scan kernels spill at these widths; docs/titans-kernels.md, "Registers and spills")
     assert [r["spill_stores"] for r in compiled[6:8]] == [0, 0], compiled[6:8]
     assert [r["num_warps"] for r in compiled[4:6]] == [16, 16] and compiled[4]["spill_stores"] <= 2048, compiled[4:6]
     # the compiled code's innermost loops (aot.sass_loops): the depth-2 forward loops over chunks once, the backward

@@ -244,8 +244,8 @@ PLAN: list[Phase] = [
                        "the memory kernels run one program per (sequence, head), 64 at micro-batch 4 on 132 SMs; "
                        "at 8 they fill the GPU, so a kernel-bound MAG would gain nearly 2x if each program's cost "
                        "were its own; but the backward's spills ran at HBM's pace once the programs' stack frames "
-                       "exceeded the L2 (48-96 programs on an H200, README), and 128 programs keep 129 MiB live "
-                       "(about 90 GiB: an H200, not an H100)"),
+                       "exceeded the L2 (48-96 programs on an H200, docs/titans-kernels.md), and 128 programs keep "
+                       "129 MiB live (about 90 GiB: an H200, not an H100)"),
     # 95 s on an H200 for the first two cases, mostly compiling; the split case compiles its five kernels in
     # float32 and bf16 besides
     Phase("titans_kernel_gpu", _pytest("-m", "gpu", "tests/test_titans_kernel.py"), 240, "pytest",
