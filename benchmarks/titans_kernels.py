@@ -18,7 +18,10 @@ the same computation ordered so that fewer state tiles ride through its loops, w
 one Triton's compiler and more under another) and ``split`` (:data:`~memtrain.kernels.titans.triton_kernels.
 SPLIT_BACKWARD`: the chunks' own part of the backward in parallel, one program per chunk, and only the carried part
 in the loop over chunks; with :data:`~memtrain.kernels.titans.triton_kernels.SPLIT_FORWARD`, ``forward: split``:
-the forward's reads in parallel and only the recurrence in the loop).
+the forward's reads in parallel and only the recurrence in the loop). ``--waves`` (default 16,32) times the shipped
+launch with its one-program-per-sequence kernels in waves of that many programs (``MEMTRAIN_TITANS_WAVE``,
+``wave``: programs per launch, ``launches``): the same binary and result, fewer stack frames live at once
+(docs/titans-kernels.md, "Where the spills live": whether the L2 holding them decides the backward's time).
 
 Shapes. ``layer``: the layer benchmark's target (B4 x 8 heads, T 2048, head 64, hidden 128, depth 2, chunk
 64); ``mac``: titans-170m/340m-mac's memory writes (B4 x 12 heads, one 512-token segment per call, chunk 16);
@@ -79,7 +82,7 @@ SHAPES = {  # name: (N, T, head_dim, hidden, depth, chunk)
     "mag": (64, 4096, 64, 128, 2, 16),
     "deep": (32, 2048, 64, 128, 3, 64),
 }
-TINY = {"layer": (3, 19, 8, 16, 2, 4), "deep": (2, 11, 8, 8, 3, 4)}
+TINY = {"layer": (9, 7, 8, 16, 2, 4), "deep": (2, 11, 8, 8, 3, 4)}  # layer: above one wave of 8 programs
 
 
 def inputs(N, T, D, hidden, depth, device, seed=0, half=None):
@@ -145,13 +148,14 @@ def default_warps(shape) -> int:
 
 
 @contextlib.contextmanager
-def variant(shape, warps, any_depth: bool = False, form: str = "shipped"):
+def variant(shape, warps, any_depth: bool = False, form: str = "shipped", wave: int = 0):
     """Within the block, :func:`memtrain.kernels.titans.scan` launches the kernels at ``shape`` with
     ``num_warps=warps`` (None: the default); ``any_depth``: the any-depth kernels (:mod:`.triton_deep`, the state in
     memory) at depth 1-2 too; ``form``: the depth-1/2 kernels' form, one of :data:`FORMS` (``lean``:
     :data:`.triton_kernels.LEAN_BACKWARD`, ``split``: :data:`.triton_kernels.SPLIT_FORWARD` and
     :data:`.triton_kernels.SPLIT_BACKWARD`), set as a run sets it, through ``MEMTRAIN_TITANS_FORWARD`` and
-    ``MEMTRAIN_TITANS_BACKWARD`` (:func:`memtrain.kernels.titans.kernel_form`). Yields the module whose kernels
+    ``MEMTRAIN_TITANS_BACKWARD`` (:func:`memtrain.kernels.titans.kernel_form`); ``wave``: programs per launch of the
+    one-program-per-sequence kernels (``MEMTRAIN_TITANS_WAVE``; 0: one launch). Yields the module whose kernels
     run."""
     if form not in FORMS:
         raise ValueError(f"unknown kernel form {form!r}; expected one of {', '.join(FORMS)}")
@@ -169,28 +173,36 @@ def variant(shape, warps, any_depth: bool = False, form: str = "shipped"):
     mod._launch_shape = launch
     if any_depth:
         titans_kernels.DEEP_KERNEL_MIN_DEPTH = 1  # scan() picks the any-depth kernels at every depth
+    saved_wave = os.environ.get(titans_kernels.WAVE_ENV)
+    os.environ[titans_kernels.WAVE_ENV] = str(wave)
     try:
         with titans_kernels.kernel_form(form):  # what a run picks it with (over the module's flags)
             yield mod
     finally:
         mod._launch_shape = base
         titans_kernels.DEEP_KERNEL_MIN_DEPTH = deep_from
+        if saved_wave is None:
+            os.environ.pop(titans_kernels.WAVE_ENV, None)
+        else:
+            os.environ[titans_kernels.WAVE_ENV] = saved_wave
 
 
 FORMS = titans_kernels.FORMS  # the depth-1/2 kernels' forms (MEMTRAIN_TITANS_FORWARD / _BACKWARD)
 
 
-def variants(name: str, warps: list[int], table: dict = SHAPES) -> list[tuple]:
-    """``(num_warps, any_depth, form)`` of each launch the sweep times at shape ``name``, in order: the shipped one,
-    the lean and split backwards, the other ``warps``, the any-depth kernels (all but ``warps`` at depth 1-2
-    only)."""
+def variants(name: str, warps: list[int], table: dict = SHAPES, waves: tuple[int, ...] = ()) -> list[tuple]:
+    """``(num_warps, any_depth, form, wave)`` of each launch the sweep times at shape ``name``, in order: the shipped
+    one, the lean and split backwards, the shipped one in ``waves`` of programs (those below the shape's programs),
+    the other ``warps``, the any-depth kernels (all but ``warps`` and ``waves`` at depth 1-2 only). ``wave`` 0: one
+    launch."""
     shallow = table[name][4] < titans_kernels.DEEP_KERNEL_MIN_DEPTH
-    out = [(None, False, "shipped")]
-    if shallow:  # the backward's other forms next
-        out += [(None, False, "lean"), (None, False, "split")]
-    out += [(w, False, "shipped") for w in warps if w != default_warps(table[name])]
+    out = [(None, False, "shipped", 0)]
+    if shallow:  # the backward's other forms next, then the shipped one in waves
+        out += [(None, False, "lean", 0), (None, False, "split", 0)]
+        out += [(None, False, "shipped", wave) for wave in waves if wave < table[name][0]]
+    out += [(w, False, "shipped", 0) for w in warps if w != default_warps(table[name])]
     if shallow:  # the any-depth kernels, default launch
-        out.append((None, True, "shipped"))
+        out.append((None, True, "shipped", 0))
     return out
 
 
@@ -204,16 +216,16 @@ def _scan_kernels(mod, form: str) -> dict:
     return {"fwd": mod._fwd_kernel, "bwd": mod._bwd_kernel}
 
 
-def measure(shape, warps, device, repeats_ms: int, any_depth: bool = False, form: str = "shipped") -> tuple[
-        dict, tuple]:
-    """Time the kernels at ``shape`` under :func:`variant` ``(warps, any_depth, form)``; the record and the outputs.
-    The record counts the kernels the first call compiled and those Triton's cache held (``triton_compiled``,
-    ``triton_cached``: a cache filled ahead of time, ``--precompile``, should hold them all)."""
+def measure(shape, warps, device, repeats_ms: int, any_depth: bool = False, form: str = "shipped",
+            wave: int = 0) -> tuple[dict, tuple]:
+    """Time the kernels at ``shape`` under :func:`variant` ``(warps, any_depth, form, wave)``; the record and the
+    outputs. The record counts the kernels the first call compiled and those Triton's cache held
+    (``triton_compiled``, ``triton_cached``: a cache filled ahead of time, ``--precompile``, should hold them all)."""
     N, T, D, hidden, depth, C = shape
     default = (triton_deep if any_depth else _module(depth))._launch_shape(D, hidden, C)["num_warps"]
     q, k, v, lr, log_eta, log_keep, w, s = inputs(N, T, D, hidden, depth, device)
     leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
-    with variant(shape, warps, any_depth, form) as mod, compile_events() as events:
+    with variant(shape, warps, any_depth, form, wave) as mod, compile_events() as events:
         def fwd():
             return titans_kernels.scan(*leaves, lr, log_eta, log_keep, w, s, w, 0, C, kernel="triton")[0]
 
@@ -247,7 +259,8 @@ def measure(shape, warps, device, repeats_ms: int, any_depth: bool = False, form
     rec = {"N": N, "T": T, "head_dim": D, "hidden": hidden, "depth": depth, "chunk": C,
            "kernels": mod.__name__.rsplit(".", 1)[-1], "num_warps": warps or default, "backward": form,
            "forward": "split" if form == "split" else "shipped",
-           "default": shipped and (warps is None or warps == default) and form == "shipped",
+           "wave": wave or N, "launches": -(-N // (wave or N)),
+           "default": shipped and (warps is None or warps == default) and form == "shipped" and not wave,
            "first_call_s": round(first_s, 2),
            "triton_compiled": [n for n, hit in first_events if not hit],
            "triton_cached": [n for n, hit in first_events if hit],
@@ -272,7 +285,7 @@ def precompile(names: list[str], warps: list[int], cache_dir: str, target: str =
         for name in names:
             N, T, D, hidden, depth, C = table[name]
             shape = (2, 2 * C, D, hidden, depth, C)  # the lengths and batch are runtime integers: any will do
-            for w, any_depth, form in variants(name, warps, table):
+            for w, any_depth, form, _ in variants(name, warps, table):  # waves add no binary
                 t0 = time.perf_counter()
                 done = len(report.compiled), len(report.cached)
                 q, k, v, lr, log_eta, log_keep, ws, ss = inputs(*shape[:5], torch.device("cpu"), half=torch.bfloat16)
@@ -372,6 +385,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default=None, help=f"comma-separated, of {', '.join(SHAPES)} (default: all)")
     ap.add_argument("--warps", default="4,8,16", help="num_warps variants besides the default (comma-separated)")
+    ap.add_argument("--waves", default="16,32",
+                    help="programs per launch to time the shipped kernels in (MEMTRAIN_TITANS_WAVE; comma-separated "
+                         "multiples of 8, those below a shape's programs; empty: none)")
     ap.add_argument("--rep-ms", type=int, default=200, help="do_bench's repetition time per measurement")
     ap.add_argument("--interpret", action="store_true", help="CPU smoke run at tiny shapes (TRITON_INTERPRET=1)")
     ap.add_argument("--static", action="store_true",
@@ -391,6 +407,13 @@ def main() -> int:
     if unknown:
         ap.error(f"unknown shape(s) {', '.join(unknown)}; choose from {', '.join(table)}")
     warps = [int(x) for x in args.warps.split(",") if x.strip()]
+    try:
+        waves = tuple(int(x) for x in args.waves.split(",") if x.strip())
+    except ValueError:
+        waves = (-1,)
+    if any(w <= 0 or w % titans_kernels.WAVE_MULTIPLE for w in waves):
+        ap.error(f"--waves {args.waves!r}: expected positive multiples of {titans_kernels.WAVE_MULTIPLE}, "
+                 "comma-separated")
     if args.static or args.precompile:
         if os.environ.get("TRITON_INTERPRET") == "1":
             ap.error(f"{'--static' if args.static else '--precompile'} compiles for a GPU: unset TRITON_INTERPRET")
@@ -414,12 +437,12 @@ def main() -> int:
         device = torch.device("cuda")
     for name in names:
         ref = None
-        for warp, any_depth, form in variants(name, warps, table):
+        for warp, any_depth, form, wave in variants(name, warps, table, waves):
             try:
-                rec, outs = measure(table[name], warp, device, args.rep_ms, any_depth, form)
+                rec, outs = measure(table[name], warp, device, args.rep_ms, any_depth, form, wave)
             except Exception as e:  # one variant that fails to compile or launch must not end the sweep
                 print(json.dumps({"shape": name, "num_warps": warp, "any_depth": any_depth, "backward": form,
-                                  "error": f"{type(e).__name__}: {e}"[:500]}), flush=True)
+                                  "wave": wave, "error": f"{type(e).__name__}: {e}"[:500]}), flush=True)
                 continue
             if ref is None:
                 ref = outs

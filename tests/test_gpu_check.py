@@ -190,16 +190,21 @@ def test_the_real_plan_names_existing_files_and_loadable_recipes(capsys):
             assert max(idx) < len(bench.FULL)
     assert gc.select(gc.PLAN, "recipe_")[0].name == "recipe_400m_mag"
     # 15 device minutes: the fused kernels' tests (every recipe runs them), the recipe owed 52 steps, the kernels'
-    # launches (which backward form, warps, register-resident or any-depth; compiled ahead by --prepare), the split
-    # backward in that recipe, the layer target and eager MAC
-    assert names[:13] == ["env", "fused_kernels", "recipe_400m_mag", "titans_kernel_tune", "recipe_400m_mag_split",
-                          "grouped_wgrad", "titans_layer", "recipe_170m_mac", "recipe_340m_mac", "recipe_760m_mal",
-                          "recipe_760m_mal_split", "recipe_170m_mac_compiled", "recipe_170m_mac_cudagraphs"]
-    from memtrain.kernels.titans import form_env
+    # launches (which backward form, warps, waves, register-resident or any-depth; compiled ahead by --prepare), the
+    # split backward and the waves in that recipe, the layer target and eager MAC
+    assert names[:14] == ["env", "fused_kernels", "recipe_400m_mag", "titans_kernel_tune", "recipe_400m_mag_split",
+                          "recipe_400m_mag_wave32", "grouped_wgrad", "titans_layer", "recipe_170m_mac",
+                          "recipe_340m_mac", "recipe_760m_mal", "recipe_760m_mal_split", "recipe_170m_mac_compiled",
+                          "recipe_170m_mac_cudagraphs"]
+    from memtrain.kernels.titans import WAVE_ENV, form_env
 
     for name in ("recipe_400m_mag_split", "recipe_760m_mal_split"):  # the same recipe as the shipped run before
         split, shipped = gc.select(gc.PLAN, name)[0], gc.select(gc.PLAN, name.removesuffix("_split"))[0]
         assert split.env == form_env("split") and split.argv[:4] == shipped.argv[:4], (split.argv, shipped.argv)
+    wave, shipped = gc.select(gc.PLAN, "recipe_400m_mag_wave32")[0], gc.select(gc.PLAN, "recipe_400m_mag")[0]
+    assert wave.env == {WAVE_ENV: "32"} and wave.argv[:4] == shipped.argv[:4], wave.argv
+    tune = gc.select(gc.PLAN, "titans_kernel_tune")[0].argv
+    assert tune[tune.index("--waves") + 1] == "16,32"
     # 400m-mag took 20 s to build and 87 s for its first step on an H200: 170 s gave 45 of its 52 steps
     assert gc.select(gc.PLAN, "recipe_400m_mag")[0].timeout_s >= 190
     guard = gc.select(gc.PLAN, "fused_kernels")[0]
@@ -250,21 +255,28 @@ def test_env_phase_prints_one_json_line():
 
 def test_kernel_launch_sweep_benchmark_under_the_interpreter():
     """benchmarks/titans_kernels.py (the plan's titans_kernel_tune) at its tiny CPU shape: one JSON line per
-    num_warps variant, for the lean and split forms of the backward (``backward``) and for the any-depth kernels at
-    that depth, the default marked, every variant computing what the default does. ``--static`` (compiled for
-    sm_90, not run): the same rows with ptxas's registers, spills and shared memory."""
+    num_warps variant, for the lean and split forms of the backward (``backward``), for the shipped launch in waves
+    of 8 of its 9 programs (``wave``: the same result bit for bit) and for the any-depth kernels at that depth, the
+    default marked, every variant computing what the default does. ``--static`` (compiled for sm_90, not run): the
+    same rows but the waves (no binary of their own) with ptxas's registers, spills and shared memory."""
     import os
     import subprocess
 
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "titans_kernels.py"), "--interpret", "--shapes",
-                        "layer", "--warps", "4,8"], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+                        "layer", "--warps", "4,8", "--waves", "8,16"], capture_output=True, text=True, timeout=300,
+                       env=env, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
-    assert [(row["kernels"], row["num_warps"], row["backward"], row["default"]) for row in rows] == [
-        ("triton_kernels", 4, "shipped", True), ("triton_kernels", 4, "lean", False),
-        ("triton_kernels", 4, "split", False), ("triton_kernels", 8, "shipped", False),
-        ("triton_deep", 4, "shipped", False)]
+    assert [(row["kernels"], row["num_warps"], row["backward"], row["wave"], row["default"]) for row in rows] == [
+        ("triton_kernels", 4, "shipped", 9, True), ("triton_kernels", 4, "lean", 9, False),
+        ("triton_kernels", 4, "split", 9, False), ("triton_kernels", 4, "shipped", 8, False),
+        ("triton_kernels", 8, "shipped", 9, False), ("triton_deep", 4, "shipped", 9, False)]
+    assert [row["launches"] for row in rows] == [1, 1, 1, 2, 1, 1]
+    assert rows[3]["max_rel_err_vs_default"] == 0.0  # the same programs in two launches
+    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "titans_kernels.py"), "--interpret", "--waves",
+                          "12"], capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    assert bad.returncode == 2 and "--waves '12': expected positive multiples of 8" in bad.stderr, bad.stderr
     # --static: the shipped launch and the any-depth kernels (--warps 4 is the tiny shape's default: no third row)
     for row in rows:
         # the split backward forms the chain through the per-token gradients in two parts (the chunk's own and the

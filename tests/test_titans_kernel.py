@@ -11,6 +11,7 @@ and momentum) agree to a relative error below 1e-4. Every buffer the kernels wri
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -106,16 +107,17 @@ def test_kernel_matches_reference_forward_and_backward(monkeypatch, N, T, D, hid
 
 
 class _LaunchSpy:
-    """Stands in for one of ``triton_kernels``' backward kernels: records each launch's grid and the constexprs
-    ``keys`` (``LEAN`` and ``HAS_WG`` of ``_bwd_kernel``) and runs it."""
+    """Stands in for one of ``triton_kernels``' backward kernels: records each launch's grid, the constexprs ``keys``
+    (``LEAN`` and ``HAS_WG`` of ``_bwd_kernel``) and which tensor arguments are 16-byte aligned, and runs it."""
 
     def __init__(self, kernel, keys=("LEAN", "HAS_WG")):
-        self.kernel, self.keys, self.forms, self.grids = kernel, keys, [], []
+        self.kernel, self.keys, self.forms, self.grids, self.aligned = kernel, keys, [], [], []
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
             self.forms.append(tuple(kwargs[k] for k in self.keys))
             self.grids.append(grid)
+            self.aligned.append(tuple(a.data_ptr() % 16 == 0 for a in args if isinstance(a, torch.Tensor)))
             return self.kernel[grid](*args, **kwargs)
         return launch
 
@@ -209,6 +211,71 @@ def test_kernel_backward_form_from_the_environment(monkeypatch):
     y, *_ = titans_kernels.scan(*ins[:6], ins[6:8], ins[8:], ins[6:8], 0, 2, kernel="triton")
     y.sum().backward()
     assert spy.forms == [(False, True)]
+
+
+@pytest.mark.parametrize("depth,form", [(2, "shipped"), (1, "lean")])
+def test_kernel_waves_run_the_one_launchs_programs_bit_for_bit(monkeypatch, depth, form):
+    """``MEMTRAIN_TITANS_WAVE=8``: the kernels with one program per sequence and head through every chunk (the
+    shipped forward, the shipped and lean backward) launch at most 8 programs at a time. With 17 sequences and heads
+    that is three launches each way, of 8, 8 and 1 programs; outputs, end state and every input's gradient equal the
+    one launch's bit for bit (every buffer poisoned first: a wave that wrote another's rows, or none, would show).
+    Depth 2 and 1, ending inside a chunk, several recompute groups. A wave of at least N programs is one launch."""
+    monkeypatch.setenv(titans_kernels.BACKWARD_ENV, form)
+    monkeypatch.delenv(titans_kernels.FORWARD_ENV, raising=False)
+    monkeypatch.setattr(triton_kernels, "SCRATCH_BYTES", 0)
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    ins = [x.requires_grad_(True) for x in _inputs(gen, 17, 8, 5, 6, depth)]
+    cots = None
+
+    def run():
+        nonlocal cots
+        out = _run("kernel", ins, depth, 0, 3)
+        cots = cots or [torch.randn(o.shape, generator=gen, dtype=torch.float64).to(DEVICE) for o in out]
+        return [*out, *torch.autograd.grad(sum((o.double() * c).sum() for o, c in zip(out, cots)), ins)]
+
+    fwd = _LaunchSpy(triton_kernels._fwd_kernel, ())
+    bwd = _LaunchSpy(triton_kernels._bwd_kernel)
+    monkeypatch.setattr(triton_kernels, "_fwd_kernel", fwd)
+    monkeypatch.setattr(triton_kernels, "_bwd_kernel", bwd)
+    monkeypatch.delenv(titans_kernels.WAVE_ENV, raising=False)
+    whole = run()
+    monkeypatch.setenv(titans_kernels.WAVE_ENV, "8")
+    waved = run()
+    assert fwd.grids == [(17,), (8,), (8,), (1,)] and bwd.grids == [(17,), (8,), (8,), (1,)], (fwd.grids, bwd.grids)
+    # Triton specialises a pointer on its 16-byte alignment: every wave's pointers are aligned as the one launch's
+    # are, so the waves run its compiled binary
+    for spy in (fwd, bwd):
+        assert all(a == spy.aligned[0] for a in spy.aligned) and all(spy.aligned[0]), spy.aligned
+    assert len(waved) == len(whole) == 3 * depth + 1 + 6 + 2 * depth
+    for i, (a, b) in enumerate(zip(waved, whole)):
+        assert torch.isfinite(b).all() and torch.equal(a, b), i
+    monkeypatch.setenv(titans_kernels.WAVE_ENV, "24")
+    run()
+    assert fwd.grids[4:] == [(17,)] and bwd.grids[4:] == [(17,)]
+
+
+def test_kernel_wave_from_the_environment(monkeypatch):
+    """``MEMTRAIN_TITANS_WAVE`` is 0 (one launch) where unset or 0, else programs per launch, a multiple of 8 (each
+    wave's tensors as aligned as the whole's). Another value is one error naming the variable and what it takes,
+    raised when a memory that may run the kernels is built; a launch whose tensors are not indexed by its programs
+    is refused rather than run in waves."""
+    env = titans_kernels.WAVE_ENV
+    monkeypatch.delenv(env, raising=False)
+    assert titans_kernels.requested_wave() == 0 and triton_kernels._waves(5) == [slice(0, 5)]
+    for raw, wave in (("0", 0), ("16", 16), (" 8 ", 8)):
+        monkeypatch.setenv(env, raw)
+        assert titans_kernels.requested_wave() == wave
+    assert triton_kernels._waves(20) == [slice(0, 8), slice(8, 16), slice(16, 20)]
+    assert triton_kernels._waves(8) == [slice(0, 8)]
+    for raw in ("12", "-8", "x", "8.0"):
+        monkeypatch.setenv(env, raw)
+        with pytest.raises(SettingError, match=rf"^MEMTRAIN_TITANS_WAVE='{re.escape(raw)}': expected programs per "
+                                               r"launch, a multiple of 8 \(or 0 or unset for one launch\)$"):
+            NeuralMemory(16, heads=2, kernel="auto")
+        NeuralMemory(16, heads=2, kernel="torch")  # never runs the kernels
+    monkeypatch.setenv(env, "8")
+    with pytest.raises(ValueError, match=r"shape \(4, 3\) is not indexed by the 9 programs"):
+        triton_kernels._launch_per_sequence(None, 9, torch.zeros(9, 2), 3, torch.zeros(4, 3))
 
 
 @pytest.mark.parametrize("N,T,D,hidden,depth,chunk", [(3, 11, 5, 9, 2, 4), (2, 13, 5, 5, 1, 3), (1, 40, 4, 6, 2, 2),

@@ -67,6 +67,7 @@ DEVICE_TRITON_CACHE = Path(tempfile.gettempdir()) / "memtrain-triton-cache"  # T
 RETURNED_CACHE_BYTES = 32 << 20  # of the kernels compiled there, brought back in OUT/triton-cache (save_compiled)
 # What titans_kernel_tune times, and so what --prepare compiles ahead (mag launches the same kernels as mac).
 TUNE_SHAPES, TUNE_WARPS = "mac,mag,layer", "16"
+TUNE_WAVES = "16,32"  # programs per launch (MEMTRAIN_TITANS_WAVE) for the shipped kernels: no binaries of their own
 TEST_TOOLS = ("pytest", "pytest-timeout")  # pinned by constraints.txt; their dependencies come along
 TAIL_CHARS = 4000  # of each phase's output, kept in the JSON
 LOG_CHARS = 400_000  # of each phase's output, kept in the log (the device returns files up to 16 MiB)
@@ -127,6 +128,17 @@ def _split_phase(recipe: str, timeout_s: float) -> Phase:
                        "times and the profiled step's kernels")
 
 
+def _wave_phase(recipe: str, wave: int, timeout_s: float) -> Phase:
+    name = recipe.removeprefix('titans-').replace('-', '_')
+    return Phase(f"recipe_{name}_wave{wave}",
+                 _throughput(recipe, "train.schedule.warmup=2", steps=20, extra=("--profile", "25")), timeout_s,
+                 capped=True, env={"MEMTRAIN_TITANS_WAVE": str(wave)},
+                 about=f"{recipe} with the scan kernels launched {wave} programs at a time (MEMTRAIN_TITANS_WAVE: "
+                       "the same binary and result, fewer stack frames live at once), beside recipe_{name}: whether "
+                       "the backward's time follows its frames against the L2 (docs/titans-kernels.md)".replace(
+                           "{name}", name))
+
+
 def _micro_batch_phase(recipe: str, micro_batch: int, steps: int, timeout_s: float, why: str) -> Phase:
     return Phase(f"recipe_{recipe.removeprefix('titans-').replace('-', '_')}_mb{micro_batch}",
                  _throughput(recipe, "train.schedule.warmup=2", f"train.micro_batch_size={micro_batch}",
@@ -166,16 +178,17 @@ PLAN: list[Phase] = [
     _recipe_phase("titans-400m-mag", 200),
     # Right after the owed recipe: the sweep decides the next change to the scan's backward (half of every
     # recipe's device time on an H200), and with its kernels compiled ahead (--prepare: 86 s of compiling on the
-    # 2-core development machine, a third of the 240 s it had) its 15 launches should time in about a minute (an
-    # estimate). A phase that times out keeps what it printed, so a cache that misses still returns the recipes'
+    # 2-core development machine, a third of the 240 s it had) its 20 launches (5 of them waves, which compile
+    # nothing) should time in about a minute (an estimate). A phase that times out keeps what it printed, so a cache that misses still returns the recipes'
     # shapes first.
-    Phase("titans_kernel_tune", [PY, "benchmarks/titans_kernels.py", "--shapes", TUNE_SHAPES, "--warps", TUNE_WARPS],
-          150,
+    Phase("titans_kernel_tune", [PY, "benchmarks/titans_kernels.py", "--shapes", TUNE_SHAPES, "--warps", TUNE_WARPS,
+                                 "--waves", TUNE_WAVES], 150,
           about="the scan kernels alone at the recipes' shapes (mac and mag share compiled kernels) and the layer "
                 "target under the shipped num_warps and 16 (4 spills 2-3x more, --static), the backward's lean form "
-                "and the split forward and backward (triton_kernels.LEAN_BACKWARD, SPLIT_FORWARD, SPLIT_BACKWARD) "
-                "and the any-depth kernels (state in "
-                "memory) beside them: time, registers, spills, each loop's local-memory traffic as the device's "
+                "and the split forward and backward (triton_kernels.LEAN_BACKWARD, SPLIT_FORWARD, SPLIT_BACKWARD), "
+                "the shipped launch in waves of 16 and 32 programs (MEMTRAIN_TITANS_WAVE: whether fewer stack frames "
+                "live at once, within the L2, run faster) and the any-depth kernels (state in memory) beside them: "
+                "time, registers, spills, each loop's local-memory traffic as the device's "
                 "Triton compiled it, error against the shipped launch. Compiled for sm_90 with Triton 3.6 on a CPU, "
                 "the shipped depth-2 backward's spills move 3,906 KiB per chunk and program at chunk 16 (8,908 at "
                 "chunk 64), the lean form's 2,957 (8,590), 16 warps' 5,042 (23,558); the split form's loops over "
@@ -186,6 +199,9 @@ PLAN: list[Phase] = [
     # half its device time is the scan's backward (an H200, 2026-11-27), so whether the split form should ship
     # shows here first. Its kernels are compiled ahead like the shipped ones (mac's shape is mag's).
     _split_phase("titans-400m-mag", 120),
+    # The frames question directly: the same kernels, half of 400m-mag's 64 programs at a time, so their backward
+    # frames (33 MiB) fit the L2 where all 64 (65 MiB) do not. The sweep's wave rows answer it for the kernel alone.
+    _wave_phase("titans-400m-mag", 32, 110),
     # Eager MAC computes its per-segment weight gradients once (memtrain.model.grouped_linear): checked in bf16
     # against the per-use sums and fp32 (passed on an H200, 2026-11-27); if that fails the later phases run without
     # it. After 400m-mag (which does not group), before MAC.

@@ -105,6 +105,34 @@ def requested_forward() -> str | None:
     return form or None
 
 
+# MEMTRAIN_TITANS_WAVE=K: the depth-1/2 kernels that run one program per sequence and head through every chunk (the
+# shipped forward, the shipped and lean backward) launch at most K programs at a time, in successive launches over the
+# sequences and heads. Each program's spilled registers live in a stack frame in local memory, cached in the L2, and
+# every running program keeps its frame live: at the recipes' shapes the backward's frames come to about 1 MiB per
+# program, 48-97 MiB for 48-96 programs against an H100's / H200's 50 MB L2 (docs/titans-kernels.md, "Where the spills
+# live"). Waves bound that. The programs are independent, so the result is the same bit for bit. Unset (or 0): one
+# launch. A multiple of 8, so that each wave's tensors start as aligned as the whole's (the same compiled binary).
+WAVE_ENV = "MEMTRAIN_TITANS_WAVE"
+WAVE_MULTIPLE = 8
+
+
+def requested_wave() -> int:
+    """The programs per launch :data:`WAVE_ENV` asks for, 0 (one launch) where it is unset; ValueError (one line) for
+    a value that is not 0 or a positive multiple of :data:`WAVE_MULTIPLE`, checked where :func:`requested_backward`
+    is."""
+    raw = os.environ.get(WAVE_ENV, "").strip()
+    if not raw:
+        return 0
+    try:
+        wave = int(raw)
+    except ValueError:
+        wave = -1
+    if wave < 0 or wave % WAVE_MULTIPLE:
+        raise ValueError(f"{WAVE_ENV}={raw!r}: expected programs per launch, a multiple of {WAVE_MULTIPLE} (or 0 or "
+                         f"unset for one launch)")
+    return wave
+
+
 # The depth-1/2 kernels' forms, as the benchmarks and the GPU check compare them: the backward's three, the split one
 # with the forward split too. Each is a setting of the two variables above.
 FORMS = ("shipped", "lean", "split")

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from memtrain.kernels.titans import requested_backward, requested_forward
+from memtrain.kernels.titans import requested_backward, requested_forward, requested_wave
 
 
 # The kernels' integer arguments that vary with a call's length (chunks, padded length, the last chunk's tokens,
@@ -876,6 +876,31 @@ def backward_form() -> str:
     return requested_backward() or ("split" if SPLIT_BACKWARD else "lean" if LEAN_BACKWARD else "shipped")
 
 
+def _waves(N: int) -> list[slice]:
+    """The sequences and heads each launch of a one-program-per-sequence kernel covers: all ``N`` in one, or
+    :func:`memtrain.kernels.titans.requested_wave` at a time (``MEMTRAIN_TITANS_WAVE``; a multiple of 8)."""
+    wave = requested_wave()
+    if wave <= 0 or wave >= N:
+        return [slice(0, N)]
+    return [slice(n0, min(n0 + wave, N)) for n0 in range(0, N, wave)]
+
+
+def _launch_per_sequence(kernel, N: int, *args, **launch) -> None:
+    """``kernel[(N,)](*args, **launch)``, one program per sequence and head, in the waves of :func:`_waves`. Every
+    tensor argument is indexed by the program (its first dimension ``N``), so a wave passes the slice of each that
+    its programs own: views at an offset of a multiple of 8 rows, as aligned as the whole, so every wave runs the same
+    compiled binary and the result is the one launch's, bit for bit."""
+    waves = _waves(N)
+    if len(waves) == 1:
+        kernel[(N,)](*args, **launch)
+        return
+    for a in args:
+        if isinstance(a, torch.Tensor) and (a.dim() == 0 or a.shape[0] != N):
+            raise ValueError(f"a tensor argument of shape {tuple(a.shape)} is not indexed by the {N} programs")
+    for w in waves:
+        kernel[(w.stop - w.start,)](*(a[w] if isinstance(a, torch.Tensor) else a for a in args), **launch)
+
+
 def _launch_shape(D: int, H1: int, C: int) -> dict:
     """Block sizes and launch options. ``num_stages=1``: the loads inside the chunk loops are not software-
     pipelined; with the default (3) the pipeliner double-buffers the state tiles the backward reloads per chunk
@@ -1033,8 +1058,8 @@ def _scan_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dec: torch.Tens
                                       C, D, H1, **launch)
             _fwd_read_kernel[(N, c1 - c0)](q, k, v, *coef, *scratch, y, wg1, wg2, c0, *ints, C, D, H1, **launch)
     else:
-        _fwd_kernel[(N,)](q, k, v, *coef, w1, s1, w2, s2, y, w1o, s1o, w2o, s2o, wg1, wg2, sw1, ss1, sw2, ss2, *ints,
-                          nsave, C, D, H1, **launch)
+        _launch_per_sequence(_fwd_kernel, N, q, k, v, *coef, w1, s1, w2, s2, y, w1o, s1o, w2o, s2o, wg1, wg2, sw1,
+                             ss1, sw2, ss2, *ints, nsave, C, D, H1, **launch)
     return tuple(outs)
 
 
@@ -1093,9 +1118,9 @@ def _scan_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dy: torch.Tenso
             _bwd_carry_kernel[(N,)](k, v, dec, car, mix, e_end, m_end, *scratch, *local, fac, *carried, *grads[4:],
                                     dk, dv, *dcoef, *kernel_dstate, c0, c1, *ints, C, D, H1, HAS_WG=has_wg, **launch)
     else:
-        _bwd_kernel[(N,)](q, k, v, dy, dec, car, mix, e_end, m_end, sw1, ss1, sw2, ss2, *scratch, *grads,
-                          dq, dk, dv, *dcoef, *kernel_dstate, *ints, nsave, C, D, H1, LEAN=lean, HAS_WG=has_wg,
-                          **launch)
+        _launch_per_sequence(_bwd_kernel, N, q, k, v, dy, dec, car, mix, e_end, m_end, sw1, ss1, sw2, ss2, *scratch,
+                             *grads, dq, dk, dv, *dcoef, *kernel_dstate, *ints, nsave, C, D, H1, LEAN=lean,
+                             HAS_WG=has_wg, **launch)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *dcoef, *dstate
 
 
