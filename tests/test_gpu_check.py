@@ -121,6 +121,7 @@ def test_a_capped_phase_stops_inside_its_clipped_timeout_and_gets_its_env(tmp_pa
     assert 100 - gc.CAP_MARGIN_S - 2 <= float(capped["argv"][3]) <= 100 - gc.CAP_MARGIN_S  # clipped to the budget
     assert capped["blocking"] == "1" and plain == {"argv": [], "blocking": os.environ.get("CUDA_LAUNCH_BLOCKING")}
     assert report["phases"][0]["argv"][-2] == "--max-seconds"  # the JSON records the command that ran
+    assert report["phases"][0]["env"] == {"CUDA_LAUNCH_BLOCKING": "1"} and "env" not in report["phases"][1]
 
 
 def test_a_failed_guard_phase_sets_its_environment_for_the_later_phases(tmp_path):

@@ -338,6 +338,8 @@ def run_phase(phase: Phase, timeout_s: float, log, env: Optional[dict] = None) -
     record (without writing anything else)."""
     argv = phase_argv(phase, timeout_s)
     rec = {"name": phase.name, "about": phase.about, "argv": argv, "timeout_s": round(timeout_s, 1)}
+    if phase.env:  # what it set (the forms, waves, switches) beside the command that ran
+        rec["env"] = dict(phase.env)
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         t0 = time.monotonic()
         try:
