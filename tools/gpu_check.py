@@ -134,9 +134,8 @@ def _wave_phase(recipe: str, wave: int, timeout_s: float) -> Phase:
                  _throughput(recipe, "train.schedule.warmup=2", steps=20, extra=("--profile", "25")), timeout_s,
                  capped=True, env={"MEMTRAIN_TITANS_WAVE": str(wave)},
                  about=f"{recipe} with the scan kernels launched {wave} programs at a time (MEMTRAIN_TITANS_WAVE: "
-                       "the same binary and result, fewer stack frames live at once), beside recipe_{name}: whether "
-                       "the backward's time follows its frames against the L2 (docs/titans-kernels.md)".replace(
-                           "{name}", name))
+                       f"the same binary and result, fewer stack frames live at once), beside recipe_{name}: whether "
+                       "the backward's time follows its frames against the L2 (docs/titans-kernels.md)")
 
 
 def _micro_batch_phase(recipe: str, micro_batch: int, steps: int, timeout_s: float, why: str) -> Phase:
@@ -179,8 +178,8 @@ PLAN: list[Phase] = [
     # Right after the owed recipe: the sweep decides the next change to the scan's backward (half of every
     # recipe's device time on an H200), and with its kernels compiled ahead (--prepare: 86 s of compiling on the
     # 2-core development machine, a third of the 240 s it had) its 20 launches (5 of them waves, which compile
-    # nothing) should time in about a minute (an estimate). A phase that times out keeps what it printed, so a cache that misses still returns the recipes'
-    # shapes first.
+    # nothing) should time in about a minute (an estimate). A phase that times out keeps what it printed, so a cache
+    # that misses still returns the recipes' shapes first.
     Phase("titans_kernel_tune", [PY, "benchmarks/titans_kernels.py", "--shapes", TUNE_SHAPES, "--warps", TUNE_WARPS,
                                  "--waves", TUNE_WAVES], 150,
           about="the scan kernels alone at the recipes' shapes (mac and mag share compiled kernels) and the layer "
