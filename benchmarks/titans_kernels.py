@@ -21,7 +21,9 @@ in the loop over chunks; with :data:`~memtrain.kernels.titans.triton_kernels.SPL
 the forward's reads in parallel and only the recurrence in the loop). ``--waves`` (default 16,32) times the shipped
 launch with its one-program-per-sequence kernels in waves of that many programs (``MEMTRAIN_TITANS_WAVE``,
 ``wave``: programs per launch, ``launches``): the same binary and result, fewer stack frames live at once
-(docs/titans-kernels.md, "Where the spills live": whether the L2 holding them decides the backward's time).
+(docs/titans-kernels.md, "Where the spills live": whether the L2 holding them decides the backward's time). Every
+timed record also gives ``fwd_us_per_chunk`` and ``bwd_us_per_chunk``: the call's time over its chunks (all programs
+at once), the unit the frames model predicts in.
 
 Shapes. ``layer``: the layer benchmark's target (B4 x 8 heads, T 2048, head 64, hidden 128, depth 2, chunk
 64); ``mac``: titans-170m/340m-mac's memory writes (B4 x 12 heads, one 512-token segment per call, chunk 16);
@@ -265,6 +267,10 @@ def measure(shape, warps, device, repeats_ms: int, any_depth: bool = False, form
            "triton_compiled": [n for n, hit in first_events if not hit],
            "triton_cached": [n for n, hit in first_events if hit],
            "fwd_ms": round(fwd_ms, 4), "fwd_bwd_ms": round(fwd_bwd_ms, 4),
+           # per chunk of every program, as docs/titans-kernels.md counts (the H200: 87 us for the shipped backward
+           # at mag's shape): the call's time over its chunks (the backward's includes the gates')
+           "fwd_us_per_chunk": round(fwd_ms * 1e3 / -(-T // C), 2),
+           "bwd_us_per_chunk": round((fwd_bwd_ms - fwd_ms) * 1e3 / -(-T // C), 2),
            "fwd_tokens_per_s": round(N * T / fwd_ms * 1e3, 1), "fwd_bwd_tokens_per_s": round(N * T / fwd_bwd_ms * 1e3, 1),
            **info}
     return rec, (y.detach().float(), *(g.float() for g in grads))

@@ -124,6 +124,34 @@ def test_a_capped_phase_stops_inside_its_clipped_timeout_and_gets_its_env(tmp_pa
     assert report["phases"][0]["env"] == {"CUDA_LAUNCH_BLOCKING": "1"} and "env" not in report["phases"][1]
 
 
+def test_phase_lines_give_each_benchmarks_key_figures():
+    """The closing table (what a time-limited session reads first): a recipe's tokens/s with its profile's
+    costliest op; the kernel sweep's variants each with its form, warps, wave and time per chunk; a failed variant
+    with its error; the layer benchmark with its profile's costliest op."""
+    recipe = {"name": "recipe_400m_mag", "status": "ok", "seconds": 97.0, "results": [{
+        "kind": "titans", "tokens_per_s": 22273.0, "mfu": 0.053, "peak_memory_gib": 37.3, "loss_first": 10.86,
+        "loss_last": 10.46, "loss_all_finite": True, "steps_done": 50, "profile_busy_fraction": 0.94,
+        "profile_top": [{"name": "_bwd_kernel", "self_s": 0.38, "count": 17}, {"name": "gemm", "self_s": 0.1,
+                                                                               "count": 400}]}]}
+    line = gc.phase_line(recipe)
+    assert "22,273 tok/s, MFU 0.053" in line and "device busy 0.94, top op _bwd_kernel 0.38 s x17" in line, line
+    sweep = {"name": "titans_kernel_tune", "status": "ok", "seconds": 60.0, "results": [
+        {"shape": "mag", "N": 64, "kernels": "triton_kernels", "backward": "shipped", "num_warps": 8, "wave": 32,
+         "fwd_ms": 2.1, "fwd_bwd_ms": 24.0, "fwd_us_per_chunk": 8.2, "bwd_us_per_chunk": 85.5,
+         "max_rel_err_vs_default": 0.0},
+        {"shape": "mag", "backward": "split", "num_warps": None, "wave": 0, "error": "OutOfResources: shared"}]}
+    line = gc.phase_line(sweep)
+    assert "mag triton_kernels shipped w8 wave 32/64: fwd 8.2 / bwd 85.5 us per chunk, err 0" in line, line
+    assert "mag split wNone wave 0: OutOfResources: shared" in line, line
+    layer = {"name": "titans_layer", "status": "ok", "seconds": 50.0, "results": [{
+        "seq_len": 2048, "dim": 512, "depth": 2, "chunk_size": 64, "kernel_bf16_tokens_per_s": 440513.0,
+        "kernel_max_rel_err_vs_torch": 0.002, "chunked_tokens_per_s": 59690.0,
+        "kernel_profile_top": [{"name": "_bwd_kernel", "self_s": 0.012, "count": 1}]}]}
+    assert gc.phase_line(layer).endswith("torch 59,690, top op _bwd_kernel 0.012 s x1"), gc.phase_line(layer)
+    del recipe["results"][0]["profile_top"]
+    assert "top op" not in gc.phase_line(recipe)
+
+
 def test_a_failed_guard_phase_sets_its_environment_for_the_later_phases(tmp_path):
     """A phase with ``on_failure_env`` that fails (here: exits 1) sets those variables for every phase after it,
     and its record says so; one that passes sets nothing."""
@@ -286,6 +314,9 @@ def test_kernel_launch_sweep_benchmark_under_the_interpreter():
         # scan below 1e-4: tests/test_titans_kernel.py)
         tol = 4e-3 if row["backward"] == "split" else 1e-6
         assert row["shape"] == "layer" and row["fwd_bwd_ms"] > 0 and row["max_rel_err_vs_default"] < tol, row
+        # per chunk of every program: the tiny shape's 7 tokens are 2 chunks of 4
+        assert abs(row["fwd_us_per_chunk"] * 2 - row["fwd_ms"] * 1e3) < 1, row
+        assert abs(row["bwd_us_per_chunk"] * 2 - (row["fwd_bwd_ms"] - row["fwd_ms"]) * 1e3) < 1, row
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "titans_kernels.py"), "--static", "--tiny",
                         "--shapes", "layer", "--warps", "4"], capture_output=True, text=True, timeout=300, env=env,

@@ -575,6 +575,14 @@ def _fmt(x, digits: int = 3) -> str:
     return str(x)
 
 
+def _top_op(top: Optional[list]) -> str:
+    """The profile's costliest op, for a phase line: its name, self seconds and launches (empty without one)."""
+    if not top:
+        return ""
+    op = top[0]
+    return f", top op {op['name'][:48]} {_fmt(op['self_s'])} s x{op['count']}"
+
+
 def phase_line(rec: dict) -> str:
     """One line of the closing table: the phase, its status and time, and its key numbers."""
     head = f"{rec['name']:<22} {rec['status']:<8} {_fmt(rec.get('seconds')):>6} s  "
@@ -590,11 +598,20 @@ def phase_line(rec: dict) -> str:
                          f"{_fmt(row.get('loss_last'))}, all finite {row.get('loss_all_finite')}, "
                          f"{row.get('steps_done')} timed steps"
                          + (f", device busy {_fmt(row['profile_busy_fraction'])}" if "profile_busy_fraction" in row
-                            else ""))
+                            else "") + _top_op(row.get("profile_top")))
         elif "chunked_tokens_per_s" in row:  # benchmarks/titans.py
             parts.append(f"T{row['seq_len']} d{row['dim']} L{row['depth']} C{row['chunk_size']}: kernel "
                          f"{_fmt(row.get('kernel_bf16_tokens_per_s'))} tok/s (err "
-                         f"{_fmt(row.get('kernel_max_rel_err_vs_torch'))}), torch {_fmt(row['chunked_tokens_per_s'])}")
+                         f"{_fmt(row.get('kernel_max_rel_err_vs_torch'))}), torch {_fmt(row['chunked_tokens_per_s'])}"
+                         + _top_op(row.get("kernel_profile_top")))
+        elif "fwd_bwd_ms" in row and "backward" in row:  # benchmarks/titans_kernels.py, one launch variant
+            parts.append(f"{row.get('shape')} {row['kernels']} {row['backward']} w{row.get('num_warps')} wave "
+                         f"{row.get('wave')}/{row.get('N')}: fwd {_fmt(row.get('fwd_us_per_chunk'))} / bwd "
+                         f"{_fmt(row.get('bwd_us_per_chunk'))} us per chunk, err "
+                         f"{_fmt(row.get('max_rel_err_vs_default'))}")
+        elif "error" in row and "backward" in row:  # a sweep variant that failed
+            parts.append(f"{row.get('shape')} {row['backward']} w{row.get('num_warps')} wave {row.get('wave')}: "
+                         f"{row['error'][:80]}")
         elif "device" in row and "torch" in row:  # env
             parts.append(f"{row['device']}, torch {row['torch']}, triton {row.get('triton')}")
         else:
