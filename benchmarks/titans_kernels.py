@@ -175,18 +175,12 @@ def variant(shape, warps, any_depth: bool = False, form: str = "shipped", wave: 
     mod._launch_shape = launch
     if any_depth:
         titans_kernels.DEEP_KERNEL_MIN_DEPTH = 1  # scan() picks the any-depth kernels at every depth
-    saved_wave = os.environ.get(titans_kernels.WAVE_ENV)
-    os.environ[titans_kernels.WAVE_ENV] = str(wave)
     try:
-        with titans_kernels.kernel_form(form):  # what a run picks it with (over the module's flags)
+        with titans_kernels.kernel_form(form, wave):  # what a run picks them with (over the module's flags)
             yield mod
     finally:
         mod._launch_shape = base
         titans_kernels.DEEP_KERNEL_MIN_DEPTH = deep_from
-        if saved_wave is None:
-            os.environ.pop(titans_kernels.WAVE_ENV, None)
-        else:
-            os.environ[titans_kernels.WAVE_ENV] = saved_wave
 
 
 FORMS = titans_kernels.FORMS  # the depth-1/2 kernels' forms (MEMTRAIN_TITANS_FORWARD / _BACKWARD)

@@ -274,6 +274,9 @@ def test_kernel_wave_from_the_environment(monkeypatch):
             NeuralMemory(16, heads=2, kernel="auto")
         NeuralMemory(16, heads=2, kernel="torch")  # never runs the kernels
     monkeypatch.setenv(env, "8")
+    with titans_kernels.kernel_form("lean", 16):  # how the benchmarks set it, restored after
+        assert titans_kernels.requested_wave() == 16 and triton_kernels.backward_form() == "lean"
+    assert titans_kernels.requested_wave() == 8
     with pytest.raises(ValueError, match=r"shape \(4, 3\) is not indexed by the 9 programs"):
         triton_kernels._launch_per_sequence(None, 9, torch.zeros(9, 2), 3, torch.zeros(4, 3))
 

@@ -146,11 +146,13 @@ def form_env(form: str) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def kernel_form(form: str):
-    """Within the block the depth-1/2 kernels run ``form`` (:func:`form_env`), set as a run sets it, through the
-    environment; the variables are restored after."""
-    saved = {k: os.environ.get(k) for k in (FORWARD_ENV, BACKWARD_ENV)}
-    os.environ.update(form_env(form))
+def kernel_form(form: str, wave: int | None = None):
+    """Within the block the depth-1/2 kernels run ``form`` (:func:`form_env`), and with ``wave`` that many programs
+    per launch (:data:`WAVE_ENV`; 0: one launch), set as a run sets them, through the environment; the variables
+    are restored after."""
+    env = form_env(form) if wave is None else {**form_env(form), WAVE_ENV: str(wave)}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
         yield
     finally:
