@@ -127,19 +127,25 @@ def test_kernel_rope_is_what_apply_rope_runs_where_it_applies(fused_here, monkey
 
 def test_kernel_rope_compiles_for_an_h100_without_spills():
     """Both directions compiled ahead of time for sm_90 (bf16 and float32 at head size 64): no shared memory, no
-    register spilled (each program holds two 32 x 32 tiles of the input and four of the tables)."""
+    register spilled (each program holds two 32 x 32 tiles of the input and four of the tables). Also what
+    ``compile_kernel(num_ctas=2)`` reports for it (docs/titans-kernels.md, "One program's state over several SMs"):
+    compiled as a Hopper cluster of two, each program's tiles spread over both, so fewer registers per thread."""
     import json
     import os
     import subprocess
     import sys
 
     code = ("import json; from memtrain.kernels.titans.aot import compile_kernel; print(json.dumps([compile_kernel(k, "
-            "head_dim=64, half=h) for k in ('rope_fwd', 'rope_bwd') for h in ('bf16', 'fp32')]))")
+            "head_dim=64, half=h) for k in ('rope_fwd', 'rope_bwd') for h in ('bf16', 'fp32')] + "
+            "[compile_kernel('rope_fwd', head_dim=64, half='bf16', num_ctas=2)]))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    for r in json.loads(run.stdout.strip().splitlines()[-1]):
+    *records, cluster = json.loads(run.stdout.strip().splitlines()[-1])
+    for r in records:
+        assert "num_ctas" not in r, r  # the records of one-SM programs keep their keys
         assert 0 < r["registers"] <= 255 and r["spill_stores"] == 0 and r["spill_loads"] == 0, r
+    assert cluster["num_ctas"] == 2 and 0 < cluster["registers"] < records[0]["registers"], (cluster, records[0])
 
 
 def test_kernel_rope_in_models_gives_their_pytorch_result(fused_here):

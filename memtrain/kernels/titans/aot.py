@@ -179,7 +179,7 @@ def cubin_frame(cubin: bytes, num_warps: int) -> dict:
 
 def compile_kernel(kernel: str, depth: int = 2, head_dim: int = 64, hidden: int = 128, chunk: int = 16, *,
                    num_warps: Optional[int] = None, arch: int = 90, half: str = "bf16",
-                   any_depth: Optional[bool] = None, lean: bool = False) -> dict:
+                   any_depth: Optional[bool] = None, lean: bool = False, num_ctas: int = 1) -> dict:
     """Compile one Titans kernel for ``sm_<arch>`` and report it: ``kernel`` one of :data:`KERNELS` (the scan's
     forward / backward at ``depth`` -- the register-resident pair at depth 1-2, the any-depth pair at 3+ or where
     ``any_depth`` -- the split backward's three kernels at depth 1-2 (``bwd_recompute``, ``bwd_local``,
@@ -189,7 +189,9 @@ def compile_kernel(kernel: str, depth: int = 2, head_dim: int = 64, hidden: int 
     ``head_dim``, or RoPE's pair at ``head_dim``), ``head_dim`` and
     ``hidden`` (the memory's widths), ``num_warps`` (default: what the kernels launch with), ``half`` the dtype of
     q / k / v (``bf16``, ``fp16`` or ``fp32``), ``lean`` the depth-1/2 backward's lean form
-    (:data:`memtrain.kernels.titans.triton_kernels.LEAN_BACKWARD`, compiled without the chunk weights' gradient).
+    (:data:`memtrain.kernels.titans.triton_kernels.LEAN_BACKWARD`, compiled without the chunk weights' gradient),
+    ``num_ctas`` Triton's Hopper cluster option (each program's tiles spread over that many SMs; no kernel launches
+    with more than 1 -- docs/titans-kernels.md, "One program's state over several SMs").
     Returns the arguments with ``shared`` (bytes per program), ``registers`` (per thread), ``spill_stores`` and
     ``spill_loads`` (bytes of spill instructions in the compiled code, per thread), ``stack_frame`` and
     ``frame_kib_per_program`` (the local memory the spills live in, per thread and per program,
@@ -271,6 +273,8 @@ def compile_kernel(kernel: str, depth: int = 2, head_dim: int = 64, hidden: int 
         sig = {n: "constexpr" if n in consts else "i32" if n in _INTS else ptr if n in _HALF else "*fp32"
                for n in fn.arg_names}
         scan = True
+    if num_ctas != 1:  # Triton's default otherwise, and the records keep their keys
+        launch["num_ctas"] = num_ctas
     src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
     log = io.StringIO()
     saved = knobs.nvidia.dump_ptxas_log, knobs.compilation.always_compile
@@ -283,6 +287,7 @@ def compile_kernel(kernel: str, depth: int = 2, head_dim: int = 64, hidden: int 
     loops, program = cubin_loops(compiled.asm["cubin"], launch["num_warps"], whole=True)
     return {"kernel": kernel, "depth": depth if scan else None, "any_depth": deep if scan else None,
             "head_dim": head_dim, "hidden": hidden, "chunk": chunk, "half": half, "capability": arch, **launch,
+            **({"num_ctas": compiled.metadata.num_ctas} if num_ctas != 1 else {}),  # what was compiled
             "shared": compiled.metadata.shared, **_ptxas_figures(log.getvalue()),
             **cubin_frame(compiled.asm["cubin"], launch["num_warps"]), "loops": loops, "program": program}
 
