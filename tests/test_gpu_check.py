@@ -135,6 +135,8 @@ def test_phase_lines_give_each_benchmarks_key_figures():
                                                                                "count": 400}]}]}
     line = gc.phase_line(recipe)
     assert "22,273 tok/s, MFU 0.053" in line and "device busy 0.94, top op _bwd_kernel 0.38 s x17" in line, line
+    recipe["results"][0]["busy_of_timed_step"] = 0.96  # a record with its kernel time over a timed step
+    assert "device busy 0.96 of a timed step, 0.94 of the profiled one, top op" in gc.phase_line(recipe)
     sweep = {"name": "titans_kernel_tune", "status": "ok", "seconds": 60.0, "results": [
         {"shape": "mag", "N": 64, "kernels": "triton_kernels", "backward": "shipped", "num_warps": 8, "wave": 32,
          "fwd_ms": 2.1, "fwd_bwd_ms": 24.0, "fwd_us_per_chunk": 8.2, "bwd_us_per_chunk": 85.5,
@@ -500,7 +502,8 @@ def test_prepare_pins_the_constraints_versions():
 def test_train_throughput_stops_at_its_time_cap_and_profiles_a_step():
     """benchmarks/train_throughput.py, as the GPU check's training phases run it: with ``--max-seconds`` it stops
     starting steps at the cap and still prints its JSON (``steps_done`` below ``--steps``), prints one progress
-    line per step on stderr, and ``--profile K`` adds one profiled step (busy fraction, the top K ops)."""
+    line per step on stderr, and ``--profile K`` adds one profiled step (busy fraction, the top K ops) and its
+    device time over the timed steps' median (``busy_of_timed_step``)."""
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_throughput.py"), "recipes/quickstart.yaml",
                         "--steps", "200", "--warmup", "1", "--max-seconds", "3", "--profile", "3"],
                        capture_output=True, text=True, timeout=300, cwd=ROOT)
@@ -511,6 +514,7 @@ def test_train_throughput_stops_at_its_time_cap_and_profiles_a_step():
     progress = [line for line in r.stderr.splitlines() if line.startswith("memtrain step ")]
     assert len(progress) == row["steps_done"] + 1 and "(warm-up)" in progress[0]
     assert 0 < row["profile_busy_fraction"] <= 1.5 and row["profile_step_s"] > 0
+    assert row["busy_of_timed_step"] == pytest.approx(row["profile_device_busy_s"] / row["step_s"], rel=1e-3)
     assert len(row["profile_top"]) == 3 and all(t["self_s"] > 0 and t["count"] >= 1 for t in row["profile_top"])
     bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_throughput.py"), "recipes/quickstart.yaml",
                           "--max-seconds", "0"], capture_output=True, text=True, timeout=120, cwd=ROOT)
