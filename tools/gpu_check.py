@@ -6,21 +6,20 @@ train each paper-scale Titans recipe 50+ steps -- so it is one script, in priori
 writes its results as it goes and stops starting phases when its time budget runs out. The results
 of the phases that finished come back even when the command is killed.
 
-What. ``PLAN`` lists the phases, most important first (after a guard: the Titans layer's fused prologue and output
-stage and the fused RoPE, taken by every Titans recipe, are tested compiled first, and if that fails the later phases
-run with them off, a phase's ``on_failure_env``; issue 11: titans-400m-mag, the one paper-scale Titans recipe still
-owed 52 optimizer steps at the recipes' learning rate after a 2-step warm-up -- the setting under which it once
-diverged -- with one profiled step, the layer benchmark's target configuration, titans-170m-mac eager, the kernels'
-launch sweep (register-resident or any-depth), titans-340m-mac and titans-760m-mal with the fused kernels,
-titans-170m-mac with its blocks compiled and with them replayed as CUDA graphs, larger micro-batches, the compiled
-Titans kernels at the recipes' shapes), then the rest of the layer benchmark, the whole kernel test file compiled,
-the GPU tier, the routed-attention kernels and the anchor's throughput). Each phase is a subprocess in its own
-process group with its own timeout, clipped to what is left of ``--budget``; a phase that times out is killed
-(SIGTERM, then SIGKILL) and the next starts. The training phases get ``--max-seconds`` (their timeout less
-``CAP_MARGIN_S``) so they stop early and still report. After every phase ``OUT/gpu_check.json`` is rewritten
-(atomically) with every phase so far: status (``ok``, ``failed``, ``timeout``, ``skipped``), exit code, seconds, the
-JSON lines the phase printed (benchmarks), the pytest summary line (tests) and the last lines of its output;
-``OUT/gpu_check.log`` holds each phase's full output. A short table is printed last. Exit status 0 when every phase
+What. ``PLAN`` lists the phases, most important first (after the guards: the Titans layer's fused prologue and output
+stage and the fused RoPE, taken by every Titans recipe, and MAC's grouped weight gradients are tested compiled first,
+and if one fails the later phases run with it off, a phase's ``on_failure_env``; issue 11: titans-170m-mac and
+titans-400m-mag as they ship, MAC with the old backward beside them, the layer benchmark's target configuration,
+titans-340m-mac and titans-760m-mal, titans-170m-mac with its blocks compiled and with them replayed as CUDA graphs,
+the kernels' launch sweep, the compiled Titans kernels at the recipes' shapes), then the rest of the layer benchmark,
+the whole kernel test file compiled, the GPU tier, the routed-attention kernels and the anchor's throughput). Each
+phase is a subprocess in its own process group with its own timeout, clipped to what is left of ``--budget``; a phase
+that times out is killed (SIGTERM, then SIGKILL) and the next starts. The training phases get ``--max-seconds``
+(their timeout less ``CAP_MARGIN_S``) so they stop early and still report. After every phase ``OUT/gpu_check.json``
+is rewritten (atomically) with every phase so far: status (``ok``, ``failed``, ``timeout``, ``skipped``), exit code,
+seconds, the JSON lines the phase printed (benchmarks), the pytest summary line (tests) and the last lines of its
+output; ``OUT/gpu_check.log`` holds each phase's full output, ``OUT/triton-cache.tar.gz`` the kernels the phases
+compiled. A short table is printed last. Exit status 0 when every phase
 ran and passed.
 
 How, on a lent GPU machine (see ``../shared/gpu/README.md``; here first: ``make install``,
@@ -64,10 +63,10 @@ GPU_PYTHON, GPU_TRITON, GPU_TARGET = "3.12", "3.6.0", "cuda:90"
 TRITON_HERE = ROOT / ".triton36"  # GPU_TRITON for this machine's Python (--prepare installs it; git-ignored)
 TRITON_CACHE = ROOT / ".gpu" / "triton-cache"  # the kernels --prepare compiled for GPU_TARGET (carried with .gpu)
 DEVICE_TRITON_CACHE = Path(tempfile.gettempdir()) / "memtrain-triton-cache"  # TRITON_CACHE_DIR of the phases there
-RETURNED_CACHE_BYTES = 32 << 20  # of the kernels compiled there, brought back in OUT/triton-cache (save_compiled)
+RETURNED_CACHE_BYTES = 32 << 20  # of the kernels compiled there, unpacked, brought back (save_compiled)
+RETURNED_FILE_BYTES = 15 << 20  # ... packed in OUT/triton-cache.tar.gz: the device tool returns files up to 16 MiB
 # What titans_kernel_tune times, and so what --prepare compiles ahead (mag launches the same kernels as mac).
 TUNE_SHAPES, TUNE_WARPS = "mac,mag,layer", "16"
-TUNE_WAVES = "16,32"  # programs per launch (MEMTRAIN_TITANS_WAVE) for the shipped kernels: no binaries of their own
 TEST_TOOLS = ("pytest", "pytest-timeout")  # pinned by constraints.txt; their dependencies come along
 TAIL_CHARS = 4000  # of each phase's output, kept in the JSON
 LOG_CHARS = 400_000  # of each phase's output, kept in the log (the device returns files up to 16 MiB)
@@ -92,8 +91,9 @@ class Phase:
 CAP_MARGIN_S = 30.0  # a capped phase's process start (imports) and last step after its cap, before its timeout
 
 
-# The two that one H200 session (2026-11-26) could not take to 52 steps within its time come first.
-TITANS_RECIPES = ("titans-400m-mag", "titans-340m-mac", "titans-170m-mac", "titans-760m-mal")
+# Every paper-scale Titans recipe has run 52 finite steps on an H200 (the last, 400m-mag, on 2026-11-27); the plan
+# now times them, the two with a throughput target first.
+TITANS_RECIPES = ("titans-170m-mac", "titans-400m-mag", "titans-340m-mac", "titans-760m-mal")
 
 
 def _pytest(*args: str) -> list[str]:
@@ -107,42 +107,26 @@ def _throughput(recipe: str, *overrides: str, steps: int = 50, warmup: int = 2, 
             "--docs", str(docs), *extra]
 
 
-def _recipe_phase(recipe: str, timeout_s: float, steps: int = 50, why: str = "") -> Phase:
+def _recipe_phase(recipe: str, timeout_s: float, steps: int = 20, why: str = "") -> Phase:
     return Phase(f"recipe_{recipe.removeprefix('titans-').replace('-', '_')}",
                  _throughput(recipe, "train.schedule.warmup=2", steps=steps, extra=("--profile", "25")), timeout_s,
                  capped=True,
-                 about=f"{recipe}: {steps + 2} optimizer steps of one micro-batch (4 x 4096 tokens, 4 documents "
-                       "each) at lr 4e-4 after a 2-step warm-up; tokens/s, MFU, peak memory, every loss finite; then "
-                       f"one profiled step (device-busy fraction, top 25 kernels){why}")
+                 about=f"{recipe}: {steps + 2} optimizer steps of one micro-batch (the recipe's, of 4096-token "
+                       "sequences with 4 documents each) at lr 4e-4 after a 2-step warm-up; tokens/s, MFU, peak "
+                       "memory, every loss finite; then one profiled step (device-busy fraction, top 25 kernels)"
+                       f"{why}")
 
 
-def _split_phase(recipe: str, timeout_s: float) -> Phase:
+def _form_phase(recipe: str, form: str, timeout_s: float, why: str) -> Phase:
+    """``recipe``'s phase with the scan kernels' ``form`` (:func:`memtrain.kernels.titans.form_env`: ``shipped`` the
+    one-program-per-sequence forward and backward, ``split`` both split), beside the default's phase."""
     name = recipe.removeprefix('titans-').replace('-', '_')
-    return Phase(f"recipe_{name}_split",
+    env = ({"MEMTRAIN_TITANS_FORWARD": "split", "MEMTRAIN_TITANS_BACKWARD": "split"} if form == "split" else
+           {"MEMTRAIN_TITANS_FORWARD": "shipped", "MEMTRAIN_TITANS_BACKWARD": form})
+    return Phase(f"recipe_{name}_{form}",
                  _throughput(recipe, "train.schedule.warmup=2", steps=20, extra=("--profile", "25")), timeout_s,
-                 capped=True, env={"MEMTRAIN_TITANS_FORWARD": "split", "MEMTRAIN_TITANS_BACKWARD": "split"},
-                 about=f"{recipe} with the split kernels (MEMTRAIN_TITANS_BACKWARD=split: per recompute group the "
-                       "chunks' own part of the backward in parallel, one program per chunk, and only the carried part "
-                       "in the loop over chunks; MEMTRAIN_TITANS_FORWARD=split: the forward's reads in parallel, only "
-                       f"the recurrence in the loop), beside recipe_{name}: tokens/s, the forward's and backward's "
-                       "times and the profiled step's kernels")
-
-
-def _wave_phase(recipe: str, wave: int, timeout_s: float) -> Phase:
-    name = recipe.removeprefix('titans-').replace('-', '_')
-    return Phase(f"recipe_{name}_wave{wave}",
-                 _throughput(recipe, "train.schedule.warmup=2", steps=20, extra=("--profile", "25")), timeout_s,
-                 capped=True, env={"MEMTRAIN_TITANS_WAVE": str(wave)},
-                 about=f"{recipe} with the scan kernels launched {wave} programs at a time (MEMTRAIN_TITANS_WAVE: "
-                       f"the same binary and result, fewer stack frames live at once), beside recipe_{name}: whether "
-                       "the backward's time follows its frames against the L2 (docs/titans-kernels.md)")
-
-
-def _micro_batch_phase(recipe: str, micro_batch: int, steps: int, timeout_s: float, why: str) -> Phase:
-    return Phase(f"recipe_{recipe.removeprefix('titans-').replace('-', '_')}_mb{micro_batch}",
-                 _throughput(recipe, "train.schedule.warmup=2", f"train.micro_batch_size={micro_batch}",
-                             steps=steps, extra=("--profile", "25")), timeout_s, capped=True,
-                 about=f"{recipe} at micro-batch {micro_batch}: {why}")
+                 capped=True, env=env, about=f"{recipe} with {', '.join(f'{k}={v}' for k, v in env.items())}, beside "
+                                             f"recipe_{name} (the shipped forward, the split backward): {why}")
 
 
 def phase_argv(phase: Phase, timeout_s: float) -> list[str]:
@@ -155,15 +139,16 @@ def phase_argv(phase: Phase, timeout_s: float) -> list[str]:
 
 PLAN: list[Phase] = [
     # A drawn session has 15 minutes of device time, machine start included (about 35 s on 2026-11-27): the
-    # first command (555 s) takes the guards, the one recipe still owed 52 steps, the kernels' launch sweep (which
-    # decides the next change to the scan's backward), the layer target and eager titans-170m-mac with the fused
-    # kernels on; a second (250 s) continues where it stopped.
+    # first command (555 s) takes the guards, the two recipes with a throughput target as they ship now (micro-batch
+    # 8, the split backward, the fused kernels on for the first time in a recipe), MAC's old backward beside them,
+    # the layer target and the other two recipes; a second (250 s) continues where it stopped.
     Phase("env", [PY, "tools/gpu_check.py", "--env"], 60, about="device, driver, torch / triton versions"),
     # Every Titans recipe runs the fused prologue and output stage and every model the fused RoPE: their tests
     # first, compiled, and if they fail the later phases run with them off (PyTorch's forms) rather than every
-    # recipe failing the same way. On an H200 (2026-11-27) 31 of 32 passed; the RoPE-in-models test compared the
-    # kernel's float32 gradients with PyTorch's directly at 1e-4 and failed on rounding (it compares both with
-    # float64 since), so that run's recipes ran with all three off.
+    # recipe failing the same way. On an H200, 31 of 32 passed twice (2026-11-27): the RoPE-in-models test failed
+    # first on rounding (it compared float32 with float32), then because its float64 model's flex attention does
+    # not compile for float64 on CUDA (that model runs on the CPU since); so every recipe so far ran with all three
+    # off.
     Phase("fused_kernels", _pytest("tests/test_titans_kernel.py", "tests/test_rope_kernel.py", "-k",
                                    "(prologue or output or rope) and not compiles"), 100, "pytest",
           "the memory layer's fused prologue (q/k/v, gates) and output stage and the fused RoPE against float64, "
@@ -171,56 +156,33 @@ PLAN: list[Phase] = [
           "MEMTRAIN_TITANS_FUSED_OUTPUT=0 and MEMTRAIN_FUSED_ROPE=0",
           on_failure_env={"MEMTRAIN_TITANS_FUSED_PROLOGUE": "0", "MEMTRAIN_TITANS_FUSED_OUTPUT": "0",
                           "MEMTRAIN_FUSED_ROPE": "0"}),
-    # On an H200 (2026-11-27, fused kernels off): 400m-mag built in 20 s, its first step took 87 s (the scan
-    # kernels and flex attention compiling), then 0.74 s per step: 170 s gave 45 of its 52 steps. 340m-mac and
-    # 760m-mal ran their 52 there (1.07 and 0.92 s per step) and come later, for their figures with the fused kernels.
-    _recipe_phase("titans-400m-mag", 200),
-    # Right after the owed recipe: the sweep decides the next change to the scan's backward (half of every
-    # recipe's device time on an H200), and with its kernels compiled ahead (--prepare: 86 s of compiling on the
-    # 2-core development machine, a third of the 240 s it had) its 20 launches (5 of them waves, which compile
-    # nothing) should time in about a minute (an estimate). A phase that times out keeps what it printed, so a cache
-    # that misses still returns the recipes' shapes first.
-    Phase("titans_kernel_tune", [PY, "benchmarks/titans_kernels.py", "--shapes", TUNE_SHAPES, "--warps", TUNE_WARPS,
-                                 "--waves", TUNE_WAVES], 150,
-          about="the scan kernels alone at the recipes' shapes (mac and mag share compiled kernels) and the layer "
-                "target under the shipped num_warps and 16 (4 spills 2-3x more, --static), the backward's lean form "
-                "and the split forward and backward (triton_kernels.LEAN_BACKWARD, SPLIT_FORWARD, SPLIT_BACKWARD), "
-                "the shipped launch in waves of 16 and 32 programs (MEMTRAIN_TITANS_WAVE: whether fewer stack frames "
-                "live at once, within the L2, run faster) and the any-depth kernels (state in memory) beside them: "
-                "time, registers, spills, each loop's local-memory traffic as the device's "
-                "Triton compiled it, error against the shipped launch. Compiled for sm_90 with Triton 3.6 on a CPU, "
-                "the shipped depth-2 backward's spills move 3,906 KiB per chunk and program at chunk 16 (8,908 at "
-                "chunk 64), the lean form's 2,957 (8,590), 16 warps' 5,042 (23,558); the split form's loops over "
-                "chunks 1,805 (4,844) in 7,557 instructions per chunk against 9,910 (15,129 against 25,539), beside "
-                "one parallel program per chunk; the split forward's loop 290 (1,138) against the forward's 840 "
-                "(2,000): whether that traffic predicts the time, and which form should ship"),
-    # The split kernels in a whole recipe, beside recipe_400m_mag on the same machine: MAG is device-bound and
-    # half its device time is the scan's backward (an H200, 2026-11-27), so whether the split form should ship
-    # shows here first. Its kernels are compiled ahead like the shipped ones (mac's shape is mag's).
-    _split_phase("titans-400m-mag", 120),
-    # The frames question directly: the same kernels, half of 400m-mag's 64 programs at a time, so their backward
-    # frames (33 MiB) fit the L2 where all 64 (65 MiB) do not. The sweep's wave rows answer it for the kernel alone.
-    _wave_phase("titans-400m-mag", 32, 110),
     # Eager MAC computes its per-segment weight gradients once (memtrain.model.grouped_linear): checked in bf16
-    # against the per-use sums and fp32 (passed on an H200, 2026-11-27); if that fails the later phases run without
-    # it. After 400m-mag (which does not group), before MAC.
+    # against the per-use sums and fp32 (passed on an H200 three times, 2026-11-27, 28 s); if that fails the later
+    # phases run without it. A guard, so before MAC.
     Phase("grouped_wgrad", _pytest("-m", "gpu", "tests/test_gpu.py", "-k", "grouped_weight_gradients"), 90,
           "pytest", "eager MAC's grouped per-segment weight gradients in bf16 (Triton kernels) against autograd's "
           "per-use sums and fp32; on failure the later phases set MEMTRAIN_GROUPED_WGRAD=0",
           on_failure_env={"MEMTRAIN_GROUPED_WGRAD": "0"}),
+    # The 50K tokens/s target. On an H200 (2026-11-27, fused kernels off, the shipped backward): 23,291 tokens/s at
+    # micro-batch 4, 36,775 at 8 (the recipe's since). The first recipe phase compiles the kernels and flex
+    # attention in its first step (52 s for 400m-mag there): 130 s.
+    _recipe_phase("titans-170m-mac", 130, why="; as it ships: micro-batch 8, the split backward, the fused kernels"),
+    # 33,872 tokens/s and 8.1% MFU at micro-batch 8 on the H200 (shipped backward); with both split at
+    # micro-batch 4, 25,030 against the shipped kernels' 22,562
+    _recipe_phase("titans-400m-mag", 120, why="; as it ships: micro-batch 8, the split backward"),
+    # The split backward was chosen from the kernels alone at MAC's shape (29% less time per chunk) and from
+    # 400m-mag; this is MAC's recipe-level check, on the same machine as recipe_170m_mac
+    _form_phase("titans-170m-mac", "shipped", 110, "what the split backward gains where the host's dispatch "
+                "bounds part of the step (the GPU idled a quarter of a timed step on the H200)"),
     Phase("titans_layer", [PY, "benchmarks/titans.py", "--configs", "0", "--no-any-depth", "--profile", "15"], 180,
           about="the layer target: B4 T2048 d512 8 heads depth 2 chunk 64, kernel vs torch chunked vs "
-                "sequential vs titans-pytorch (target: kernel >= 1M tokens/s, >= 10x titans-pytorch), the split "
-                "kernels' column beside the shipped one, and one profiled forward+backward (440K tokens/s on an "
-                "H200, 18.6 ms per 8,192 tokens: where they go)"),
-    _recipe_phase("titans-170m-mac", 110, steps=20,
-                  why="; with the fused kernels on (19,850 tokens/s with them off on an H200, 2026-11-27) and the "
-                      "eager baseline of recipe_170m_mac_compiled"),
-    _recipe_phase("titans-340m-mac", 130, why="; 52 finite steps on an H200 already (2026-11-27, fused kernels "
-                  "off): its figures with them on"),
-    _recipe_phase("titans-760m-mal", 130),
-    # MAL is the recipe nearest 10% MFU (8.0% on an H200) and as device-bound as MAG
-    _split_phase("titans-760m-mal", 120),
+                "sequential vs titans-pytorch (target: kernel >= 1M tokens/s, >= 10x titans-pytorch), the shipped "
+                "and split forms' columns beside the default, and one profiled forward+backward (on an H200, "
+                "2026-11-27: 659,734 tokens/s with the shipped forms, 765,170 with both split)"),
+    _recipe_phase("titans-340m-mac", 110, why="; 52 finite steps on an H200 (16,620 tokens/s, 4.2% MFU, shipped "
+                  "backward, fused kernels off)"),
+    _recipe_phase("titans-760m-mal", 110, why="; 52 finite steps on an H200 (17,885 tokens/s, 8.0% MFU, shipped "
+                  "backward, fused kernels off): the recipe nearest 10% MFU"),
     Phase("recipe_170m_mac_compiled",
           _throughput("titans-170m-mac", "train.schedule.warmup=2", "model.compile=true", steps=20), 180,
           capped=True,
@@ -251,16 +213,16 @@ PLAN: list[Phase] = [
                 "segment and projection and their sums, 7,521 ops per sequence instead of 6,309), beside "
                 "recipe_170m_mac: what computing each per-segment projection's weight gradient once "
                 "(memtrain.model.grouped_linear) gains on a GPU"),
-    _micro_batch_phase("titans-170m-mac", 8, 20, 130,
-                       "eager MAC issues the same ops per micro-batch whatever its size, so if the host's "
-                       "dispatch bounds it (step times varied 1.0-1.9 s on an H200) tokens/s nearly doubles; "
-                       "peak memory says whether 8 fits an H100"),
-    _micro_batch_phase("titans-400m-mag", 8, 15, 150,
-                       "the memory kernels run one program per (sequence, head), 64 at micro-batch 4 on 132 SMs; "
-                       "at 8 they fill the GPU, so a kernel-bound MAG would gain nearly 2x if each program's cost "
-                       "were its own; but the backward's spills ran at HBM's pace once the programs' stack frames "
-                       "exceeded the L2 (48-96 programs on an H200, docs/titans-kernels.md), and 128 programs keep "
-                       "129 MiB live (about 90 GiB: an H200, not an H100)"),
+    # Decided on the H200 (2026-11-27), so last among the Titans measurements: the scan kernels alone (warps, the
+    # lean backward, the split forms, the any-depth kernels) at the recipes' shapes and the layer target's
+    Phase("titans_kernel_tune", [PY, "benchmarks/titans_kernels.py", "--shapes", TUNE_SHAPES, "--warps", TUNE_WARPS],
+          150,
+          about="the scan kernels alone at the recipes' shapes (mac and mag share compiled kernels) and the layer "
+                "target under the shipped num_warps and 16, the backward's lean form, the split forward and "
+                "backward and the any-depth kernels (state in memory) beside them: time, registers, spills, each "
+                "loop's local-memory traffic as the device's Triton compiled it, error against the shipped launch. "
+                "On an H200 (2026-11-27) the split backward took 29%, 27% and 28% less time per chunk than the "
+                "shipped one at the mac, mag and layer shapes"),
     # 95 s on an H200 for the first two cases, mostly compiling; the split case compiles its five kernels in
     # float32 and bf16 besides
     Phase("titans_kernel_gpu", _pytest("-m", "gpu", "tests/test_titans_kernel.py"), 240, "pytest",
@@ -448,8 +410,8 @@ def precompile_kernels(dest: Path = TRITON_CACHE, triton_here: Path = TRITON_HER
     cache carried in ``.gpu``; ``benchmarks/titans_kernels.py --precompile``, :mod:`memtrain.kernels.precompile`). On
     an H200 they compiled at their first launch, inside the timed phases (the layer benchmark's first call took 87
     s). ``GPU_TRITON`` for this Python goes into ``triton_here`` (once); the GPU Python's wheel of it is downloaded
-    for its cache keys and deleted after. ``device_cache``: a GPU run's ``OUT/triton-cache`` (:func:`save_compiled`),
-    whose kernels are added."""
+    for its cache keys and deleted after. ``device_cache``: a GPU run's ``OUT/triton-cache.tar.gz``
+    (:func:`save_compiled`), whose kernels are added."""
     if not (triton_here / "triton").is_dir():
         rc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(triton_here),
                              f"triton=={GPU_TRITON}"]).returncode
@@ -473,13 +435,13 @@ def precompile_kernels(dest: Path = TRITON_CACHE, triton_here: Path = TRITON_HER
         rc = subprocess.run([sys.executable, "benchmarks/titans_kernels.py", "--precompile", str(dest), "--target",
                              GPU_TARGET, "--libtriton-from", str(wheels[0]), "--shapes", TUNE_SHAPES, "--warps",
                              TUNE_WARPS], cwd=ROOT, env=env).returncode
-    from memtrain.kernels.precompile import cache_kernels, install_cache
+    from memtrain.kernels.precompile import cache_kernels
 
     n = len(cache_kernels(dest))
     print(f"gpu_check --prepare: {n} kernel(s) compiled for {GPU_TARGET} with Triton {GPU_TRITON} in {dest}"
           if rc == 0 else f"gpu_check --prepare: precompiling the kernels failed (exit {rc}); they will compile on the GPU")
     if device_cache is not None:
-        added = install_cache(device_cache, dest)
+        added = add_device_cache(device_cache, dest)
         print(f"gpu_check --prepare: {len(added)} kernel(s) a GPU run compiled added from {device_cache}")
     return rc
 
@@ -512,33 +474,70 @@ def compiled_on_device(cache: dict, dest: Optional[Path] = None) -> list[str]:
     return sorted(name for entry, name in cache_kernels(dest or DEVICE_TRITON_CACHE).items() if entry not in installed)
 
 
-def save_compiled(cache: dict, out: Path, src: Optional[Path] = None,
-                  limit_bytes: Optional[int] = None) -> dict:
+def save_compiled(cache: dict, out: Path, src: Optional[Path] = None, limit_bytes: Optional[int] = None,
+                  file_limit_bytes: Optional[int] = None) -> dict:
     """There, after the plan: the kernels the phases compiled into ``src`` (not among ``cache["entries"]``, the
     precompiled ones: the prologue, output-stage and RoPE kernels, Inductor's, and any precompiled one whose key did
-    not match) copied into ``out`` -- each entry's metadata, binary and source IR, smallest entries first, up to
-    ``limit_bytes`` (default ``RETURNED_CACHE_BYTES``) -- so that ``--prepare --device-cache OUT`` here adds them to the next cache carried. Their keys
-    are that machine's own."""
+    not match) packed into one gzipped tar ``out`` -- each entry's metadata, binary and source IR, smallest entries
+    first, up to ``limit_bytes`` unpacked (default ``RETURNED_CACHE_BYTES``) and ``file_limit_bytes`` packed (default
+    ``RETURNED_FILE_BYTES``) -- so that ``--prepare --device-cache OUT/triton-cache.tar.gz`` here adds them to the
+    next cache carried. One file, because the device tool brings back at most 8 files from OUT (the folder of the
+    first H200 runs came back as 6 of its 416 files). Their keys are that machine's own."""
+    import tarfile
+
     from memtrain.kernels.precompile import cache_kernels
 
     installed = set(cache.get("entries", ()))
     src = src or DEVICE_TRITON_CACHE
     limit_bytes = RETURNED_CACHE_BYTES if limit_bytes is None else limit_bytes
+    file_limit_bytes = RETURNED_FILE_BYTES if file_limit_bytes is None else file_limit_bytes
     sizes = {}
     for entry, name in cache_kernels(src).items():
         if entry not in installed:
             files = [p for p in (src / entry).iterdir() if p.name.startswith(f"__grp__{name}.")
                      or p.suffix in (".json", ".cubin", ".source")]
             sizes[entry] = (sum(p.stat().st_size for p in files), files)
-    saved, total = 0, 0
+    chosen, total = [], 0
     for entry, (size, files) in sorted(sizes.items(), key=lambda kv: kv[1][0]):
         if total + size > limit_bytes:
             break
-        (out / entry).mkdir(parents=True, exist_ok=True)
-        for p in files:
-            shutil.copy2(p, out / entry / p.name)
-        saved, total = saved + 1, total + size
-    return {"saved": saved, "of": len(sizes), "bytes": total, "dir": str(out)}
+        chosen.append(entry)
+        total += size
+    out.parent.mkdir(parents=True, exist_ok=True)
+    while True:  # the packed size is known only once written: drop the largest entries until it fits
+        with tarfile.open(out, "w:gz") as tar:
+            for entry in chosen:
+                for p in sizes[entry][1]:
+                    tar.add(p, arcname=f"{entry}/{p.name}")
+        if out.stat().st_size <= file_limit_bytes or not chosen:
+            break
+        total -= sizes[chosen.pop()][0]
+    return {"saved": len(chosen), "of": len(sizes), "bytes": total, "file": str(out),
+            "file_bytes": out.stat().st_size}
+
+
+def _is_tar(path: Path) -> bool:
+    import tarfile
+
+    try:
+        return tarfile.is_tarfile(path)
+    except OSError:
+        return False
+
+
+def add_device_cache(path: Path, dest: Path) -> dict:
+    """``--device-cache``: the kernels of a GPU run's ``OUT/triton-cache.tar.gz`` (:func:`save_compiled`; only plain
+    files and folders are unpacked) or of such a folder, installed into ``dest``, the cache carried next. Returns
+    :func:`memtrain.kernels.precompile.install_cache`'s record of them."""
+    import tarfile
+
+    from memtrain.kernels.precompile import install_cache
+
+    if path.is_dir():
+        return install_cache(path, dest)
+    with tempfile.TemporaryDirectory() as tmp, tarfile.open(path) as tar:
+        tar.extractall(tmp, filter="data")
+        return install_cache(Path(tmp), dest)
 
 
 def ensure_test_tools(env: dict, extra: Path = EXTRA, site: Path = EXTRA_SITE) -> str:
@@ -688,13 +687,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--list", action="store_true", help="print the plan and check its paths; run nothing")
     ap.add_argument("--prepare", action="store_true",
                     help="here, after make-bundle.sh: download pytest's wheels into .gpu/extra; run nothing else")
-    ap.add_argument("--device-cache", default=None, metavar="DIR",
-                    help="with --prepare: a GPU run's OUT/triton-cache, whose kernels join .gpu/triton-cache")
+    ap.add_argument("--device-cache", default=None, metavar="FILE",
+                    help="with --prepare: a GPU run's OUT/triton-cache.tar.gz, whose kernels join .gpu/triton-cache")
     ap.add_argument("--env", action="store_true", help=argparse.SUPPRESS)  # the env phase itself
     args = ap.parse_args(argv)
     if args.env:
         print(json.dumps(env_record()), flush=True)
         return 0
+    if args.device_cache is not None:  # checked before minutes of compiling, not after
+        if not args.prepare:
+            ap.error("--device-cache goes with --prepare")
+        dc = Path(args.device_cache)
+        if not (dc.is_dir() or (dc.is_file() and _is_tar(dc))):
+            ap.error(f"--device-cache {dc}: not a folder or a tar file; pass a GPU run's OUT/triton-cache.tar.gz")
     if args.prepare:  # both, whatever the first gives: each alone still saves the GPU time
         rc = prepare()
         return precompile_kernels(device_cache=Path(args.device_cache) if args.device_cache else None) or rc
@@ -718,7 +723,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     env["TRITON_CACHE_DIR"] = str(DEVICE_TRITON_CACHE)  # with or without precompiled kernels: save_compiled reads it
     report = run_plan(phases, Path(args.out), args.budget, env=env, notes={"test_tools": tools,
                                                                         "triton_cache": cache})
-    cache["returned"] = save_compiled(cache, Path(args.out) / "triton-cache")
+    cache["returned"] = save_compiled(cache, Path(args.out) / "triton-cache.tar.gz")
     _write_json(Path(args.out) / "gpu_check.json", report)
     if cache["installed"]:
         cache["compiled_on_device"] = compiled_on_device(cache)
