@@ -155,7 +155,9 @@ def count(recipe, dtype: torch.dtype) -> dict:
     from memtrain.model.titans import attention, memory
 
     launches: collections.Counter = collections.Counter()
-    for mod, names in ((triton_kernels, ("_fwd_kernel", "_bwd_kernel", "_coef_fwd_kernel", "_coef_bwd_kernel")),
+    for mod, names in ((triton_kernels, ("_fwd_kernel", "_bwd_kernel", "_coef_fwd_kernel", "_coef_bwd_kernel",
+                                         "_fwd_advance_kernel", "_fwd_read_kernel", "_bwd_recompute_kernel",
+                                         "_bwd_local_kernel", "_bwd_carry_kernel")),
                        (triton_deep, ("_fwd_deep_kernel", "_bwd_deep_kernel")),
                        (prologue, ("_qkv_fwd_kernel", "_qkv_bwd_kernel", "_gates_fwd_kernel", "_gates_bwd_kernel")),
                        (output, ("_out_fwd_kernel", "_out_bwd_kernel")), (rope, ("_rope_kernel",))):

@@ -8,7 +8,8 @@ chunk) and each variant of the kernels' launch options (``num_warps`` 4, 8, 16; 
 ``triton.testing.do_bench`` (median of the repeats, milliseconds), and reports tokens/s, the compiled
 kernels' registers, spills and shared memory where Triton exposes them, and the largest relative error of
 the output and of the q / k / v gradients against the default variant (a launch option must not change the
-result beyond rounding). One JSON line per shape and variant; ``default: true`` marks the shipped choice.
+result beyond rounding). One JSON line per shape and variant; ``default: true`` marks the reference: the shipped
+forms at the launch ``_launch_shape`` picks (each form is set through its variable, whatever the module's defaults).
 
 At depth 1-2 the any-depth kernels (``kernels: triton_deep``: the state in memory, not in registers; what
 depth 3+ runs) are timed beside the shipped pair at their default launch: at the recipes' shapes the pair's
@@ -18,10 +19,11 @@ the same computation ordered so that fewer state tiles ride through its loops, w
 one Triton's compiler and more under another) and ``split`` (:data:`~memtrain.kernels.titans.triton_kernels.
 SPLIT_BACKWARD`: the chunks' own part of the backward in parallel, one program per chunk, and only the carried part
 in the loop over chunks; with :data:`~memtrain.kernels.titans.triton_kernels.SPLIT_FORWARD`, ``forward: split``:
-the forward's reads in parallel and only the recurrence in the loop). ``--waves`` (default 16,32) times the shipped
-launch with its one-program-per-sequence kernels in waves of that many programs (``MEMTRAIN_TITANS_WAVE``,
-``wave``: programs per launch, ``launches``): the same binary and result, fewer stack frames live at once
-(docs/titans-kernels.md, "Where the spills live": whether the L2 holding them decides the backward's time). Every
+the forward's reads in parallel and only the recurrence in the loop). ``--waves 16,32`` times the shipped launch
+with its one-program-per-sequence kernels in waves of that many programs (``MEMTRAIN_TITANS_WAVE``, ``wave``:
+programs per launch, ``launches``): the same binary and result, fewer stack frames live at once. On an H200 every
+wave ran about as long as the whole launch, so the time grew with the number of waves (docs/titans-kernels.md,
+"Measured: the forms and waves"); none by default. Every
 timed record also gives ``fwd_us_per_chunk`` and ``bwd_us_per_chunk``: the call's time over its chunks (all programs
 at once), the unit the frames model predicts in.
 
@@ -385,9 +387,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default=None, help=f"comma-separated, of {', '.join(SHAPES)} (default: all)")
     ap.add_argument("--warps", default="4,8,16", help="num_warps variants besides the default (comma-separated)")
-    ap.add_argument("--waves", default="16,32",
+    ap.add_argument("--waves", default="",
                     help="programs per launch to time the shipped kernels in (MEMTRAIN_TITANS_WAVE; comma-separated "
-                         "multiples of 8, those below a shape's programs; empty: none)")
+                         "multiples of 8, those below a shape's programs, e.g. 16,32; default: none)")
     ap.add_argument("--rep-ms", type=int, default=200, help="do_bench's repetition time per measurement")
     ap.add_argument("--interpret", action="store_true", help="CPU smoke run at tiny shapes (TRITON_INTERPRET=1)")
     ap.add_argument("--static", action="store_true",

@@ -203,7 +203,7 @@ def test_recipe_show_estimates_titans_activations_below_the_measured_peak(monkey
     from memtrain.parallel.memory_estimate import format_memory_estimate
 
     path = Path(__file__).resolve().parents[1] / "recipes" / "titans-170m-mac.yaml"
-    recipe = load_recipe(path, [])
+    recipe = load_recipe(path, ["train.micro_batch_size=4"])  # the measured run's (the recipe takes 8 since)
     with torch.device("meta"):
         model = build(recipe.model)
     with monkeypatch.context() as m:
@@ -212,7 +212,7 @@ def test_recipe_show_estimates_titans_activations_below_the_measured_peak(monkey
     assert 0.75 * 36.1 < measured_code.total / 2**30 < 36.1
     # Today's spacing, on 2 of its 12 blocks (a shorter trace): per 512-token segment of 32 chunks 1 saved state
     # instead of 6, each the weights and momentum of both layers (2 x 2 x 64 x 128 fp32) of 48 programs.
-    small = load_recipe(path, ["model.n_layers=2"])
+    small = load_recipe(path, ["model.n_layers=2", "train.micro_batch_size=4"])
     with torch.device("meta"):
         small_model = build(small.model)
     est = estimate_peak_memory(small, 1, "bf16", small_model)
@@ -223,7 +223,8 @@ def test_recipe_show_estimates_titans_activations_below_the_measured_peak(monkey
     assert est.loss is not None
     assert "activations traced on CUDA" in est.notes[0] and "no checkpointing" in est.notes[0]
     # every block checkpointed: the two inputs and one block recomputed instead of both blocks
-    ckpt = estimate_peak_memory(load_recipe(path, ["model.n_layers=2", "parallel.activation_checkpointing=true"]),
+    ckpt = estimate_peak_memory(load_recipe(path, ["model.n_layers=2", "train.micro_batch_size=4",
+                                                   "parallel.activation_checkpointing=true"]),
                                 1, "bf16", small_model)
     assert 0.45 * est.activations < ckpt.activations < 0.6 * est.activations
     text = "\n".join(format_memory_estimate(est, 1, "bf16", 1))  # recipe show's lines

@@ -852,15 +852,20 @@ LEAN_BACKWARD = False
 # in parallel (one program per chunk) and only the carried part in the loop over chunks, instead of one program
 # per sequence and head doing all of it in sequence. Its scratch is 2.3 times the other forms' at the recipes'
 # widths and chunk 16 (3.1 at chunk 64): beside the recomputed states, the chunk-local state gradients and the
-# per-token gradients' factors. Off until a GPU has timed it (benchmarks/titans_kernels.py, ``backward: split``
-# rows). Takes precedence over LEAN_BACKWARD.
-SPLIT_BACKWARD = False
+# per-token gradients' factors. The default since it was timed on an H200 (2026-11-27, benchmarks/titans_kernels.py
+# at the recipes' shapes, bf16): 29% (MAC's shape), 27% (MAG's) and 28% (the layer target's) less time per chunk
+# than the shipped backward, the lean one 28%, 12% and -13%; titans-400m-mag with the split forward and backward
+# 25,030 tokens/s against 22,562, at the same peak memory (docs/titans-kernels.md, "Measured: the forms and
+# waves"). Takes precedence over LEAN_BACKWARD.
+SPLIT_BACKWARD = True
 
 
 # The split forward (:func:`_fwd_advance_kernel`, :func:`_fwd_read_kernel`): per recompute group the recurrence in
 # one program per sequence and head and the reads in one program per chunk, in place of one program per sequence
 # and head doing both. Its scratch (the group's chunk-start states) lives during one call's forward: the backward's
-# recompute scratch, at most SCRATCH_BYTES. Off until a GPU has timed it.
+# recompute scratch, at most SCRATCH_BYTES. Off: on the H200 it took 12% (MAC's shape) and 56% (MAG's) more time
+# per chunk than the shipped forward at the recipes' chunk 16, and 19% less at the layer target's chunk 64, where
+# the forward is a seventh of the scan's time (2026-11-27).
 SPLIT_FORWARD = False
 
 
