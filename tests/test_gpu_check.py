@@ -568,7 +568,8 @@ def test_main_runs_the_phases_on_the_precompiled_triton_cache_and_brings_back_wh
 def test_the_returned_kernels_fit_one_file_and_join_the_next_carried_cache(tmp_path):
     """What a GPU run compiled comes back as one gzipped tar within the device tool's file limit (the largest
     entries dropped until it fits), and ``--prepare --device-cache`` installs its entries, with their group files
-    pointing at the new place; a missing or non-tar --device-cache is one argparse line before any compiling."""
+    pointing at the new place; a missing, non-tar or truncated --device-cache is one argparse line before any
+    compiling."""
     src = tmp_path / "device"
     for i, size in enumerate((10, 20, 400_000)):
         _entry(src, f"E{i}", f"kernel_{i}", size)
@@ -582,10 +583,11 @@ def test_the_returned_kernels_fit_one_file_and_join_the_next_carried_cache(tmp_p
     grp = json.loads((dest / "E1" / "__grp__kernel_1.json").read_text())
     assert grp["child_paths"]["kernel_1.cubin"] == str(dest.resolve() / "E1" / "kernel_1.cubin")
     (tmp_path / "gpu_check.json").write_text("{}")
-    for bad in ("missing.tar.gz", "gpu_check.json"):
+    (tmp_path / "cut.tar.gz").write_bytes(out.read_bytes()[: out.stat().st_size // 2])  # cut short on its way back
+    for bad in ("missing.tar.gz", "gpu_check.json", "cut.tar.gz"):
         run = subprocess.run([sys.executable, "tools/gpu_check.py", "--prepare", "--device-cache", str(tmp_path / bad)],
                              capture_output=True, text=True, timeout=120, cwd=ROOT)
-        assert run.returncode == 2 and "not a folder or a tar file" in run.stderr.splitlines()[-1], run.stderr
+        assert run.returncode == 2 and "not a folder or a whole tar file" in run.stderr.splitlines()[-1], run.stderr
 
 
 def test_the_precompiled_cache_is_installed_where_triton_finds_its_files(tmp_path):

@@ -482,7 +482,7 @@ def save_compiled(cache: dict, out: Path, src: Optional[Path] = None, limit_byte
     first, up to ``limit_bytes`` unpacked (default ``RETURNED_CACHE_BYTES``) and ``file_limit_bytes`` packed (default
     ``RETURNED_FILE_BYTES``) -- so that ``--prepare --device-cache OUT/triton-cache.tar.gz`` here adds them to the
     next cache carried. One file, because the device tool brings back at most 8 files from OUT (the folder of the
-    first H200 runs came back as 6 of its 416 files). Their keys are that machine's own."""
+    third H200 run came back as 6 of its 416 files). Their keys are that machine's own."""
     import tarfile
 
     from memtrain.kernels.precompile import cache_kernels
@@ -516,12 +516,15 @@ def save_compiled(cache: dict, out: Path, src: Optional[Path] = None, limit_byte
             "file_bytes": out.stat().st_size}
 
 
-def _is_tar(path: Path) -> bool:
+def _readable_tar(path: Path) -> bool:
+    """Whether ``path`` is a tar file read to its end (a gzipped one cut short on its way back is not)."""
     import tarfile
 
     try:
-        return tarfile.is_tarfile(path)
-    except OSError:
+        with tarfile.open(path) as tar:
+            tar.getmembers()
+        return True
+    except (tarfile.TarError, OSError, EOFError):
         return False
 
 
@@ -698,8 +701,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         if not args.prepare:
             ap.error("--device-cache goes with --prepare")
         dc = Path(args.device_cache)
-        if not (dc.is_dir() or (dc.is_file() and _is_tar(dc))):
-            ap.error(f"--device-cache {dc}: not a folder or a tar file; pass a GPU run's OUT/triton-cache.tar.gz")
+        if not (dc.is_dir() or (dc.is_file() and _readable_tar(dc))):
+            ap.error(f"--device-cache {dc}: not a folder or a whole tar file; pass a GPU run's "
+                     "OUT/triton-cache.tar.gz")
     if args.prepare:  # both, whatever the first gives: each alone still saves the GPU time
         rc = prepare()
         return precompile_kernels(device_cache=Path(args.device_cache) if args.device_cache else None) or rc
