@@ -232,7 +232,7 @@ def test_the_real_plan_names_existing_files_and_loadable_recipes(capsys):
     old, new = gc.select(gc.PLAN, "recipe_170m_mac_shipped")[0], gc.select(gc.PLAN, "recipe_170m_mac")[0]
     assert old.env == form_env("shipped") and old.argv[:4] == new.argv[:4] and not new.env, (old.argv, new.argv)
     assert "--waves" not in gc.select(gc.PLAN, "titans_kernel_tune")[0].argv  # measured: waves only lose
-    # the first recipe compiles the kernels and flex attention in its first step (52 s for 400m-mag on an H200)
+    # the first recipe compiles flex attention and the fused kernels in its first step (52 s for 400m-mag, H200)
     assert gc.select(gc.PLAN, "recipe_170m_mac")[0].timeout_s >= 120
     guard = gc.select(gc.PLAN, "fused_kernels")[0]
     from memtrain.model.anchor import FUSED_ROPE_ENV

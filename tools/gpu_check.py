@@ -164,8 +164,8 @@ PLAN: list[Phase] = [
           "per-use sums and fp32; on failure the later phases set MEMTRAIN_GROUPED_WGRAD=0",
           on_failure_env={"MEMTRAIN_GROUPED_WGRAD": "0"}),
     # The 50K tokens/s target. On an H200 (2026-11-27, fused kernels off, the shipped backward): 23,291 tokens/s at
-    # micro-batch 4, 36,775 at 8 (the recipe's since). The first recipe phase compiles the kernels and flex
-    # attention in its first step (52 s for 400m-mag there): 130 s.
+    # micro-batch 4, 36,775 at 8 (the recipe's since). The first recipe phase compiles flex attention (Inductor)
+    # and the fused kernels in its first step (400m-mag's took 52 s there, the scan kernels found in the cache): 130 s.
     _recipe_phase("titans-170m-mac", 130, why="; as it ships: micro-batch 8, the split backward, the fused kernels"),
     # 33,872 tokens/s and 8.1% MFU at micro-batch 8 on the H200 (shipped backward); with both split at
     # micro-batch 4, 25,030 against the shipped kernels' 22,562
