@@ -121,8 +121,7 @@ def _form_phase(recipe: str, form: str, timeout_s: float, why: str) -> Phase:
     """``recipe``'s phase with the scan kernels' ``form`` (:func:`memtrain.kernels.titans.form_env`: ``shipped`` the
     one-program-per-sequence forward and backward, ``split`` both split), beside the default's phase."""
     name = recipe.removeprefix('titans-').replace('-', '_')
-    env = ({"MEMTRAIN_TITANS_FORWARD": "split", "MEMTRAIN_TITANS_BACKWARD": "split"} if form == "split" else
-           {"MEMTRAIN_TITANS_FORWARD": "shipped", "MEMTRAIN_TITANS_BACKWARD": form})
+    env = {"MEMTRAIN_TITANS_FORWARD": "split" if form == "split" else "shipped", "MEMTRAIN_TITANS_BACKWARD": form}
     return Phase(f"recipe_{name}_{form}",
                  _throughput(recipe, "train.schedule.warmup=2", steps=20, extra=("--profile", "25")), timeout_s,
                  capped=True, env=env, about=f"{recipe} with {', '.join(f'{k}={v}' for k, v in env.items())}, beside "
