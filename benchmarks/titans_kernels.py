@@ -53,8 +53,10 @@ timings sit beside the traffic (the static figures come from this machine's Trit
 backward, the gates' backward too) through :func:`memtrain.kernels.precompile.compile_only`, which compiles each for
 ``--target`` (default ``cuda:90``) into the Triton cache ``DIR`` and launches nothing, so a GPU machine whose Triton
 cache holds ``DIR``'s entries starts timing at once (``tools/gpu_check.py --prepare`` does this for the GPU check;
-``--libtriton-from`` gives the GPU machine's Triton wheel when its Python differs from this one's). One JSON line per
-shape and variant: the kernels it compiled and those the cache held. The timed records say the same of their first
+``--libtriton-from`` gives the GPU machine's Triton wheel when its Python differs from this one's); ``--recipes
+FILES`` adds, for each Titans recipe, one block's forward and backward as its training runs it (the kernels around
+the scan: coefficients, fused prologue, output stage, RoPE). One JSON line per shape and variant and per recipe: the
+kernels it compiled and those the cache held. The timed records say the same of their first
 call (``triton_compiled``, ``triton_cached``).
 
 Not part of the test suite; the timings mean something on a GPU only.
@@ -272,14 +274,48 @@ def measure(shape, warps, device, repeats_ms: int, any_depth: bool = False, form
     return rec, (y.detach().float(), *(g.float() for g in grads))
 
 
+# A recipe's block compiled ahead (--recipes): one block, and an FFN and vocabulary too small to cost CPU time (none of
+# their kernels is ours); the Triton kernels on, as bf16 training on a GPU runs them.
+RECIPE_BLOCK = ("model.n_layers=1", "model.ffn_dim=64", "model.vocab_size=1024", "data.tokenizer.vocab_size=1024",
+                "model.titans.kernel=triton")
+
+
+def recipe_block_step(path: str) -> None:
+    """One forward and backward of one block of the Titans recipe ``path`` as training runs it on a GPU (inside
+    :func:`memtrain.kernels.precompile.compile_only`, each Triton launch compiles instead): bf16, the recipe's
+    micro-batch and sequence length, four documents per sequence (``train_throughput.py``'s synthetic batches), the
+    Triton kernels, fused prologue, output stage, retrieval and RoPE (``RECIPE_BLOCK``). What compiles is what the
+    recipe's first step compiles on the GPU besides the scan (the shapes' business): the chunk coefficients, the
+    prologue, the output stage, MAC's retrieval and RoPE, each at the specialisations the recipe's tensors give. Tens
+    of seconds of CPU each, at full length (at one block the keys did not depend on it: 1,024 tokens gave 4,096's)."""
+    from memtrain.config import load_recipe
+    from memtrain.model import anchor, build
+
+    recipe = load_recipe(path, list(RECIPE_BLOCK))
+    B, T = recipe.train.micro_batch_size, recipe.data.seq_len
+    torch.manual_seed(0)
+    model = build(recipe.model).to(torch.bfloat16)
+    if recipe.train.loss_chunk_tokens:
+        model.set_fused_loss(recipe.train.loss_chunk_tokens)
+    x = torch.randint(0, recipe.model.vocab_size, (B, T))
+    doc_ids = (torch.arange(T) * 4 // T).expand(B, T).contiguous()
+    devices = anchor.FUSED_ROPE_DEVICES
+    anchor.FUSED_ROPE_DEVICES = ("cpu", "cuda")  # apply_rope as on a GPU: the fused kernel
+    try:
+        model(x, doc_ids=doc_ids, labels=x.roll(-1, 1)).loss_sum.float().backward()
+    finally:
+        anchor.FUSED_ROPE_DEVICES = devices
+
+
 def precompile(names: list[str], warps: list[int], cache_dir: str, target: str = "cuda:90",
-               libtriton: Optional[str] = None, table: dict = SHAPES) -> int:
+               libtriton: Optional[str] = None, table: dict = SHAPES, recipes: tuple[str, ...] = ()) -> int:
     """Compile, for ``target`` and into the Triton cache ``cache_dir``, every kernel the sweep launches at the shapes
     ``names`` (each of :func:`variants`, forward and backward, the gates' backward included as training runs it),
     without a GPU and without launching anything (:func:`memtrain.kernels.precompile.compile_only`): the launches
     the recipes (shapes ``mac``, ``mag``), the layer benchmark (``layer``) and this sweep make on that GPU then find
-    their binaries in the cache. Prints one JSON line per shape and variant (kernels compiled, kernels already
-    cached, seconds) and a summary."""
+    their binaries in the cache; then each Titans recipe of ``recipes`` (:func:`recipe_block_step`: the kernels around
+    the scan, as the recipe launches them). Prints one JSON line per shape and variant and per recipe (kernels
+    compiled, kernels already cached, seconds) and a summary."""
     from memtrain.kernels.precompile import cache_kernels, compile_only
 
     t_all = time.perf_counter()
@@ -299,9 +335,15 @@ def precompile(names: list[str], warps: list[int], cache_dir: str, target: str =
                                   "backward": form, "compiled": report.compiled[done[0]:],
                                   "cached": report.cached[done[1]:], "seconds": round(time.perf_counter() - t0, 1)}),
                       flush=True)
+        for path in recipes:
+            t0 = time.perf_counter()
+            done = len(report.compiled), len(report.cached)
+            recipe_block_step(path)
+            print(json.dumps({"recipe": path, "compiled": report.compiled[done[0]:], "cached": report.cached[done[1]:],
+                              "seconds": round(time.perf_counter() - t0, 1)}), flush=True)
     summary = {"precompiled": True, "target": report.target, "cache_dir": report.cache_dir,
                "triton": report.triton_version, "triton_key": report.triton_key, "backend": report.backend,
-               "shapes": names,
+               "shapes": names, "recipes": list(recipes),
                "compiled": len(report.compiled), "cached": len(report.cached),
                "kernels_in_cache": len(cache_kernels(cache_dir)), "seconds": round(time.perf_counter() - t_all, 1)}
     (Path(cache_dir) / "precompiled.json").write_text(json.dumps(summary) + "\n")  # beside the entries, for the GPU
@@ -398,6 +440,9 @@ def main() -> int:
     ap.add_argument("--precompile", metavar="CACHE_DIR", default=None,
                     help="no GPU needed: compile every launch the sweep makes at --shapes for --target into this "
                          "Triton cache directory, launching nothing")
+    ap.add_argument("--recipes", default="",
+                    help="with --precompile: comma-separated Titans recipe files whose kernels around the scan (chunk "
+                         "coefficients, fused prologue, output stage, RoPE) to compile as their training launches them")
     ap.add_argument("--target", default="cuda:90", help="with --precompile: the GPU (default cuda:90, H100 / H200)")
     ap.add_argument("--libtriton-from", metavar="WHEEL", default=None,
                     help="with --precompile: the GPU machine's Triton wheel (this Triton's version, for its Python): "
@@ -428,7 +473,18 @@ def main() -> int:
             libtriton = libtriton_digest(args.libtriton_from) if args.libtriton_from else None
         except (ValueError, OSError) as e:
             ap.error(str(e))
-        return precompile(names, warps, args.precompile, args.target, libtriton, table)
+        recipes = tuple(r for r in args.recipes.split(",") if r.strip())
+        from memtrain.config import load_recipe
+        from memtrain.errors import MemtrainError
+
+        for path in recipes:  # each checked before minutes of compiling
+            try:
+                kind = load_recipe(path, list(RECIPE_BLOCK)).model.type
+            except MemtrainError as e:
+                ap.error(f"--recipes: {e}")
+            if kind != "titans":
+                ap.error(f"--recipes: {path} has model.type {kind!r}; it takes Titans recipes")
+        return precompile(names, warps, args.precompile, args.target, libtriton, table, recipes)
     if args.interpret:
         if os.environ.get("TRITON_INTERPRET") != "1":
             ap.error("--interpret needs TRITON_INTERPRET=1 in the environment (set before Triton is imported)")

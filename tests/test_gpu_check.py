@@ -40,6 +40,8 @@ def _own_triton_caches(tmp_path_factory, monkeypatch):
     root = tmp_path_factory.mktemp("triton-caches")
     monkeypatch.setattr(gc, "TRITON_CACHE", root / "carried")
     monkeypatch.setattr(gc, "DEVICE_TRITON_CACHE", root / "device")
+    monkeypatch.setattr(gc, "INDUCTOR_CACHE", root / "carried-inductor")  # and Inductor's
+    monkeypatch.setattr(gc, "DEVICE_INDUCTOR_CACHE", root / "device-inductor")
 
 
 def _py(code: str) -> list[str]:
@@ -556,7 +558,8 @@ def test_main_runs_the_phases_on_the_precompiled_triton_cache_and_brings_back_wh
     assert cache["triton_key_matches"] is True and cache["backend_matches"] is False  # another ptxas there
     assert cache["compiled_on_device"] == ["big_kernel", "triton_poi_fused_0"]
     packed = tmp_path / "out" / "triton-cache.tar.gz"
-    assert cache["returned"] == {"saved": 1, "of": 2, "bytes": cache["returned"]["bytes"], "file": str(packed),
+    assert cache["returned"] == {"saved": 1, "of": 2, "inductor_saved": 0, "inductor_of": 0,
+                                 "bytes": cache["returned"]["bytes"], "file": str(packed),
                                  "file_bytes": packed.stat().st_size}
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [  # one file: the device tool returns 8 at most
         "gpu_check.json", "gpu_check.log", "triton-cache.tar.gz"]
@@ -588,6 +591,70 @@ def test_the_returned_kernels_fit_one_file_and_join_the_next_carried_cache(tmp_p
         run = subprocess.run([sys.executable, "tools/gpu_check.py", "--prepare", "--device-cache", str(tmp_path / bad)],
                              capture_output=True, text=True, timeout=120, cwd=ROOT)
         assert run.returncode == 2 and "not a folder or a whole tar file" in run.stderr.splitlines()[-1], run.stderr
+
+
+def _files(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+
+
+def test_inductor_graph_caches_are_installed_for_the_phases_and_what_they_add_comes_back(tmp_path, monkeypatch):
+    """The Inductor graph caches carried in .gpu (earlier runs' flex attention and compiled blocks) are the phases'
+    TORCHINDUCTOR_CACHE_DIR; of what the phases write there, the graph caches they added (not the installed ones, not
+    the generated modules or locks) come back in the same tar, before the Triton kernels, and ``--device-cache``
+    adds them to the cache carried next."""
+    carried = gc.INDUCTOR_CACHE
+    (carried / "fxgraph" / "aa" / "k1").mkdir(parents=True)
+    (carried / "fxgraph" / "aa" / "k1" / "e1").write_text("old graph")
+    (carried / "locks").mkdir()
+    (carried / "locks" / "x.lock").write_text("")  # not a graph cache: not installed
+    writes = ("import os, pathlib, sys\n"
+              "root = pathlib.Path(os.environ['TORCHINDUCTOR_CACHE_DIR'])\n"
+              "if (root / 'fxgraph/aa/k1/e1').read_text() != 'old graph' or (root / 'locks').exists(): sys.exit(3)\n"
+              "for rel in ('fxgraph/bb/k2/e2', 'aotautograd/cc/k3/e3', 'xy/cxy.py'):\n"
+              "    (root / rel).parent.mkdir(parents=True, exist_ok=True); (root / rel).write_text(rel)\n")
+    monkeypatch.setattr(gc, "PLAN", [gc.Phase("compiles", _py(writes), 30)])
+    assert gc.main(["--out", str(tmp_path / "out")]) == 0
+    report = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert report["inductor_cache"] == {"installed": 1, "dir": str(gc.DEVICE_INDUCTOR_CACHE), "compiled_on_device": 2}
+    assert report["triton_cache"]["returned"]["inductor_saved"] == 2
+    packed = tmp_path / "out" / "triton-cache.tar.gz"
+    with tarfile.open(packed) as tar:
+        assert sorted(tar.getnames()) == ["inductor/aotautograd/cc/k3/e3", "inductor/fxgraph/bb/k2/e2"]
+    nxt = tmp_path / "next"
+    assert gc.add_device_inductor_cache(packed, nxt) == 2
+    assert _files(nxt) == ["aotautograd/cc/k3/e3", "fxgraph/bb/k2/e2"]
+    assert (nxt / "fxgraph/bb/k2/e2").read_text() == "fxgraph/bb/k2/e2"
+    assert gc.add_device_inductor_cache(tmp_path / "out", tmp_path / "none") == 0  # a folder without inductor/
+
+
+def test_inductor_graph_caches_moved_to_another_folder_are_hits(tmp_path):
+    """What travels (the fxgraph and aotautograd caches, through the tar and --device-cache) is enough for a process
+    compiling the same function elsewhere to find its graph there: Inductor's and AOTAutograd's cache hits (CPU
+    Inductor here; on a GPU the same caches hold flex attention's kernels)."""
+    code = ("import json, torch\n"
+            "from torch._dynamo.utils import counters\n"
+            "f = torch.compile(lambda x, w: torch.nn.functional.silu(x @ w).sum(-1))\n"
+            "x, w = torch.randn(8, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)\n"
+            "f(x, w).sum().backward()\n"
+            "print(json.dumps({**counters['inductor'], **counters['aot_autograd']}))\n")
+
+    def run(cache: Path) -> dict:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache)}
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return json.loads(r.stdout.splitlines()[-1])
+
+    first = run(tmp_path / "device")
+    assert first.get("fxgraph_cache_miss", 0) > 0 and not first.get("fxgraph_cache_hit")
+    packed = tmp_path / "triton-cache.tar.gz"
+    back = gc.save_compiled({"entries": []}, packed, src=tmp_path / "no-triton", inductor_src=tmp_path / "device")
+    assert back["inductor_saved"] == back["inductor_of"] > 0
+    assert gc.add_device_inductor_cache(packed, tmp_path / "carried") == back["inductor_saved"]
+    env = {}
+    gc.install_inductor_cache(env, tmp_path / "carried", tmp_path / "next-device")
+    second = run(Path(env["TORCHINDUCTOR_CACHE_DIR"]))
+    assert second.get("fxgraph_cache_hit", 0) == first["fxgraph_cache_miss"] and not second.get("fxgraph_cache_miss")
+    assert second.get("autograd_cache_hit", 0) > 0
 
 
 def test_the_precompiled_cache_is_installed_where_triton_finds_its_files(tmp_path):

@@ -71,6 +71,27 @@ def test_kernel_precompile_fills_a_triton_cache_that_a_second_machine_finds(tmp_
     assert moved[-1]["compiled"] == 0 and moved[-1]["cached"] == 14
 
 
+def test_kernel_precompile_compiles_a_recipes_kernels_around_the_scan_as_its_training_launches_them(tmp_path):
+    """``--recipes``: one block of a Titans recipe, forward and backward in bf16 as a GPU trains it, compiles the
+    kernels its first step launches besides the sweep's: the chunk coefficients, the fused prologue (q/k/v and gates),
+    output stage and RoPE (queries and keys), each way; a second run finds them all. A recipe that is not a Titans
+    one, or no recipe, is one argparse line before any compiling."""
+    rows = _precompile(tmp_path / "c", "--recipes", "recipes/titans-cpu-mac.yaml")
+    recipe, summary = rows[-2], rows[-1]
+    assert recipe["recipe"] == "recipes/titans-cpu-mac.yaml" and summary["recipes"] == [recipe["recipe"]]
+    around = {"_coef_fwd_kernel", "_coef_bwd_kernel", "_qkv_fwd_kernel", "_qkv_bwd_kernel", "_gates_fwd_kernel",
+              "_gates_bwd_kernel", "_out_fwd_kernel", "_out_bwd_kernel", "_rope_kernel"}
+    assert around <= set(recipe["compiled"])
+    again = _precompile(tmp_path / "c", "--recipes", "recipes/titans-cpu-mac.yaml")
+    assert again[-2]["compiled"] == [] and set(again[-2]["cached"]) == set(recipe["compiled"])
+    for bad, why in (("recipes/quickstart.yaml", "only used with model.type 'titans'"),
+                     ("recipes/nope.yaml", "does not exist")):
+        run = subprocess.run([sys.executable, "benchmarks/titans_kernels.py", "--precompile", str(tmp_path / "d"),
+                              "--tiny", "--shapes", "layer", "--recipes", bad], cwd=ROOT, env=_no_interpreter(),
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 2 and why in run.stderr.splitlines()[-1] and not (tmp_path / "d").exists()
+
+
 def test_kernel_precompile_restores_triton_and_keys_another_build(tmp_path):
     """Inside compile_only a launch compiles and returns (no GPU here to launch on), the CPU tensors are allowed;
     after it Triton's driver, cache settings, key function and launch path are as before and the kernels' in-memory

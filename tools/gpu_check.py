@@ -19,8 +19,8 @@ that times out is killed (SIGTERM, then SIGKILL) and the next starts. The traini
 is rewritten (atomically) with every phase so far: status (``ok``, ``failed``, ``timeout``, ``skipped``), exit code,
 seconds, the JSON lines the phase printed (benchmarks), the pytest summary line (tests) and the last lines of its
 output; ``OUT/gpu_check.log`` holds each phase's full output, ``OUT/triton-cache.tar.gz`` the kernels the phases
-compiled. A short table is printed last. Exit status 0 when every phase
-ran and passed.
+compiled and Inductor's graph caches they wrote (``--prepare --device-cache`` carries both to the next run). A short
+table is printed last. Exit status 0 when every phase ran and passed.
 
 How, on a lent GPU machine (see ``../shared/gpu/README.md``; here first: ``make install``,
 ``bash ../shared/gpu/make-bundle.sh --titans-pytorch`` and ``.venv/bin/python tools/gpu_check.py --prepare``, which
@@ -63,6 +63,12 @@ GPU_PYTHON, GPU_TRITON, GPU_TARGET = "3.12", "3.6.0", "cuda:90"
 TRITON_HERE = ROOT / ".triton36"  # GPU_TRITON for this machine's Python (--prepare installs it; git-ignored)
 TRITON_CACHE = ROOT / ".gpu" / "triton-cache"  # the kernels --prepare compiled for GPU_TARGET (carried with .gpu)
 DEVICE_TRITON_CACHE = Path(tempfile.gettempdir()) / "memtrain-triton-cache"  # TRITON_CACHE_DIR of the phases there
+# Inductor's caches (flex attention's kernels, compiled blocks): --prepare --device-cache puts those a GPU run brought
+# back here (carried with .gpu); the run there installs them as its phases' TORCHINDUCTOR_CACHE_DIR. Only the graph
+# caches travel: their entries hold the generated code and (Inductor's Triton bundling) its compiled kernels.
+INDUCTOR_CACHE = ROOT / ".gpu" / "inductor-cache"
+DEVICE_INDUCTOR_CACHE = Path(tempfile.gettempdir()) / "memtrain-inductor-cache"
+INDUCTOR_PARTS, INDUCTOR_ARC = ("fxgraph", "aotautograd"), "inductor"  # the parts kept; their folder in the tar
 RETURNED_CACHE_BYTES = 32 << 20  # of the kernels compiled there, unpacked, brought back (save_compiled)
 RETURNED_FILE_BYTES = 15 << 20  # ... packed in OUT/triton-cache.tar.gz: the device tool returns files up to 16 MiB
 # What titans_kernel_tune times, and so what --prepare compiles ahead (mag launches the same kernels as mac).
@@ -406,11 +412,13 @@ def precompile_kernels(dest: Path = TRITON_CACHE, triton_here: Path = TRITON_HER
                        device_cache: Optional[Path] = None) -> int:
     """Here, after ``make-bundle.sh``: compile the Titans kernels that the recipes, the layer benchmark and
     ``titans_kernel_tune`` launch on the GPU machine, for ``GPU_TARGET`` with ``GPU_TRITON``, into ``dest`` (a Triton
-    cache carried in ``.gpu``; ``benchmarks/titans_kernels.py --precompile``, :mod:`memtrain.kernels.precompile`). On
-    an H200 they compiled at their first launch, inside the timed phases (the layer benchmark's first call took 87
-    s). ``GPU_TRITON`` for this Python goes into ``triton_here`` (once); the GPU Python's wheel of it is downloaded
-    for its cache keys and deleted after. ``device_cache``: a GPU run's ``OUT/triton-cache.tar.gz``
-    (:func:`save_compiled`), whose kernels are added."""
+    cache carried in ``.gpu``; ``benchmarks/titans_kernels.py --precompile``, :mod:`memtrain.kernels.precompile`): the
+    scan kernels at the sweep's shapes, and one block of each of ``TITANS_RECIPES`` (``--recipes``: the coefficients,
+    fused prologue, output stage, retrieval and RoPE as each recipe's first step launches them). On an H200 they
+    compiled at their first launch, inside the timed phases (the layer benchmark's first call took 87 s).
+    ``GPU_TRITON`` for this Python goes into ``triton_here`` (once); the GPU Python's wheel of it is downloaded for its
+    cache keys and deleted after. ``device_cache``: a GPU run's ``OUT/triton-cache.tar.gz`` (:func:`save_compiled`),
+    whose kernels are added, and its Inductor graph caches to ``INDUCTOR_CACHE``."""
     if not (triton_here / "triton").is_dir():
         rc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(triton_here),
                              f"triton=={GPU_TRITON}"]).returncode
@@ -433,7 +441,8 @@ def precompile_kernels(dest: Path = TRITON_CACHE, triton_here: Path = TRITON_HER
         shutil.rmtree(dest, ignore_errors=True)
         rc = subprocess.run([sys.executable, "benchmarks/titans_kernels.py", "--precompile", str(dest), "--target",
                              GPU_TARGET, "--libtriton-from", str(wheels[0]), "--shapes", TUNE_SHAPES, "--warps",
-                             TUNE_WARPS], cwd=ROOT, env=env).returncode
+                             TUNE_WARPS, "--recipes", ",".join(f"recipes/{r}.yaml" for r in TITANS_RECIPES)],
+                            cwd=ROOT, env=env).returncode
     from memtrain.kernels.precompile import cache_kernels
 
     n = len(cache_kernels(dest))
@@ -441,7 +450,9 @@ def precompile_kernels(dest: Path = TRITON_CACHE, triton_here: Path = TRITON_HER
           if rc == 0 else f"gpu_check --prepare: precompiling the kernels failed (exit {rc}); they will compile on the GPU")
     if device_cache is not None:
         added = add_device_cache(device_cache, dest)
-        print(f"gpu_check --prepare: {len(added)} kernel(s) a GPU run compiled added from {device_cache}")
+        graphs = add_device_inductor_cache(device_cache, INDUCTOR_CACHE)
+        print(f"gpu_check --prepare: {len(added)} kernel(s) and {graphs} Inductor cache file(s) a GPU run compiled "
+              f"added from {device_cache} (the latter to {INDUCTOR_CACHE})")
     return rc
 
 
@@ -464,6 +475,31 @@ def install_triton_cache(env: dict, src: Optional[Path] = None, dest: Optional[P
             "unreadable": sorted(set(cache_kernels(src)) - set(kernels))}
 
 
+def inductor_files(root: Path) -> list[str]:
+    """The files of Inductor's graph caches under ``root`` (its ``INDUCTOR_PARTS``), relative to it, sorted."""
+    return sorted(str(p.relative_to(root)) for part in INDUCTOR_PARTS if (root / part).is_dir()
+                  for p in (root / part).rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def _copy_files(src: Path, dest: Path, files: list[str]) -> None:
+    for rel in files:
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src / rel, dest / rel)
+
+
+def install_inductor_cache(env: dict, src: Optional[Path] = None, dest: Optional[Path] = None) -> dict:
+    """There: the Inductor graph caches earlier GPU runs brought back (``src``, carried in ``.gpu``) copied into
+    ``dest``, the phases' ``TORCHINDUCTOR_CACHE_DIR`` (set in ``env`` with or without them, so that what the phases
+    add can be brought back). On the H200, titans-400m-mag's first step took 52 s and 80 s, most of it compiling flex
+    attention; a second process on the same machine, with that compile in this cache, took 3.6 s. Returns, for the
+    report, how many files were installed and (``files``) which."""
+    src, dest = src or INDUCTOR_CACHE, dest or DEVICE_INDUCTOR_CACHE
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(dest)
+    files = inductor_files(src) if src.is_dir() else []
+    _copy_files(src, dest, files)
+    return {"installed": len(files), "dir": str(dest), "files": files}
+
+
 def compiled_on_device(cache: dict, dest: Optional[Path] = None) -> list[str]:
     """The kernels the phases compiled into ``dest`` after all (not among the ``cache["entries"]`` installed): those
     the precompiled cache did not hold, or all of them when its keys did not match this machine's Triton."""
@@ -474,13 +510,16 @@ def compiled_on_device(cache: dict, dest: Optional[Path] = None) -> list[str]:
 
 
 def save_compiled(cache: dict, out: Path, src: Optional[Path] = None, limit_bytes: Optional[int] = None,
-                  file_limit_bytes: Optional[int] = None) -> dict:
-    """There, after the plan: the kernels the phases compiled into ``src`` (not among ``cache["entries"]``, the
-    precompiled ones: the prologue, output-stage and RoPE kernels, Inductor's, and any precompiled one whose key did
-    not match) packed into one gzipped tar ``out`` -- each entry's metadata, binary and source IR, smallest entries
-    first, up to ``limit_bytes`` unpacked (default ``RETURNED_CACHE_BYTES``) and ``file_limit_bytes`` packed (default
-    ``RETURNED_FILE_BYTES``) -- so that ``--prepare --device-cache OUT/triton-cache.tar.gz`` here adds them to the
-    next cache carried. One file, because the device tool brings back at most 8 files from OUT (the folder of the
+                  file_limit_bytes: Optional[int] = None, inductor_installed: Optional[list] = None,
+                  inductor_src: Optional[Path] = None) -> dict:
+    """There, after the plan: what the phases compiled, packed into one gzipped tar ``out``, so that ``--prepare
+    --device-cache OUT/triton-cache.tar.gz`` here adds it to the next caches carried. First Inductor's graph-cache
+    files in ``inductor_src`` (default ``DEVICE_INDUCTOR_CACHE``) that were not installed (``inductor_installed``),
+    under ``inductor/``; then the Triton kernels in ``src`` not among ``cache["entries"]``, the precompiled ones (the
+    prologue, output-stage and RoPE kernels, Inductor's, and any precompiled one whose key did not match) -- each
+    entry's metadata, binary and source IR. Within each part smallest first, up to ``limit_bytes`` unpacked (default
+    ``RETURNED_CACHE_BYTES``) and ``file_limit_bytes`` packed (default ``RETURNED_FILE_BYTES``; the last taken are
+    dropped until it fits). One file, because the device tool brings back at most 8 files from OUT (the folder of the
     third H200 run came back as 6 of its 416 files). Their keys are that machine's own."""
     import tarfile
 
@@ -488,31 +527,39 @@ def save_compiled(cache: dict, out: Path, src: Optional[Path] = None, limit_byte
 
     installed = set(cache.get("entries", ()))
     src = src or DEVICE_TRITON_CACHE
+    inductor_src = inductor_src or DEVICE_INDUCTOR_CACHE
     limit_bytes = RETURNED_CACHE_BYTES if limit_bytes is None else limit_bytes
     file_limit_bytes = RETURNED_FILE_BYTES if file_limit_bytes is None else file_limit_bytes
-    sizes = {}
+    graphs = {}  # Inductor: one file per unit
+    old = set(inductor_installed or ())
+    for rel in inductor_files(inductor_src) if inductor_src.is_dir() else []:
+        if rel not in old:
+            path = inductor_src / rel
+            graphs[rel] = (path.stat().st_size, [(path, f"{INDUCTOR_ARC}/{rel}")])
+    kernels = {}
     for entry, name in cache_kernels(src).items():
         if entry not in installed:
             files = [p for p in (src / entry).iterdir() if p.name.startswith(f"__grp__{name}.")
                      or p.suffix in (".json", ".cubin", ".source")]
-            sizes[entry] = (sum(p.stat().st_size for p in files), files)
-    chosen, total = [], 0
-    for entry, (size, files) in sorted(sizes.items(), key=lambda kv: kv[1][0]):
-        if total + size > limit_bytes:
-            break
-        chosen.append(entry)
-        total += size
+            kernels[entry] = (sum(p.stat().st_size for p in files), [(p, f"{entry}/{p.name}") for p in files])
+    chosen, total = [], 0  # (part, key, size, files), in priority order
+    for part, units in (("inductor", graphs), ("triton", kernels)):
+        for key, (size, files) in sorted(units.items(), key=lambda kv: kv[1][0]):
+            if total + size <= limit_bytes:
+                chosen.append((part, key, size, files))
+                total += size
     out.parent.mkdir(parents=True, exist_ok=True)
-    while True:  # the packed size is known only once written: drop the largest entries until it fits
+    while True:  # the packed size is known only once written: drop the last taken until it fits
         with tarfile.open(out, "w:gz") as tar:
-            for entry in chosen:
-                for p in sizes[entry][1]:
-                    tar.add(p, arcname=f"{entry}/{p.name}")
+            for _, _, _, files in chosen:
+                for path, arcname in files:
+                    tar.add(path, arcname=arcname)
         if out.stat().st_size <= file_limit_bytes or not chosen:
             break
-        total -= sizes[chosen.pop()][0]
-    return {"saved": len(chosen), "of": len(sizes), "bytes": total, "file": str(out),
-            "file_bytes": out.stat().st_size}
+        total -= chosen.pop()[2]
+    saved = [part for part, *_ in chosen]
+    return {"saved": saved.count("triton"), "of": len(kernels), "inductor_saved": saved.count("inductor"),
+            "inductor_of": len(graphs), "bytes": total, "file": str(out), "file_bytes": out.stat().st_size}
 
 
 def _readable_tar(path: Path) -> bool:
@@ -540,6 +587,24 @@ def add_device_cache(path: Path, dest: Path) -> dict:
     with tempfile.TemporaryDirectory() as tmp, tarfile.open(path) as tar:
         tar.extractall(tmp, filter="data")
         return install_cache(Path(tmp), dest)
+
+
+def add_device_inductor_cache(path: Path, dest: Path) -> int:
+    """``--device-cache``: the Inductor graph-cache files of a GPU run's tar (its ``inductor/`` folder,
+    :func:`save_compiled`) or of such a folder, added to ``dest``, the Inductor cache carried next. Returns how many."""
+    import tarfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = path
+        if not path.is_dir():
+            with tarfile.open(path) as tar:
+                tar.extractall(tmp, members=[m for m in tar.getmembers() if m.name.startswith(f"{INDUCTOR_ARC}/")],
+                               filter="data")
+            root = Path(tmp)
+        src = root / INDUCTOR_ARC
+        files = inductor_files(src) if src.is_dir() else []
+        _copy_files(src, dest, files)
+        return len(files)
 
 
 def ensure_test_tools(env: dict, extra: Path = EXTRA, site: Path = EXTRA_SITE) -> str:
@@ -690,7 +755,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--prepare", action="store_true",
                     help="here, after make-bundle.sh: download pytest's wheels into .gpu/extra; run nothing else")
     ap.add_argument("--device-cache", default=None, metavar="FILE",
-                    help="with --prepare: a GPU run's OUT/triton-cache.tar.gz, whose kernels join .gpu/triton-cache")
+                    help="with --prepare: a GPU run's OUT/triton-cache.tar.gz, whose kernels join .gpu/triton-cache "
+                         "and its Inductor graph caches .gpu/inductor-cache")
     ap.add_argument("--env", action="store_true", help=argparse.SUPPRESS)  # the env phase itself
     args = ap.parse_args(argv)
     if args.env:
@@ -724,9 +790,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     tools = ensure_test_tools(env) if any(p.kind == "pytest" for p in phases) else "not needed"
     cache = install_triton_cache(env)
     env["TRITON_CACHE_DIR"] = str(DEVICE_TRITON_CACHE)  # with or without precompiled kernels: save_compiled reads it
+    inductor = install_inductor_cache(env)
+    inductor_installed = inductor.pop("files")
     report = run_plan(phases, Path(args.out), args.budget, env=env, notes={"test_tools": tools,
-                                                                        "triton_cache": cache})
-    cache["returned"] = save_compiled(cache, Path(args.out) / "triton-cache.tar.gz")
+                                                                        "triton_cache": cache,
+                                                                        "inductor_cache": inductor})
+    cache["returned"] = save_compiled(cache, Path(args.out) / "triton-cache.tar.gz",
+                                      inductor_installed=inductor_installed)
+    inductor["compiled_on_device"] = len(set(inductor_files(DEVICE_INDUCTOR_CACHE)) - set(inductor_installed))
     _write_json(Path(args.out) / "gpu_check.json", report)
     if cache["installed"]:
         cache["compiled_on_device"] = compiled_on_device(cache)
@@ -743,7 +814,8 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"{cache['installed']}" + (f" (Triton key matches: {cache.get('triton_key_matches', 'not checked')}, "
                                      f"backend matches: {cache.get('backend_matches', 'not checked')}), "
                                      f"compiled here after all: {', '.join(cache['compiled_on_device']) or 'none'}"
-                                     if cache["installed"] else ""))
+                                     if cache["installed"] else "")
+          + f"; Inductor cache files: {inductor['installed']} carried, {inductor['compiled_on_device']} added here")
     for rec in report["phases"]:
         print(phase_line(rec))
     return 0 if all(r["status"] == "ok" for r in report["phases"]) else 1
