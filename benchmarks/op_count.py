@@ -150,7 +150,7 @@ def _label_calls(owner, attr: str, label: str, where: list[str]) -> None:
 
 def count(recipe, dtype: torch.dtype) -> dict:
     from memtrain.kernels import rope
-    from memtrain.kernels.titans import output, prologue, triton_deep, triton_kernels
+    from memtrain.kernels.titans import output, prologue, read, triton_deep, triton_kernels
     from memtrain.model import anchor, build
     from memtrain.model.titans import attention, memory
 
@@ -160,7 +160,8 @@ def count(recipe, dtype: torch.dtype) -> dict:
                                          "_bwd_local_kernel", "_bwd_carry_kernel")),
                        (triton_deep, ("_fwd_deep_kernel", "_bwd_deep_kernel")),
                        (prologue, ("_qkv_fwd_kernel", "_qkv_bwd_kernel", "_gates_fwd_kernel", "_gates_bwd_kernel")),
-                       (output, ("_out_fwd_kernel", "_out_bwd_kernel")), (rope, ("_rope_kernel",))):
+                       (output, ("_out_fwd_kernel", "_out_bwd_kernel")), (read, ("_read_fwd_kernel", "_read_bwd_kernel")),
+                       (rope, ("_rope_kernel",))):
         for name in names:
             setattr(mod, name, _StubLaunch(name, launches))
     anchor.FUSED_ROPE_DEVICES = ("cpu", "cuda")  # apply_rope as on a GPU: the fused kernel (stubbed)

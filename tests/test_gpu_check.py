@@ -238,9 +238,10 @@ def test_the_real_plan_names_existing_files_and_loadable_recipes(capsys):
     assert gc.select(gc.PLAN, "recipe_170m_mac")[0].timeout_s >= 120
     guard = gc.select(gc.PLAN, "fused_kernels")[0]
     from memtrain.model.anchor import FUSED_ROPE_ENV
-    from memtrain.model.titans.memory import FUSED_OUTPUT_ENV, FUSED_PROLOGUE_ENV
+    from memtrain.model.titans.memory import FUSED_OUTPUT_ENV, FUSED_PROLOGUE_ENV, FUSED_READ_ENV
 
-    assert guard.on_failure_env == {FUSED_PROLOGUE_ENV: "0", FUSED_OUTPUT_ENV: "0", FUSED_ROPE_ENV: "0"}
+    assert guard.on_failure_env == {FUSED_PROLOGUE_ENV: "0", FUSED_OUTPUT_ENV: "0", FUSED_READ_ENV: "0",
+                                    FUSED_ROPE_ENV: "0"}
     assert "tests/test_titans_kernel.py" in guard.argv and "tests/test_rope_kernel.py" in guard.argv
     from memtrain.model.grouped_linear import GROUPED_ENV
 
@@ -409,15 +410,19 @@ def test_op_count_counts_the_structure_not_the_widths():
     # outputs after the loop
     assert (launches.pop("_out_fwd_kernel"), launches.pop("_out_bwd_kernel")) == (4 * 5, 4 * 5), a["triton_launches"]
     # the scan's backward in its default form, split (triton_kernels.SPLIT_BACKWARD): each call's one recompute
-    # group (two chunks of 16) in three launches, the group's states, the chunks' own part, the carried part
+    # group (two chunks of 16) in three launches, the group's states, the chunks' own part, the carried part; each
+    # segment's retrieval one launch each way (memtrain.kernels.titans.read)
     assert launches == {f"_{k}_kernel": 16 for k in ("fwd", "bwd_recompute", "bwd_local", "bwd_carry", "coef_fwd",
-                                                     "coef_bwd", "qkv_fwd", "qkv_bwd", "gates_fwd", "gates_bwd")}
+                                                     "coef_bwd", "qkv_fwd", "qkv_bwd", "gates_fwd", "gates_bwd",
+                                                     "read_fwd", "read_bwd")}
     assert not [op for op, _ in a["top_ops"] if op.startswith("titans_")], a["top_ops"]
     assert a["ops_forward"] > 0 and a["ops_backward"] > 0
     assert a["ops_total"] == a["ops_forward"] + a["ops_backward"]
     assert a["ops_per_token"] == round(a["ops_total"] / (16 * 128), 3)
     by_module = a["forward_by_module"]
-    assert by_module["NeuralMemory.read"] > 0 and by_module["PrefixAttention.attend_heads"] > 0
+    assert by_module["PrefixAttention.attend_heads"] > 0
+    # the retrievals: their kernels alone, but for the first segment's initial weights, cast to the inner dtype
+    assert by_module["NeuralMemory.read"] == 4 * 2, by_module
     # the gates are the gate projection (MAC: stacked with to_qkv, counted under NeuralMemory.write) and one fused
     # launch that reads its columns where they lie: no op of their own
     assert "NeuralMemory._gates" not in by_module, by_module

@@ -246,8 +246,8 @@ def test_mac_retrieves_with_the_memory_before_each_segment():
     read, write = mem.read, mem.write
     reads, writes = [], []
 
-    def spy_read(q, state=None):
-        out = read(q, state)
+    def spy_read(q, state=None, dtype=None):
+        out = read(q, state, dtype)
         reads.append((q, state, out))
         return out
 

@@ -786,6 +786,112 @@ def test_kernel_output_custom_operators_pass_opcheck():
         output.gated_norm(y, w[:, :5], g)
 
 
+# -- MAC's retrieval (memtrain.kernels.titans.read) ---------------------------------------------------------------
+
+
+@pytest.fixture
+def poisoned_read(poison_empty):
+    from memtrain.kernels.titans import read
+
+    return poison_empty(read)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("weights", ["per-sequence", "broadcast", "expanded"])
+def test_kernel_read_matches_reference(poisoned_read, depth, weights):
+    """The fused retrieval ``M(q)`` against the PyTorch form (``reference.mlp_forward``) in float64: odd head size and
+    hidden width, lengths across two 64-token blocks and shorter than one, queries in MAC's transposed layout, weights
+    per sequence (a state's), broadcast over the batch (the initial weights) or expanded to it (``init_state``'s); the
+    output and the gradients of the queries and every weight within 1e-4 with float32 products, within float16's
+    rounding with float16 operands (``dot`` 2; bfloat16's ``dot`` 1 is the same code, but Triton's interpreter
+    computes bfloat16 products wrong, so it is checked compiled only). Every buffer the kernels write starts as NaN."""
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    B, H, D, hidden = 3, 2, 11, 19
+    sizes = [D] + [hidden] * (depth - 1) + [D]
+    for T in (77, 5):
+        q64 = F.normalize(torch.randn(B, T, H, D, generator=gen, dtype=torch.float64), dim=-1).to(DEVICE)
+        q64 = q64.transpose(1, 2).requires_grad_(True)
+        leaves = [(torch.randn(B if weights == "per-sequence" else 1, H, o, i, generator=gen, dtype=torch.float64)
+                   / i ** 0.5).to(DEVICE).requires_grad_(True) for i, o in zip(sizes[:-1], sizes[1:])]
+        dy = torch.randn(B, H, T, D, generator=gen, dtype=torch.float64).to(DEVICE)
+
+        def run(dtype, fn):
+            q = q64.detach().to(dtype).requires_grad_(True)
+            ws = [w.detach().to(dtype).requires_grad_(True) for w in leaves]
+            used = [w.expand(B, *w.shape[1:]) if weights == "expanded" else w for w in ws]
+            y = fn(used, q)
+            return y, torch.autograd.grad(y, [q, *ws], dy.to(y.dtype))
+
+        y64, g64 = run(torch.float64, reference.mlp_forward)
+        for dot, tol in ((0, 1e-4), (2, 1e-2), *([(1, 3e-2)] if DEVICE.type == "cuda" else [])):
+            y, grads = run(torch.float32, lambda ws, q: poisoned_read.read(ws, q, dot))
+            assert y.dtype == torch.float32 and y.shape == (B, H, T, D) and torch.isfinite(y).all()
+            assert _rel(y, y64) < tol, (T, dot, _rel(y, y64))
+            for name, got, want in zip(["q", *(f"w{i}" for i in range(depth))], grads, g64):
+                assert got.shape == want.shape and got.dtype == torch.float32 and torch.isfinite(got).all(), name
+                assert _rel(got, want) < tol, (T, dot, name, _rel(got, want))
+
+
+def test_kernel_read_custom_operators_pass_opcheck():
+    """The retrieval's custom operator and its backward, depth 1 and 2: schemas, fake implementations, autograd
+    registration, AOTAutograd against eager (``torch.library.opcheck``), with transposed queries and broadcast
+    weights; weights that do not fit the queries are one error."""
+    from memtrain.kernels.titans import read
+
+    q = torch.randn(2, 9, 3, 6, device=DEVICE).transpose(1, 2).requires_grad_(True)
+    w1 = torch.randn(1, 3, 10, 6, device=DEVICE, requires_grad=True)
+    w2 = torch.randn(2, 3, 6, 10, device=DEVICE, requires_grad=True)
+    torch.library.opcheck(read._read_fwd, (q, w1, w2, 2, 0))
+    w = torch.randn(2, 3, 6, 6, device=DEVICE, requires_grad=True)
+    torch.library.opcheck(read._read_fwd, (q, w, w, 1, 0))
+    with pytest.raises(ValueError, match="do not match"):
+        read.read([w1[:, :2], w2], q)
+    with pytest.raises(ValueError, match="depth 1 or 2"):
+        read.read([w1, w2, w1], q)
+    with pytest.raises(ValueError, match="float32 queries and weights"):
+        read.read([w1, w2], q.double())
+
+
+def test_kernel_mac_reads_its_memory_with_the_fused_read_in_half_precision(monkeypatch):
+    """A half-precision MAC model whose kernels run retrieves each segment with the fused read (one call per block and
+    segment, float16 products as the scan's reads), within float16's rounding of the PyTorch read it replaces: the loss
+    and every parameter's gradient. ``MEMTRAIN_TITANS_FUSED_READ=0`` turns it off; float32 models keep PyTorch's."""
+    from memtrain.config import recipe_from_dict
+    from memtrain.kernels.titans import read
+    from memtrain.model import build
+
+    r = recipe_from_dict({
+        "model": {"type": "titans", "vocab_size": 40, "d_model": 24, "n_layers": 2, "n_heads": 2, "ffn_dim": 48,
+                  "max_seq_len": 32,
+                  "titans": {"variant": "mac", "memory_heads": 2, "memory_chunk_size": 3, "segment_len": 8,
+                             "persistent_tokens": 2, "memory_max_lr": 0.1, "memory_init_lr": 0.05,
+                             "kernel": "triton"}},
+        "data": {"seq_len": 32, "tokenizer": {"vocab_size": 40}}})
+    torch.manual_seed(torch.seed() % 2**31)
+    model = build(r.model, r.memory).to(DEVICE)
+    x = torch.randint(0, 40, (2, 19)).to(DEVICE)
+    calls = []
+    monkeypatch.setattr(read, "read", lambda *a, _f=read.read: calls.append(a[2]) or _f(*a))
+
+    def step(m):
+        m.zero_grad()
+        loss = F.cross_entropy(m(x).logits[:, :-1].float().reshape(-1, 40), x[:, 1:].reshape(-1))
+        loss.backward()
+        return float(loss.detach()), {n: p.grad.float() for n, p in m.named_parameters() if p.grad is not None}
+
+    step(model)
+    assert calls == []  # float32 activations: PyTorch's read
+    half = model.half()
+    fused = step(half)
+    assert calls == [2] * (2 * 3)  # 2 blocks x 3 segments (8, 8, 3 tokens), float16 products
+    monkeypatch.setenv("MEMTRAIN_TITANS_FUSED_READ", "0")
+    plain = step(half)
+    assert len(calls) == 6 and fused[0] == pytest.approx(plain[0], rel=1e-2)
+    assert fused[1].keys() == plain[1].keys()
+    for name, g in plain[1].items():
+        assert _rel(fused[1][name], g) < 3e-2, (name, _rel(fused[1][name], g))
+
+
 def _unspecialised(kernel) -> set:
     """The argument names a ``@triton.jit`` kernel leaves unspecialised (compiled, or under the interpreter)."""
     if hasattr(kernel, "params"):

@@ -36,7 +36,8 @@ import tempfile
 from typing import Optional
 
 KERNELS = ("fwd", "bwd", "fwd_advance", "fwd_read", "bwd_recompute", "bwd_local", "bwd_carry", "coef_fwd", "coef_bwd",
-           "qkv_fwd", "qkv_bwd", "gates_fwd", "gates_bwd", "out_fwd", "out_bwd", "rope_fwd", "rope_bwd")
+           "qkv_fwd", "qkv_bwd", "gates_fwd", "gates_bwd", "out_fwd", "out_bwd", "rope_fwd", "rope_bwd", "read_fwd",
+           "read_bwd")
 # The scan kernels' integer arguments; every other non-constexpr argument is a pointer.
 _INTS = {"NC", "Tp", "N_LAST", "SAVE_EVERY", "NSAVE", "C", "D", "H1", "grp", "c0", "c1"}
 _HALF = {"Q", "K", "V"}  # q, k, v reach the kernels in the activations' half precision in training
@@ -186,7 +187,8 @@ def compile_kernel(kernel: str, depth: int = 2, head_dim: int = 64, hidden: int 
     ``bwd_carry``: :data:`memtrain.kernels.titans.triton_kernels.SPLIT_BACKWARD`), the split forward's two
     (``fwd_advance``, ``fwd_read``: :data:`~memtrain.kernels.titans.triton_kernels.SPLIT_FORWARD`), the chunk
     coefficients' at ``chunk``, the layer's prologue, q/k/v at ``head_dim`` and the gates for up to 21 heads, its output stage at
-    ``head_dim``, or RoPE's pair at ``head_dim``), ``head_dim`` and
+    ``head_dim``, RoPE's pair at ``head_dim``, or MAC's retrieval at ``depth``, ``head_dim`` and ``hidden``, ``half``
+    its products' operands), ``head_dim`` and
     ``hidden`` (the memory's widths), ``num_warps`` (default: what the kernels launch with), ``half`` the dtype of
     q / k / v (``bf16``, ``fp16`` or ``fp32``), ``lean`` the depth-1/2 backward's lean form
     (:data:`memtrain.kernels.titans.triton_kernels.LEAN_BACKWARD`, compiled without the chunk weights' gradient),
@@ -244,6 +246,16 @@ def compile_kernel(kernel: str, depth: int = 2, head_dim: int = 64, hidden: int 
                      **{n: "*fp32" for n in ("LR", "LOG_ETA", "LOG_KEEP", "DLR", "DLOG_ETA", "DLOG_KEEP")}}
         launch = {"num_warps": num_warps or 4, "num_stages": 3}  # Triton's defaults, as the kernels launch
         sig = {n: "constexpr" if n in consts else typed.get(n, "i32") for n in fn.arg_names}
+        scan = False
+    elif kernel.startswith("read_"):  # MAC's retrieval (memtrain.kernels.titans.read): float32 queries and weights,
+        from memtrain.kernels.titans import read  # ``half`` the products' operands
+
+        fn = getattr(read, f"_{kernel}_kernel")
+        consts = dict(DEPTH=depth, DOT={"fp32": 0, "bf16": 1, "fp16": 2}[half], BT=read.BLOCK_T,
+                      BD=read._block(head_dim), BH=read._block(hidden))
+        launch = {"num_warps": num_warps or (read.BWD_WARPS if kernel == "read_bwd" else 4), "num_stages": 3}
+        ptrs = {"Q", "W1", "W2", "Y", "DY", "DQ", "DW1", "DW2"}
+        sig = {n: "constexpr" if n in consts else "*fp32" if n in ptrs else "i32" for n in fn.arg_names}
         scan = False
     elif kernel.startswith("coef"):  # float32 gates in, one program per chunk
         fn = tk._coef_fwd_kernel if kernel == "coef_fwd" else tk._coef_bwd_kernel

@@ -249,7 +249,7 @@ class TitansBlock(nn.Module):
         per_segment_output = self.compiled  # see above
         ys, ms = [], []
         for i, (mask, (cos, sin)) in enumerate(zip(ctx.segment_masks, ctx.segment_rope)):
-            h = mem.gated_output(mem.read(retrieval_q[i], state), retrieval_gate[i], u.dtype, proj)  # M*_{t-1}(q_t)
+            h = mem.gated_output(mem.read(retrieval_q[i], state, u.dtype), retrieval_gate[i], u.dtype, proj)  # eq. 21
             h_k, h_v = attn.keys_values(h, cos, sin, wkv, next(k_gains))
             k, v = [h_k, keys[i]], [h_v, values[i]]
             if p is not None:

@@ -108,6 +108,15 @@ def fused_output() -> bool:
     return os.environ.get(FUSED_OUTPUT_ENV, "1") != "0"
 
 
+FUSED_READ_ENV = "MEMTRAIN_TITANS_FUSED_READ"
+
+
+def fused_read() -> bool:
+    """Whether MAC's retrieval (:meth:`NeuralMemory.read` given the activations' half precision) runs as
+    :mod:`memtrain.kernels.titans.read`'s kernels where the scan's would."""
+    return os.environ.get(FUSED_READ_ENV, "1") != "0"
+
+
 def scan_uses_kernels(q: torch.Tensor, state: MemoryState, algorithm: str, kernel: str,
                       io_dtype: torch.dtype) -> bool:
     """Whether :func:`run_scan` with these arguments runs the Triton kernels (``q`` ``[B, H, T, head_dim]``)."""
@@ -446,13 +455,24 @@ class NeuralMemory(nn.Module):
         q = self._conv(q, slice(0, self.inner))
         return self._queries(q.reshape(B, n * segment_len, self.inner)[:, :T])
 
-    def read(self, q: torch.Tensor, state: Optional[MemoryState] = None) -> torch.Tensor:
+    def read(self, q: torch.Tensor, state: Optional[MemoryState] = None,
+             dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """``M(q)`` ``[B, H, T, head_dim]`` for queries ``q`` (:meth:`segment_queries`) with the state's weights
-        (the initial weights when ``state`` is None), in the inner dtype with autocast off."""
+        (the initial weights when ``state`` is None), in the inner dtype with autocast off. ``dtype``: the
+        activations' dtype; where it is half precision and the Triton kernels run (MAC's retrievals in bf16
+        training), one fused kernel each way (:func:`memtrain.kernels.titans.read.read`: the products at that
+        precision with float32 accumulation, as the scan's reads; about 3 ops forward and 7 backward in this form).
+        ``MEMTRAIN_TITANS_FUSED_READ=0`` keeps this form."""
         if state is not None:
             weights = state.weights
         else:
             weights = [w.to(self.inner_dtype).unsqueeze(0) for w in self.init_weights]
+        if (dtype in (torch.bfloat16, torch.float16) and self.depth <= 2 and q.dtype == torch.float32 and fused_read()
+                and use_triton(self.kernel, q, self.depth, "chunked", self.head_dim, self.init_weights[0].shape[-2],
+                               dtype=dtype)):
+            from memtrain.kernels.titans.read import DOTS, read
+
+            return read(weights, q, DOTS[dtype])
         with torch.autocast(device_type=q.device.type, enabled=False):
             return mlp_forward(weights, q)
 
