@@ -58,6 +58,7 @@ matched ``MemoryMLP``. How its semantics differ from the paper (and from memtrai
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import sys
@@ -175,7 +176,8 @@ def run(cfg, device: torch.device, repeats: int, seq_repeats: int, tp_cls, tp_er
 
 
 def kernel_columns(mem: NeuralMemory, x: torch.Tensor, warm: torch.Tensor, repeats: int, secs: dict,
-                   any_depth: bool = True, forms: tuple[str, ...] = ("shipped",), profile: int = 0) -> dict:
+                   any_depth: bool = True, forms: tuple[str, ...] = ("shipped",), profile: int = 0,
+                   weights_dtype: torch.dtype = torch.bfloat16) -> dict:
     """The fused Triton kernels (``kernel="triton"``) as bf16 training runs them (bf16 autocast: bf16 q/k/v and
     dot products, fp32 gates, state and accumulation): forward+backward tokens/s, the first call's wall time
     (Triton compiles the two kernels), and the largest relative error of the output and the input gradient
@@ -186,7 +188,10 @@ def kernel_columns(mem: NeuralMemory, x: torch.Tensor, warm: torch.Tensor, repea
     ``forms`` (``shipped``, ``lean``, ``split``: :data:`memtrain.kernels.titans.FORMS`) gets the same columns,
     ``kernel_<form>_*``, through those variables. ``profile`` > 0: one more forward+backward of the default kernels
     profiled (``kernel_profile_*``: wall time, device-busy fraction, the top ``profile`` ops:
-    :func:`profiling.profile_call`)."""
+    :func:`profiling.profile_call`). ``kernel_<bf16>_weights_*``: the layer as memtrain's own bf16 training runs it
+    (DeepSpeed bf16, no autocast): its weights and input in ``weights_dtype``, so the fused output stage runs too (under
+    autocast the input, and so the output stage's dtype, stays float32 while the gate is bf16, and the stage runs in
+    PyTorch); its error is against the float32 layer's PyTorch form without autocast."""
     B, T = x.shape[:2]
     out = {}
 
@@ -219,9 +224,36 @@ def kernel_columns(mem: NeuralMemory, x: torch.Tensor, warm: torch.Tensor, repea
         out[f"{prefix}_bf16_tokens_per_s"] = round(B * T / secs[f"{prefix}_bf16"], 1)
         out[f"speedup_{prefix}_bf16_vs_chunked"] = round(secs["chunked"] / secs[f"{prefix}_bf16"], 2)
 
+    def half_weights() -> None:
+        prefix = f"kernel_{ {torch.bfloat16: 'bf16', torch.float16: 'fp16'}[weights_dtype]}_weights"
+        half = copy.deepcopy(mem).to(weights_dtype)
+        half.kernel = "triton"
+
+        def run(m, inp):
+            inp = inp.detach().requires_grad_(True)
+            y = m(inp)[0].float()
+            (g,) = torch.autograd.grad(y.square().mean(), inp)
+            return y.detach(), g.float()
+
+        check = x[:, : min(T, 1024)]
+        mem.kernel = "torch"
+        y_ref, g_ref = run(mem, check)
+        _sync(x.device)
+        t0 = time.perf_counter()
+        y_h, g_h = run(half, check.to(weights_dtype))
+        _sync(x.device)
+        out[f"{prefix}_first_call_s"] = round(time.perf_counter() - t0, 2)
+        out[f"{prefix}_max_rel_err_vs_torch"] = max(
+            ((a - b).abs().max() / b.abs().max()).item() for a, b in ((y_h, y_ref), (g_h, g_ref)))
+        out[f"{prefix}_nonfinite"] = int(sum((~torch.isfinite(t)).sum().item() for t in (y_h, g_h)))
+        secs[prefix] = time_fwd_bwd(lambda inp: half(inp)[0].float().square().mean(), x.to(weights_dtype), repeats,
+                                    warm.to(weights_dtype))
+        out[f"{prefix}_tokens_per_s"] = round(B * T / secs[prefix], 1)
+
     deep_from = titans_kernels.DEEP_KERNEL_MIN_DEPTH
     out["kernel_impl"] = "triton_deep" if mem.depth >= deep_from else "triton_kernels"
     columns("kernel")
+    half_weights()
     if profile:
         mem.kernel = "triton"
         with torch.autocast("cuda", dtype=torch.bfloat16):

@@ -55,9 +55,9 @@ backward, the gates' backward too) through :func:`memtrain.kernels.precompile.co
 cache holds ``DIR``'s entries starts timing at once (``tools/gpu_check.py --prepare`` does this for the GPU check;
 ``--libtriton-from`` gives the GPU machine's Triton wheel when its Python differs from this one's); ``--recipes
 FILES`` adds, for each Titans recipe, one block's forward and backward as its training runs it (the kernels around
-the scan: coefficients, fused prologue, output stage, RoPE). One JSON line per shape and variant and per recipe: the
-kernels it compiled and those the cache held. The timed records say the same of their first
-call (``triton_compiled``, ``triton_cached``).
+the scan: coefficients, fused prologue, output stage, MAC's retrieval, RoPE). One JSON line per shape and variant and
+per recipe: the kernels it compiled and those the cache held. The timed records say the same of their first call
+(``triton_compiled``, ``triton_cached``).
 
 Not part of the test suite; the timings mean something on a GPU only.
 """
@@ -442,7 +442,8 @@ def main() -> int:
                          "Triton cache directory, launching nothing")
     ap.add_argument("--recipes", default="",
                     help="with --precompile: comma-separated Titans recipe files whose kernels around the scan (chunk "
-                         "coefficients, fused prologue, output stage, RoPE) to compile as their training launches them")
+                         "coefficients, fused prologue, output stage, retrieval, RoPE) to compile as their training "
+                         "launches them")
     ap.add_argument("--target", default="cuda:90", help="with --precompile: the GPU (default cuda:90, H100 / H200)")
     ap.add_argument("--libtriton-from", metavar="WHEEL", default=None,
                     help="with --precompile: the GPU machine's Triton wheel (this Triton's version, for its Python): "

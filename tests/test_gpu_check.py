@@ -150,9 +150,10 @@ def test_phase_lines_give_each_benchmarks_key_figures():
     assert "mag split wNone wave 0: OutOfResources: shared" in line, line
     layer = {"name": "titans_layer", "status": "ok", "seconds": 50.0, "results": [{
         "seq_len": 2048, "dim": 512, "depth": 2, "chunk_size": 64, "kernel_bf16_tokens_per_s": 440513.0,
-        "kernel_max_rel_err_vs_torch": 0.002, "chunked_tokens_per_s": 59690.0,
+        "kernel_max_rel_err_vs_torch": 0.002, "chunked_tokens_per_s": 59690.0, "kernel_bf16_weights_tokens_per_s": 5e5,
         "kernel_profile_top": [{"name": "_bwd_kernel", "self_s": 0.012, "count": 1}]}]}
-    assert gc.phase_line(layer).endswith("torch 59,690, top op _bwd_kernel 0.012 s x1"), gc.phase_line(layer)
+    assert gc.phase_line(layer).endswith("bf16 weights 500,000 tok/s, torch 59,690, top op _bwd_kernel 0.012 s x1"), \
+        gc.phase_line(layer)
     del recipe["results"][0]["profile_top"]
     assert "top op" not in gc.phase_line(recipe)
 
@@ -722,13 +723,17 @@ def test_layer_benchmark_times_each_backward_form_and_profiles_the_kernels(monke
 
     monkeypatch.setattr(tk, "backward_form", seen)
     monkeypatch.setattr(tk, "forward_form", seen_fwd)
+    from memtrain.kernels.titans import output
+
+    gated = []  # the fused output stage's calls: in half precision only (here autocast("cuda") is off, all float32)
+    monkeypatch.setattr(output, "gated_norm", lambda y, *a, _f=output.gated_norm: gated.append(y.dtype) or _f(y, *a))
     torch.manual_seed(0)
     mem = bench.make_memory(24, 2, 2, 4)  # head size 12, chunks of 4
     x = torch.randn(1, 19, 24)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # autocast("cuda") on a machine without CUDA
         out = bench.kernel_columns(mem, x, x[:, :11], 1, {"chunked": 1.0}, any_depth=False,
-                                   forms=("shipped", "lean", "split"), profile=2)
+                                   forms=("shipped", "lean", "split"), profile=2, weights_dtype=torch.float16)
     # the defaults: the shipped forward, the split backward -- no form of FORMS, so each gets its columns
     assert (out["kernel_forward"], out["kernel_backward"]) == ("shipped", "split") and launched == [None]
     assert [f for i, f in enumerate(ran) if i == 0 or ran[i - 1] != f] == ["split", "shipped", "lean", "split"], ran
@@ -740,5 +745,10 @@ def test_layer_benchmark_times_each_backward_form_and_profiles_the_kernels(monke
     monkeypatch.setattr(tk, "SPLIT_FORWARD", True)  # a form equal to the defaults gets no columns of its own
     again = bench.kernel_columns(mem, x, x[:, :11], 1, {"chunked": 1.0}, any_depth=False, forms=("split",))
     assert again["kernel_forward"] == again["kernel_backward"] == "split" and "kernel_split_first_call_s" not in again
+    # the layer as memtrain's bf16 training runs it (float16 here: the interpreter's bfloat16 products are wrong),
+    # weights and input in that dtype: within its rounding of the float32 layer
+    assert out["kernel_fp16_weights_tokens_per_s"] > 0 and out["kernel_fp16_weights_nonfinite"] == 0, out
+    assert out["kernel_fp16_weights_max_rel_err_vs_torch"] < 2e-2, out
+    assert gated and set(gated) == {torch.float32}  # the retrievals reach the fused output stage in float32
     assert out["kernel_profile_step_s"] > 0 and 0 < out["kernel_profile_busy_fraction"] <= 1.5
     assert len(out["kernel_profile_top"]) == 2 and all(t["count"] >= 1 for t in out["kernel_profile_top"])

@@ -184,8 +184,10 @@ PLAN: list[Phase] = [
     Phase("titans_layer", [PY, "benchmarks/titans.py", "--configs", "0", "--no-any-depth", "--profile", "15"], 180,
           about="the layer target: B4 T2048 d512 8 heads depth 2 chunk 64, kernel vs torch chunked vs "
                 "sequential vs titans-pytorch (target: kernel >= 1M tokens/s, >= 10x titans-pytorch), the shipped "
-                "and split forms' columns beside the default, and one profiled forward+backward (on an H200, "
-                "2026-11-27: 659,734 tokens/s with the shipped forms, 765,170 with both split)"),
+                "and split forms' columns beside the default, the layer in bf16 weights without autocast as memtrain "
+                "trains it (kernel_bf16_weights: the fused output stage too), and one profiled forward+backward (on an "
+                "H200, 2026-11-27, under autocast with the fused kernels off: 659,734 tokens/s with the shipped forms, "
+                "765,170 with both split)"),
     _recipe_phase("titans-340m-mac", 110, why="; 52 finite steps on an H200 (16,620 tokens/s, 4.2% MFU, shipped "
                   "backward, fused kernels off)"),
     _recipe_phase("titans-760m-mal", 110, why="; 52 finite steps on an H200 (17,885 tokens/s, 8.0% MFU, shipped "
@@ -678,8 +680,9 @@ def phase_line(rec: dict) -> str:
         elif "chunked_tokens_per_s" in row:  # benchmarks/titans.py
             parts.append(f"T{row['seq_len']} d{row['dim']} L{row['depth']} C{row['chunk_size']}: kernel "
                          f"{_fmt(row.get('kernel_bf16_tokens_per_s'))} tok/s (err "
-                         f"{_fmt(row.get('kernel_max_rel_err_vs_torch'))}), torch {_fmt(row['chunked_tokens_per_s'])}"
-                         + _top_op(row.get("kernel_profile_top")))
+                         f"{_fmt(row.get('kernel_max_rel_err_vs_torch'))}), bf16 weights "
+                         f"{_fmt(row.get('kernel_bf16_weights_tokens_per_s'))} tok/s, torch "
+                         f"{_fmt(row['chunked_tokens_per_s'])}" + _top_op(row.get("kernel_profile_top")))
         elif "fwd_bwd_ms" in row and "backward" in row:  # benchmarks/titans_kernels.py, one launch variant
             parts.append(f"{row.get('shape')} {row['kernels']} {row['backward']} w{row.get('num_warps')} wave "
                          f"{row.get('wave')}/{row.get('N')}: fwd {_fmt(row.get('fwd_us_per_chunk'))} / bwd "
