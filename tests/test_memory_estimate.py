@@ -193,9 +193,10 @@ def test_checkpointing_of_traced_blocks():
 def test_recipe_show_estimates_titans_activations_below_the_measured_peak(monkeypatch):
     """titans-170m-mac on one rank: the blocks' traced activations, 2d per token after them and the loss stage.
     One H200 measured a peak of 36.1 GiB for this run (README, Titans section), when the kernels saved a state
-    every ceil(sqrt(n_chunks)) chunks; the estimate counts what the forward keeps, not the backward's working
-    set, so at that spacing it lies below the measurement (by 17% when this was written). At today's spacing
-    (one saved state per 32-chunk segment) the kernels keep 2.8 GiB less."""
+    every ceil(sqrt(n_chunks)) chunks and MAC's retrievals ran in PyTorch; the estimate counts what the forward
+    keeps, not the backward's working set, so for that code it lies below the measurement (by 17% when this was
+    written). At today's spacing (one saved state per 32-chunk segment) the kernels keep 2.8 GiB less, and the fused
+    retrieval (memtrain.kernels.titans.read) keeps neither of its two hidden-layer tensors."""
     from pathlib import Path
 
     from memtrain.config import load_recipe
@@ -208,8 +209,13 @@ def test_recipe_show_estimates_titans_activations_below_the_measured_peak(monkey
         model = build(recipe.model)
     with monkeypatch.context() as m:
         m.setattr(triton_kernels, "SCRATCH_BYTES", 0)  # the measured run's spacing
+        fused_read = estimate_peak_memory(recipe, 1, "bf16", model)
+        m.setenv("MEMTRAIN_TITANS_FUSED_READ", "0")  # and its PyTorch retrievals
         measured_code = estimate_peak_memory(recipe, 1, "bf16", model)
     assert 0.75 * 36.1 < measured_code.total / 2**30 < 36.1
+    # PyTorch's retrieval keeps W1 q and its SiLU ([4, 12, 512, 128] float32 each) for 12 blocks x 8 segments: 2.25 GiB
+    saved = 12 * 8 * 2 * 4 * 12 * 512 * 128 * 4 / 2**30
+    assert saved < (measured_code.total - fused_read.total) / 2**30 < 1.05 * saved
     # Today's spacing, on 2 of its 12 blocks (a shorter trace): per 512-token segment of 32 chunks 1 saved state
     # instead of 6, each the weights and momentum of both layers (2 x 2 x 64 x 128 fp32) of 48 programs.
     small = load_recipe(path, ["model.n_layers=2", "train.micro_batch_size=4"])
