@@ -487,6 +487,39 @@ def test_ranks_take_their_leaders_shared_memory_prefix_whatever_their_own_scan_f
         assert not {tuple(x) for x in r0} & {tuple(x) for x in r1}  # one dataset, split between the ranks
 
 
+_LOCK_SCRIPT = textwrap.dedent("""
+    import sys, time
+    from memtrain.data.loader import _host_prefix_lock
+    with _host_prefix_lock():
+        print("in", time.time(), flush=True)
+        time.sleep(float(sys.argv[1]))
+        print("out", time.time(), flush=True)
+""")
+
+
+def test_the_streaming_prefix_lock_is_one_per_host_whatever_each_jobs_tmpdir(tmp_path):
+    """memtrain's sbatch gives each job its own TMPDIR; the host lock that serialises Streaming's choice of a
+    shared-memory prefix must still be one per host. A process with another TMPDIR waits for the holder (it took
+    the lock only once the first let go); under TMPDIR the lock was per job, and three Slurm jobs starting together
+    on one node failed with ``FileExistsError: '/000001_locals'``."""
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK")}
+    for d in ("a", "b"):
+        (tmp_path / d).mkdir()
+    first = subprocess.Popen([sys.executable, "-c", _LOCK_SCRIPT, "8"], env={**env, "TMPDIR": str(tmp_path / "a")},
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        held = first.stdout.readline().split()
+        assert held[0] == "in", held
+        second = subprocess.run([sys.executable, "-c", _LOCK_SCRIPT, "0"], env={**env, "TMPDIR": str(tmp_path / "b")},
+                                capture_output=True, text=True, timeout=120)
+        released = first.stdout.readline().split()
+    finally:
+        first.wait(timeout=60)
+    assert second.returncode == 0, second.stderr[-2000:]
+    took = second.stdout.split()
+    assert took[0] == "in" and float(took[1]) >= float(released[1]), (held, released, took)
+
+
 _KILLED_SCRIPT = textwrap.dedent("""
     import json, os, signal, sys
     from memtrain.config import Recipe, recipe_from_dict

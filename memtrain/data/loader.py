@@ -411,6 +411,16 @@ def _leaders_prefix() -> Iterator[None]:
         sp._check_and_find_retrying = scan
 
 
+def _prefix_lock_path() -> Path:
+    """The host lock's file: in ``/dev/shm``, beside the shared memory it guards and the same for every process of
+    the host. Not under ``TMPDIR``: memtrain's sbatch gives each job its own (``/tmp/memtrain-$SLURM_JOB_ID``), so the
+    lock there was one per job, and two jobs starting on one node could take the same prefix (a fresh-clone CI run,
+    2026-11-27: three 2-rank Slurm jobs started together and one failed with ``FileExistsError: '/000001_locals'``).
+    ``TMPDIR``'s where there is no ``/dev/shm``."""
+    shm = Path("/dev/shm")
+    return (shm if shm.is_dir() else Path(tempfile.gettempdir())) / "memtrain-streaming-prefix.lock"
+
+
 @contextlib.contextmanager
 def _host_prefix_lock(every_rank: bool = False) -> Iterator[None]:
     """Serialise StreamingDataset construction among the jobs of one host.
@@ -432,10 +442,11 @@ def _host_prefix_lock(every_rank: bool = False) -> Iterator[None]:
     # With every_rank (affine groups built as worlds of one, no barriers inside) each rank takes the
     # lock for its own construction; that is safe across nodes too, since no rank waits for another.
     synced = dist.is_available() and dist.is_initialized() and world > 1 and not every_rank
-    handle = None
+    fd = None
     if every_rank or int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        handle = open(Path(tempfile.gettempdir()) / "memtrain-streaming-prefix.lock", "a")
-        fcntl.flock(handle, fcntl.LOCK_EX)
+        # read-only: another user's jobs lock the same file (flock needs no write access; created 0644)
+        fd = os.open(_prefix_lock_path(), os.O_RDONLY | os.O_CREAT, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX)
     try:
         if synced:
             dist.barrier()
@@ -443,9 +454,9 @@ def _host_prefix_lock(every_rank: bool = False) -> Iterator[None]:
         if synced:
             dist.barrier()
     finally:
-        if handle is not None:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-            handle.close()
+        if fd is not None:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
 
 
 class LoaderIterator:
