@@ -195,29 +195,37 @@ def kernel_columns(mem: NeuralMemory, x: torch.Tensor, warm: torch.Tensor, repea
     B, T = x.shape[:2]
     out = {}
 
-    def fwd_bwd(kernel: str, inp: torch.Tensor):
-        mem.kernel = kernel
-        inp = inp.detach().requires_grad_(True)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            y = mem(inp)[0].float()
-        (g,) = torch.autograd.grad(y.square().mean(), inp)
-        return y.detach(), g
+    check = x[:, : min(T, 1024)]
 
-    def columns(prefix: str) -> None:
-        check = x[:, : min(T, 1024)]
-        y_ref, g_ref = fwd_bwd("torch", check)
+    def fwd_bwd(m: NeuralMemory, inp: torch.Tensor, autocast: bool = True):
+        """``m``'s output and input gradient on ``inp`` (the loss: the output's mean square), under bf16 autocast."""
+        inp = inp.detach().requires_grad_(True)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            y = m(inp)[0].float()
+        (g,) = torch.autograd.grad(y.square().mean(), inp)
+        return y.detach(), g.float()
+
+    def nonfinite(tensors) -> int:  # which side a NaN error comes from: non-finite elements of output and gradient
+        return int(sum((~torch.isfinite(t)).sum().item() for t in tensors))
+
+    def first_call(prefix: str, run, ref) -> None:
+        """``run()``'s first call timed (compilation), its output and input gradient against ``ref``'s."""
         _sync(x.device)
         t0 = time.perf_counter()
-        y_k, g_k = fwd_bwd("triton", check)
+        got = run()
         _sync(x.device)
         out[f"{prefix}_first_call_s"] = round(time.perf_counter() - t0, 2)
         out[f"{prefix}_max_rel_err_vs_torch"] = max(
-            ((a - b).abs().max() / b.abs().max()).item() for a, b in ((y_k, y_ref), (g_k, g_ref)))
-        # which side a NaN error comes from: non-finite elements of output and input gradient
-        out[f"{prefix}_nonfinite"] = int(sum((~torch.isfinite(t)).sum().item() for t in (y_k, g_k)))
-        if prefix == "kernel":
-            out["torch_nonfinite"] = int(sum((~torch.isfinite(t)).sum().item() for t in (y_ref, g_ref)))
+            ((a - b).abs().max() / b.abs().max()).item() for a, b in zip(got, ref))
+        out[f"{prefix}_nonfinite"] = nonfinite(got)
+
+    def columns(prefix: str) -> None:
+        mem.kernel = "torch"
+        ref = fwd_bwd(mem, check)
         mem.kernel = "triton"
+        first_call(prefix, lambda: fwd_bwd(mem, check), ref)
+        if prefix == "kernel":
+            out["torch_nonfinite"] = nonfinite(ref)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             secs[f"{prefix}_bf16"] = time_fwd_bwd(lambda inp: mem(inp)[0].float().square().mean(), x, repeats, warm)
         mem.kernel = "torch"
@@ -228,24 +236,9 @@ def kernel_columns(mem: NeuralMemory, x: torch.Tensor, warm: torch.Tensor, repea
         prefix = f"kernel_{ {torch.bfloat16: 'bf16', torch.float16: 'fp16'}[weights_dtype]}_weights"
         half = copy.deepcopy(mem).to(weights_dtype)
         half.kernel = "triton"
-
-        def run(m, inp):
-            inp = inp.detach().requires_grad_(True)
-            y = m(inp)[0].float()
-            (g,) = torch.autograd.grad(y.square().mean(), inp)
-            return y.detach(), g.float()
-
-        check = x[:, : min(T, 1024)]
         mem.kernel = "torch"
-        y_ref, g_ref = run(mem, check)
-        _sync(x.device)
-        t0 = time.perf_counter()
-        y_h, g_h = run(half, check.to(weights_dtype))
-        _sync(x.device)
-        out[f"{prefix}_first_call_s"] = round(time.perf_counter() - t0, 2)
-        out[f"{prefix}_max_rel_err_vs_torch"] = max(
-            ((a - b).abs().max() / b.abs().max()).item() for a, b in ((y_h, y_ref), (g_h, g_ref)))
-        out[f"{prefix}_nonfinite"] = int(sum((~torch.isfinite(t)).sum().item() for t in (y_h, g_h)))
+        ref = fwd_bwd(mem, check, autocast=False)
+        first_call(prefix, lambda: fwd_bwd(half, check.to(weights_dtype), autocast=False), ref)
         secs[prefix] = time_fwd_bwd(lambda inp: half(inp)[0].float().square().mean(), x.to(weights_dtype), repeats,
                                     warm.to(weights_dtype))
         out[f"{prefix}_tokens_per_s"] = round(B * T / secs[prefix], 1)

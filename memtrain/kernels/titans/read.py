@@ -30,15 +30,11 @@ import torch
 import triton
 import triton.language as tl
 
-from memtrain.kernels.titans.triton_kernels import _mm
+from memtrain.kernels.titans.triton_kernels import _block, _mm
 
 BLOCK_T = 64  # tokens per program (forward) and per step of the backward's loop
 BWD_WARPS = 8  # the backward holds both layers' weights and their gradients (128 KiB in float32 at 64 x 128)
 DOTS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the products' operand type -> ``dot``
-
-
-def _block(x: int) -> int:
-    return max(16, triton.next_power_of_2(x))
 
 
 @triton.jit
