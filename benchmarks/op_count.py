@@ -159,7 +159,8 @@ def count(recipe, dtype: torch.dtype) -> dict:
                                          "_fwd_advance_kernel", "_fwd_read_kernel", "_bwd_recompute_kernel",
                                          "_bwd_local_kernel", "_bwd_carry_kernel")),
                        (triton_deep, ("_fwd_deep_kernel", "_bwd_deep_kernel")),
-                       (prologue, ("_qkv_fwd_kernel", "_qkv_bwd_kernel", "_gates_fwd_kernel", "_gates_bwd_kernel")),
+                       (prologue, ("_qkv_fwd_kernel", "_qkv_bwd_kernel", "_conv_grad_kernel", "_gates_fwd_kernel",
+                                   "_gates_bwd_kernel")),
                        (output, ("_out_fwd_kernel", "_out_bwd_kernel")), (read, ("_read_fwd_kernel", "_read_bwd_kernel")),
                        (rope, ("_rope_kernel",))):
         for name in names:

@@ -293,10 +293,10 @@ def test_titans_compiled_blocks_with_the_triton_kernels_are_one_graph(variant, d
 
 def test_titans_compiled_half_precision_blocks_take_the_fused_prologue():
     """In half precision (bf16 training; float16 here, the interpreter's bf16 dot products being wrong) the layer's
-    prologue is two more custom operators (memtrain.kernels.titans.prologue), its output stage a third
-    (memtrain.kernels.titans.output) and MAC's retrieval a fourth (memtrain.kernels.titans.read): a compiled MAC block
-    traces them into its one graph beside the scan's, and runs what the eager block runs -- outputs and every
-    gradient equal to the eager kernel model's."""
+    prologue is two more custom operators (memtrain.kernels.titans.prologue; the convolution in the first), its
+    output stage a third (memtrain.kernels.titans.output), MAC's retrieval a fourth (memtrain.kernels.titans.read)
+    and its queries a fifth (the prologue's, with the convolution): a compiled MAC block traces them into its one graph beside the scan's, and runs
+    what the eager block runs -- outputs and every gradient equal to the eager kernel model's."""
     from torch._dynamo.testing import CompileCounterWithBackend, EagerAndRecordGraphs
     from torch._dynamo.utils import counters
 
@@ -313,8 +313,9 @@ def test_titans_compiled_half_precision_blocks_take_the_fused_prologue():
     assert not _graph_breaks(), _graph_breaks()
     assert counter.frame_count == 1 and len(record.graphs) == 1
     assert _kernel_ops(record.graphs) == {f"memtrain.titans_{op}.default" for op in ("coef_fwd", "scan_fwd",
-                                                                                      "qkv_heads", "gates",
-                                                                                      "gated_norm", "read")}
+                                                                                      "conv_qkv_heads", "gates",
+                                                                                      "gated_norm", "read",
+                                                                                      "conv_queries")}
     torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
     for out in outs:
         out.float().square().mean().backward()

@@ -399,11 +399,12 @@ def _op_count(*overrides: str) -> dict:
 
 
 def test_op_count_counts_the_structure_not_the_widths():
-    """benchmarks/op_count.py on titans-cpu-mac (4 blocks, 4 MAC segments of 32 tokens): one forward launch of the
-    scan and three of its split backward, one forward and one backward launch of the coefficients and of the
-    prologue's two kernels per block and segment, and the output stage's and RoPE's (counted as launches, not once
-    more as the custom operators around them), and the same op counts at two widths -- the count depends on layers
-    and segments, so small widths give a paper recipe's count."""
+    """benchmarks/op_count.py on titans-cpu-mac (4 blocks, 4 MAC segments of 32 tokens): one forward launch of the scan
+    and three of its split backward, one forward and one backward launch of the coefficients and of the
+    prologue's two kernels per block and segment (and the sum of the convolution's weight gradients, fused into
+    the q/k/v kernels, which run once more per block for the retrieval queries), and the output stage's and
+    RoPE's (counted as launches, not once more as the custom operators around them), and the same op counts at
+    two widths -- the count depends on layers and segments, so small widths give a paper recipe's count."""
     a = _op_count()
     launches = dict(a["triton_launches"])
     # RoPE (memtrain.kernels.rope), forward and backward: per block the queries, the segments' own keys, and each
@@ -414,10 +415,12 @@ def test_op_count_counts_the_structure_not_the_widths():
     assert (launches.pop("_out_fwd_kernel"), launches.pop("_out_bwd_kernel")) == (4 * 5, 4 * 5), a["triton_launches"]
     # the scan's backward in its default form, split (triton_kernels.SPLIT_BACKWARD): each call's one recompute
     # group (two chunks of 16) in three launches, the group's states, the chunks' own part, the carried part; each
-    # segment's retrieval one launch each way (memtrain.kernels.titans.read)
+    # segment's retrieval one launch each way (memtrain.kernels.titans.read); the q/k/v kernels (with the convolution
+    # and its weight gradients' sum) per write and once more per block for the retrieval queries
+    assert {k: launches.pop(f"_{k}_kernel") for k in ("qkv_fwd", "qkv_bwd", "conv_grad")} == dict.fromkeys(
+        ("qkv_fwd", "qkv_bwd", "conv_grad"), 4 * 5), a["triton_launches"]
     assert launches == {f"_{k}_kernel": 16 for k in ("fwd", "bwd_recompute", "bwd_local", "bwd_carry", "coef_fwd",
-                                                     "coef_bwd", "qkv_fwd", "qkv_bwd", "gates_fwd", "gates_bwd",
-                                                     "read_fwd", "read_bwd")}
+                                                     "coef_bwd", "gates_fwd", "gates_bwd", "read_fwd", "read_bwd")}
     assert not [op for op, _ in a["top_ops"] if op.startswith("titans_")], a["top_ops"]
     assert a["ops_forward"] > 0 and a["ops_backward"] > 0
     assert a["ops_total"] == a["ops_forward"] + a["ops_backward"]

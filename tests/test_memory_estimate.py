@@ -195,8 +195,9 @@ def test_recipe_show_estimates_titans_activations_below_the_measured_peak(monkey
     One H200 measured a peak of 36.1 GiB for this run (README, Titans section), when the kernels saved a state
     every ceil(sqrt(n_chunks)) chunks and MAC's retrievals ran in PyTorch; the estimate counts what the forward
     keeps, not the backward's working set, so for that code it lies below the measurement (by 17% when this was
-    written). At today's spacing (one saved state per 32-chunk segment) the kernels keep 2.8 GiB less, and the fused
-    retrieval (memtrain.kernels.titans.read) keeps neither of its two hidden-layer tensors."""
+    written). At today's spacing (one saved state per 32-chunk segment) the kernels keep 2.8 GiB less, the fused
+    retrieval (memtrain.kernels.titans.read) keeps neither of its two hidden-layer tensors, and the convolution fused
+    into the prologue and the retrieval queries neither its input nor its output."""
     from pathlib import Path
 
     from memtrain.config import load_recipe
@@ -209,6 +210,8 @@ def test_recipe_show_estimates_titans_activations_below_the_measured_peak(monkey
         model = build(recipe.model)
     with monkeypatch.context() as m:
         m.setattr(triton_kernels, "SCRATCH_BYTES", 0)  # the measured run's spacing
+        fused_conv = estimate_peak_memory(recipe, 1, "bf16", model)
+        m.setenv("MEMTRAIN_TITANS_FUSED_CONV", "0")  # its convolution in PyTorch
         fused_read = estimate_peak_memory(recipe, 1, "bf16", model)
         m.setenv("MEMTRAIN_TITANS_FUSED_READ", "0")  # and its PyTorch retrievals
         measured_code = estimate_peak_memory(recipe, 1, "bf16", model)
@@ -216,6 +219,15 @@ def test_recipe_show_estimates_titans_activations_below_the_measured_peak(monkey
     # PyTorch's retrieval keeps W1 q and its SiLU ([4, 12, 512, 128] float32 each) for 12 blocks x 8 segments: 2.25 GiB
     saved = 12 * 8 * 2 * 4 * 12 * 512 * 128 * 4 / 2**30
     assert saved < (measured_code.total - fused_read.total) / 2**30 < 1.05 * saved
+    # PyTorch's convolution keeps its input after the cache ([4, 3 + 512, 2304] bf16) and the q/k/v prologue its
+    # output ([4, 512, 2304]) per write; the fused one neither (it keeps the projection, kept already, and the
+    # cache: a view of the segment before's, except the first segment's zeros): 1.69 GiB
+    write = 12 * 8 * 4 * (515 + 512) * 2304 * 2 - 12 * 4 * 3 * 2304 * 2
+    # and per block for the retrieval queries its input (8 segments of [4, 3 + 512, 768] bf16), SiLU's input
+    # ([4, 4096, 768] bf16), the norm's ([4, 12, 4096, 64] float32) and its two [4, 12, 4096, 1] float32 tensors,
+    # where the fused queries keep the projection (as large as SiLU's input): 0.86 GiB
+    queries = 12 * (4 * 8 * 515 * 768 * 2 + 4 * 4096 * 768 * 4 + 2 * 4 * 12 * 4096 * 4)
+    assert (fused_read.total - fused_conv.total) == pytest.approx(write + queries, rel=1e-3)
     # Today's spacing, on 2 of its 12 blocks (a shorter trace): per 512-token segment of 32 chunks 1 saved state
     # instead of 6, each the weights and momentum of both layers (2 x 2 x 64 x 128 fp32) of 48 programs.
     small = load_recipe(path, ["model.n_layers=2", "train.micro_batch_size=4"])

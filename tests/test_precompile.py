@@ -73,15 +73,16 @@ def test_kernel_precompile_fills_a_triton_cache_that_a_second_machine_finds(tmp_
 
 def test_kernel_precompile_compiles_a_recipes_kernels_around_the_scan_as_its_training_launches_them(tmp_path):
     """``--recipes``: one block of a Titans recipe, forward and backward in bf16 as a GPU trains it, compiles the
-    kernels its first step launches besides the sweep's: the chunk coefficients, the fused prologue (q/k/v and gates),
-    output stage, MAC's retrieval and RoPE (queries and keys), each way; a second run finds them all. A recipe that is
-    not a Titans one, or no recipe, is one argparse line before any compiling."""
+    kernels its first step launches besides the sweep's: the chunk coefficients, the fused prologue (the convolution
+    and q/k/v, its weight gradients' sum, the gates), output stage, MAC's retrieval and RoPE (queries and keys), each
+    way; a second run finds them all. A recipe that is not a Titans one, or no recipe, is one argparse line before
+    any compiling."""
     rows = _precompile(tmp_path / "c", "--recipes", "recipes/titans-cpu-mac.yaml")
     recipe, summary = rows[-2], rows[-1]
     assert recipe["recipe"] == "recipes/titans-cpu-mac.yaml" and summary["recipes"] == [recipe["recipe"]]
-    around = {"_coef_fwd_kernel", "_coef_bwd_kernel", "_qkv_fwd_kernel", "_qkv_bwd_kernel", "_gates_fwd_kernel",
-              "_gates_bwd_kernel", "_out_fwd_kernel", "_out_bwd_kernel", "_read_fwd_kernel", "_read_bwd_kernel",
-              "_rope_kernel"}
+    around = {"_coef_fwd_kernel", "_coef_bwd_kernel", "_qkv_fwd_kernel", "_qkv_bwd_kernel", "_conv_grad_kernel",
+              "_gates_fwd_kernel", "_gates_bwd_kernel", "_out_fwd_kernel", "_out_bwd_kernel", "_read_fwd_kernel",
+              "_read_bwd_kernel", "_rope_kernel"}
     assert around <= set(recipe["compiled"])
     again = _precompile(tmp_path / "c", "--recipes", "recipes/titans-cpu-mac.yaml")
     assert again[-2]["compiled"] == [] and set(again[-2]["cached"]) == set(recipe["compiled"])

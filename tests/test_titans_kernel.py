@@ -550,9 +550,10 @@ def test_kernel_half_precision_inputs_close_to_float32():
 
 def test_kernel_half_precision_layer_hands_the_kernels_half_precision_qkv(monkeypatch):
     """With half-precision activations and the kernels running, the layer lays q, k, v out per head in the
-    activations' dtype in the same (fused) kernel (contiguous, what the kernels read; nothing left for run_scan to
-    cast), the gates in the other fused kernel, the output stage in a third, and the whole layer stays within
-    rounding of its float32 form with the PyTorch inner loop; each switch turns its kernels off."""
+    activations' dtype in the same (fused) kernel as the convolution before them (contiguous, what the kernels
+    read; nothing left for run_scan to cast), the gates in another fused kernel, the output stage in a third, and
+    the whole layer stays within rounding of its float32 form with the PyTorch inner loop; each switch turns its
+    kernels off: the convolution's alone (the q/k/v kernel without it), then the prologue's."""
     torch.manual_seed(torch.seed() % 2**31)
     mem = NeuralMemory(24, heads=3, depth=2, chunk_size=4, kernel="triton").to(DEVICE)
     ref = NeuralMemory(24, heads=3, depth=2, chunk_size=4, kernel="torch").to(DEVICE)
@@ -570,19 +571,24 @@ def test_kernel_half_precision_layer_hands_the_kernels_half_precision_qkv(monkey
     from memtrain.kernels.titans import output
 
     fused = []
-    for mod, name in ((prologue, "qkv_heads"), (prologue, "gates"), (output, "gated_norm")):
+    for mod, name in ((prologue, "conv_qkv_heads"), (prologue, "qkv_heads"), (prologue, "gates"),
+                      (output, "gated_norm")):
         monkeypatch.setattr(mod, name, lambda *a, _f=getattr(mod, name), _n=name: fused.append(_n) or _f(*a))
     x = torch.randn(2, 11, 24, device=DEVICE)
     y, _ = mem(x.half())
-    # the fused prologue and output stage
-    assert seen == [[(torch.float16, True)] * 3] and fused == ["qkv_heads", "gates", "gated_norm"]
+    # the fused prologue (with the convolution) and output stage
+    assert seen == [[(torch.float16, True)] * 3] and fused == ["conv_qkv_heads", "gates", "gated_norm"]
     assert y.dtype == torch.float16 and _rel(y.float(), ref(x)[0]) < 2e-2
     fused.clear()
     mem.gate_mode = ref.gate_mode = "chunk"  # the gates of a chunk's first token: PyTorch's form (one fused kernel)
     y2, _ = mem(x.half())
-    assert fused == ["qkv_heads", "gated_norm"] and _rel(y2.float(), ref(x)[0]) < 2e-2
+    assert fused == ["conv_qkv_heads", "gated_norm"] and _rel(y2.float(), ref(x)[0]) < 2e-2
     fused.clear()
-    monkeypatch.setenv("MEMTRAIN_TITANS_FUSED_PROLOGUE", "0")  # the switches: PyTorch's form, the same function
+    monkeypatch.setenv("MEMTRAIN_TITANS_FUSED_CONV", "0")  # the switches: PyTorch's form, the same function
+    y3, _ = mem(x.half())
+    assert fused == ["qkv_heads", "gated_norm"] and _rel(y3.float(), y2.float()) < 5e-3
+    fused.clear()
+    monkeypatch.setenv("MEMTRAIN_TITANS_FUSED_PROLOGUE", "0")
     y3, _ = mem(x.half())
     assert fused == ["gated_norm"] and seen[-1] == [(torch.float16, True)] * 3 and _rel(y3.float(), y2.float()) < 5e-3
     fused.clear()
@@ -707,15 +713,120 @@ def test_kernel_prologue_gates_match_torch(poisoned_prologue, dtype, strided, op
         assert _rel(dg, dg_ref) < (1e-5 if dtype == torch.float32 else 1e-2), (used, _rel(dg, dg_ref))
 
 
+@pytest.mark.parametrize("dtype, width, T", [(torch.float16, 4, 45), (torch.bfloat16, 4, 37), (torch.float32, 4, 2),
+                                             (torch.float16, 1, 19), (torch.float32, 3, 70)])
+def test_kernel_prologue_conv_qkv_heads_matches_torch(poisoned_prologue, dtype, width, T, op_names):
+    """The convolution fused into the q/k/v prologue against the layer's PyTorch form (the causal depthwise
+    ``F.conv1d`` over the cache and the input, rounded to ``dtype``, then SiLU, L2 norm per head, layout) in
+    float64: odd head size and count, the input a column slice of a wider projection (as MAC's stacked one), a
+    random cache, widths 4 (the recipes'), 1 (no left context) and 3, lengths across the backward's overlapping
+    32-row tiles and one shorter than the cache; every element written. The gradients of the input, cache,
+    weight and bias against float64 autograd: one backward operator and no convolution or stack."""
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    B, H, hd = 2, 3, 5
+    C = 3 * H * hd
+    wide = (2 * torch.randn(B, T, C + 7, generator=gen)).to(DEVICE, dtype).requires_grad_(True)
+    x = wide[..., 7:]
+    cache = (2 * torch.randn(B, width - 1, C, generator=gen)).to(DEVICE, dtype).requires_grad_(True)
+    weight = (torch.randn(C, 1, width, generator=gen) / width ** 0.5).to(DEVICE, dtype).requires_grad_(True)
+    bias = (0.3 * torch.randn(C, generator=gen)).to(DEVICE, dtype).requires_grad_(True)
+    q, k, v = poisoned_prologue.conv_qkv_heads(x, cache, weight, bias, H, False, dtype)
+    ins64 = [t.detach().double().requires_grad_(True) for t in (x, cache, weight, bias)]
+
+    def torch_form(x, cache, weight, bias, rounded):
+        pre = F.conv1d(torch.cat([cache, x], 1).transpose(1, 2), weight, bias, groups=C).transpose(1, 2)
+        a = F.silu(pre.to(dtype)).double() if rounded else F.silu(pre)  # F.conv1d's and F.silu's roundings
+        a = a.view(B, T, 3, H, hd)
+        return torch.cat([F.normalize(a[:, :, :2], dim=-1), a[:, :, 2:]], 2).permute(2, 0, 3, 1, 4)
+
+    tol = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}[dtype]
+    with torch.no_grad():
+        ref = torch_form(*ins64, rounded=True)
+    for got, want in zip((q, k, v), ref):
+        assert got.dtype == dtype and got.shape == (B, H, T, hd) and got.is_contiguous()
+        assert torch.isfinite(got).all() and _rel(got, want) < tol, _rel(got, want)
+    cot = torch.randn(3, B, H, T, hd, generator=gen).to(DEVICE)
+    with op_names() as ops:
+        grads = torch.autograd.grad(sum((o.float() * c).sum() for o, c in zip((q, k, v), cot)),
+                                    (x, cache, weight, bias))
+    assert ops.names.count("titans_conv_qkv_heads_bwd") == 1, ops.names
+    assert not [n for n in ops.names if "conv" in n and "titans" not in n or n == "stack"], ops.names
+    refs = torch.autograd.grad((torch_form(*ins64, rounded=False) * cot.double()).sum(), ins64)
+    for name, g, want, inp in zip(("x", "cache", "weight", "bias"), grads, refs, (x, cache, weight, bias)):
+        assert g.dtype == dtype and g.shape == inp.shape and torch.isfinite(g).all(), name
+        if g.numel():
+            assert _rel(g, want) < tol, (name, _rel(g, want))
+
+
+@pytest.mark.parametrize("dtype, width, T, segment", [(torch.float16, 4, 45, 16), (torch.float32, 4, 37, 37),
+                                                      (torch.float32, 4, 23, 3), (torch.bfloat16, 3, 70, 32),
+                                                      (torch.float32, 1, 19, 4)])
+def test_kernel_prologue_conv_queries_match_torch(poisoned_prologue, dtype, width, T, segment, op_names):
+    """MAC's retrieval queries with the convolution fused (``conv_queries``) against ``segment_queries``' PyTorch
+    form in float64: the convolution restarting with zero left context every ``segment`` rows (segments across the
+    backward's overlapping tiles, shorter than the width, the last one short, one segment), rounded to ``dtype``,
+    then SiLU and L2 norm per head, float32 out; the input a column slice; every element written; the gradients of
+    the input, weight and bias against float64 autograd, one backward operator and no convolution."""
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    B, H, hd = 2, 3, 5
+    C = H * hd
+    wide = (2 * torch.randn(B, T, C + 4, generator=gen)).to(DEVICE, dtype).requires_grad_(True)
+    x = wide[..., 4:]
+    weight = (torch.randn(C, 1, width, generator=gen) / width ** 0.5).to(DEVICE, dtype).requires_grad_(True)
+    bias = (0.3 * torch.randn(C, generator=gen)).to(DEVICE, dtype).requires_grad_(True)
+    q = poisoned_prologue.conv_queries(x, weight, bias, H, segment, torch.float32)
+    ins64 = [t.detach().double().requires_grad_(True) for t in (x, weight, bias)]
+
+    def torch_form(x, weight, bias, rounded):  # NeuralMemory.segment_queries
+        n = -(-T // segment)
+        xp = F.pad(F.pad(x, (0, 0, 0, n * segment - T)).reshape(B * n, segment, C), (0, 0, width - 1, 0))
+        pre = F.conv1d(xp.transpose(1, 2), weight, bias, groups=C).transpose(1, 2).reshape(B, n * segment, C)[:, :T]
+        a = F.silu(pre.to(dtype)).double() if rounded else F.silu(pre)
+        return F.normalize(a.view(B, T, H, hd), dim=-1).transpose(1, 2)
+
+    tol = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}[dtype]
+    with torch.no_grad():
+        ref = torch_form(*ins64, rounded=True)
+    assert q.dtype == torch.float32 and q.shape == (B, H, T, hd) and q.is_contiguous()
+    assert torch.isfinite(q).all() and _rel(q, ref) < tol, _rel(q, ref)
+    cot = torch.randn(B, H, T, hd, generator=gen).to(DEVICE)
+    with op_names() as ops:
+        grads = torch.autograd.grad((q * cot).sum(), (x, weight, bias))
+    assert ops.names.count("titans_conv_queries_bwd") == 1, ops.names
+    assert not [n for n in ops.names if "conv" in n and "titans" not in n], ops.names
+    refs = torch.autograd.grad((torch_form(*ins64, rounded=False) * cot.double()).sum(), ins64)
+    for name, g, want, inp in zip(("x", "weight", "bias"), grads, refs, (x, weight, bias)):
+        assert g.dtype == dtype and g.shape == inp.shape and torch.isfinite(g).all(), name
+        assert _rel(g, want) < tol, (name, _rel(g, want))
+
+
+def test_kernel_prologue_conv_qkv_heads_refuses_a_cache_that_does_not_fit():
+    """One clear error for a cache whose rows are not the convolution's width - 1, or a width the kernels do not
+    take."""
+    from memtrain.kernels.titans import prologue
+
+    x = torch.randn(1, 5, 9, device=DEVICE)
+    with pytest.raises(ValueError, match="the cache has 2 rows; a width-4 convolution needs 3"):
+        prologue.conv_qkv_heads(x, x[:, :2], torch.randn(9, 1, 4), torch.randn(9), 1, False, torch.float32)
+    with pytest.raises(ValueError, match="a width-17 convolution; the kernels take widths 1 to 16"):
+        prologue.conv_qkv_heads(x, torch.zeros(1, 16, 9), torch.randn(9, 1, 17), torch.randn(9), 1, False,
+                                torch.float32)
+
+
 def test_kernel_prologue_custom_operators_pass_opcheck():
-    """The prologue's two custom operators: schemas, fake implementations, autograd registration, AOTAutograd
-    against eager (``torch.library.opcheck``), with the convolution's transposed strides."""
+    """The prologue's four custom operators: schemas, fake implementations, autograd registration, AOTAutograd
+    against eager (``torch.library.opcheck``), with the convolution's transposed strides, a column slice."""
     from memtrain.kernels.titans import prologue
 
     x = torch.randn(2, 30, 9, device=DEVICE).transpose(1, 2).requires_grad_(True)  # [2, 9, 30]: 3 heads of 3
     torch.library.opcheck(prologue._qkv_fwd, (x.transpose(1, 2), 3, False, torch.float32))
     g = torch.randn(2, 19, 12, device=DEVICE, requires_grad=True)
     torch.library.opcheck(prologue._gates_fwd, (g, 4, 0.01, math.log(0.9)))
+    x = torch.randn(2, 19, 16, device=DEVICE)[..., 1:].requires_grad_(True)  # a column slice: 5 heads of 3
+    cache, weight, bias = (torch.randn(*shape, device=DEVICE, requires_grad=True) for shape in ((2, 3, 15),
+                                                                                                (15, 1, 4), (15,)))
+    torch.library.opcheck(prologue._conv_qkv_fwd, (x, cache, weight, bias, 5, True, torch.float32))
+    torch.library.opcheck(prologue._conv_queries_fwd, (x, weight, bias, 5, 7, torch.float32))
 
 
 # -- the memory layer's output stage (memtrain.kernels.titans.output) --------------------------------------------
@@ -854,10 +965,12 @@ def test_kernel_read_custom_operators_pass_opcheck():
 
 def test_kernel_mac_reads_its_memory_with_the_fused_read_in_half_precision(monkeypatch):
     """A half-precision MAC model whose kernels run retrieves each segment with the fused read (one call per block and
-    segment, float16 products as the scan's reads), within float16's rounding of the PyTorch read it replaces: the loss
-    and every parameter's gradient. ``MEMTRAIN_TITANS_FUSED_READ=0`` turns it off; float32 models keep PyTorch's."""
+    segment, float16 products as the scan's reads) and each block's retrieval queries with the fused convolution (one
+    call per block), within float16's rounding of the PyTorch forms they replace: the loss and every parameter's
+    gradient. ``MEMTRAIN_TITANS_FUSED_READ=0`` and ``MEMTRAIN_TITANS_FUSED_CONV=0`` turn them off; float32 models
+    keep PyTorch's."""
     from memtrain.config import recipe_from_dict
-    from memtrain.kernels.titans import read
+    from memtrain.kernels.titans import prologue, read
     from memtrain.model import build
 
     r = recipe_from_dict({
@@ -870,8 +983,9 @@ def test_kernel_mac_reads_its_memory_with_the_fused_read_in_half_precision(monke
     torch.manual_seed(torch.seed() % 2**31)
     model = build(r.model, r.memory).to(DEVICE)
     x = torch.randint(0, 40, (2, 19)).to(DEVICE)
-    calls = []
+    calls, queries = [], []
     monkeypatch.setattr(read, "read", lambda *a, _f=read.read: calls.append(a[2]) or _f(*a))
+    monkeypatch.setattr(prologue, "conv_queries", lambda *a, _f=prologue.conv_queries: queries.append(a[4]) or _f(*a))
 
     def step(m):
         m.zero_grad()
@@ -880,13 +994,15 @@ def test_kernel_mac_reads_its_memory_with_the_fused_read_in_half_precision(monke
         return float(loss.detach()), {n: p.grad.float() for n, p in m.named_parameters() if p.grad is not None}
 
     step(model)
-    assert calls == []  # float32 activations: PyTorch's read
+    assert calls == queries == []  # float32 activations: PyTorch's read and queries
     half = model.half()
     fused = step(half)
     assert calls == [2] * (2 * 3)  # 2 blocks x 3 segments (8, 8, 3 tokens), float16 products
+    assert queries == [8, 8]  # each block's segments' queries at once, the convolution fused (segments of 8)
     monkeypatch.setenv("MEMTRAIN_TITANS_FUSED_READ", "0")
+    monkeypatch.setenv("MEMTRAIN_TITANS_FUSED_CONV", "0")
     plain = step(half)
-    assert len(calls) == 6 and fused[0] == pytest.approx(plain[0], rel=1e-2)
+    assert len(calls) == 6 and len(queries) == 2 and fused[0] == pytest.approx(plain[0], rel=1e-2)
     assert fused[1].keys() == plain[1].keys()
     for name, g in plain[1].items():
         assert _rel(fused[1][name], g) < 3e-2, (name, _rel(fused[1][name], g))
@@ -1223,17 +1339,18 @@ def test_kernel_stack_frame_is_read_from_cuobjdumps_resource_usage():
 
 
 def test_kernel_prologue_compiles_for_an_h100_without_spills():
-    """The prologue's four kernels and the output stage's two compiled ahead of time for sm_90 (bf16 at head size
+    """The prologue's kernels (q/k/v with and without the width-4 convolution, MAC's retrieval queries with it, its
+    weight gradients' sum, the gates) and the output stage's two compiled ahead of time for sm_90 (bf16 at head size
     64, the gates of 12 heads, as the recipes): within an H100's shared memory, no register spilled (each program
-    holds a 32-token tile)."""
+    holds a 32-token tile; the backwards with the convolution launch 8 warps)."""
     import json
     import os
     import subprocess
     import sys
 
     code = ("import json; from memtrain.kernels.titans.aot import compile_kernel; print(json.dumps([compile_kernel(k, "
-            "head_dim=64, half='bf16') for k in ('qkv_fwd', 'qkv_bwd', 'gates_fwd', 'gates_bwd', 'out_fwd', "
-            "'out_bwd')]))")
+            "head_dim=64, half='bf16') for k in ('qkv_fwd', 'qkv_bwd', 'conv_qkv_fwd', 'conv_qkv_bwd', "
+            "'conv_queries_fwd', 'conv_queries_bwd', 'conv_grad', 'gates_fwd', 'gates_bwd', 'out_fwd', 'out_bwd')]))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]

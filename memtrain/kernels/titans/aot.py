@@ -36,8 +36,9 @@ import tempfile
 from typing import Optional
 
 KERNELS = ("fwd", "bwd", "fwd_advance", "fwd_read", "bwd_recompute", "bwd_local", "bwd_carry", "coef_fwd", "coef_bwd",
-           "qkv_fwd", "qkv_bwd", "gates_fwd", "gates_bwd", "out_fwd", "out_bwd", "rope_fwd", "rope_bwd", "read_fwd",
-           "read_bwd")
+           "qkv_fwd", "qkv_bwd", "conv_qkv_fwd", "conv_qkv_bwd", "conv_queries_fwd",
+           "conv_queries_bwd", "conv_grad", "gates_fwd", "gates_bwd", "out_fwd",
+           "out_bwd", "rope_fwd", "rope_bwd", "read_fwd", "read_bwd")
 # The scan kernels' integer arguments; every other non-constexpr argument is a pointer.
 _INTS = {"NC", "Tp", "N_LAST", "SAVE_EVERY", "NSAVE", "C", "D", "H1", "grp", "c0", "c1"}
 _HALF = {"Q", "K", "V"}  # q, k, v reach the kernels in the activations' half precision in training
@@ -186,11 +187,12 @@ def compile_kernel(kernel: str, depth: int = 2, head_dim: int = 64, hidden: int 
     ``any_depth`` -- the split backward's three kernels at depth 1-2 (``bwd_recompute``, ``bwd_local``,
     ``bwd_carry``: :data:`memtrain.kernels.titans.triton_kernels.SPLIT_BACKWARD`), the split forward's two
     (``fwd_advance``, ``fwd_read``: :data:`~memtrain.kernels.titans.triton_kernels.SPLIT_FORWARD`), the chunk
-    coefficients' at ``chunk``, the layer's prologue, q/k/v at ``head_dim`` and the gates for up to 21 heads, its output stage at
-    ``head_dim``, RoPE's pair at ``head_dim``, or MAC's retrieval at ``depth``, ``head_dim`` and ``hidden``, ``half``
-    its products' operands), ``head_dim`` and
-    ``hidden`` (the memory's widths), ``num_warps`` (default: what the kernels launch with), ``half`` the dtype of
-    q / k / v (``bf16``, ``fp16`` or ``fp32``), ``lean`` the depth-1/2 backward's lean form
+    coefficients' at ``chunk``, the layer's prologue, q/k/v at ``head_dim`` (``conv_qkv_*`` with the width-4
+    convolution before them, ``conv_queries_*`` MAC's retrieval queries with it, ``conv_grad`` the convolution's weight
+    and bias gradients' sum) and the gates for up to 21 heads, its output stage at ``head_dim``, RoPE's pair at
+    ``head_dim``, or MAC's retrieval at ``depth``, ``head_dim`` and ``hidden``, ``half`` its products' operands),
+    ``head_dim`` and ``hidden`` (the memory's widths), ``num_warps`` (default: what the kernels launch with),
+    ``half`` the dtype of q / k / v (``bf16``, ``fp16`` or ``fp32``), ``lean`` the depth-1/2 backward's lean form
     (:data:`memtrain.kernels.titans.triton_kernels.LEAN_BACKWARD`, compiled without the chunk weights' gradient),
     ``num_ctas`` Triton's Hopper cluster option (each program's tiles spread over that many SMs; no kernel launches
     with more than 1 -- docs/titans-kernels.md, "One program's state over several SMs").
@@ -232,19 +234,31 @@ def compile_kernel(kernel: str, depth: int = 2, head_dim: int = 64, hidden: int 
         launch = {"num_warps": num_warps or 4, "num_stages": 3}  # Triton's defaults, as the kernels launch
         sig = {n: "constexpr" if n in consts else typed.get(n, "i32") for n in fn.arg_names}
         scan = False
-    elif kernel.startswith(("qkv", "gates")):  # the prologue (memtrain.kernels.titans.prologue): 12 heads of head_dim
-        from memtrain.kernels.titans import prologue
+    elif kernel.startswith(("qkv", "conv", "gates")):  # the prologue (memtrain.kernels.titans.prologue): 12 heads
+        from memtrain.kernels.titans import prologue  # of head_dim; the convolution's width 4 (every recipe's)
 
-        fn = getattr(prologue, f"_{kernel}_kernel")
+        way = kernel.rsplit("_", 1)[-1]
+        fn = getattr(prologue, "_conv_grad_kernel" if kernel == "conv_grad" else
+                     f"_gates_{way}_kernel" if kernel.startswith("gates") else f"_qkv_{way}_kernel")
         ptr = {"fp32": "*fp32", "bf16": "*bf16", "fp16": "*fp16"}[half]
-        if kernel.startswith("qkv"):
-            consts = dict(NORM_V=True, BT=prologue.BLOCK_T, BD=prologue._block(head_dim))
-            typed = {n: ptr for n in ("X", "DX", "Q", "K", "V", "DQ", "DK", "DV")}
+        if kernel == "conv_grad":
+            consts = dict(CONV_K=4, BC=prologue.CONV_GRAD_BLOCK)
+            typed = {"PW": "*fp32", "DW": ptr, "DB": ptr}
+        elif not kernel.startswith("gates"):  # q/k/v; MAC's retrieval queries (float32 out, no cache)
+            conv_k = 4 if kernel.startswith("conv") else 0
+            queries = kernel.startswith("conv_queries")
+            consts = dict(NORM_V=True, CONV_K=conv_k, PARTS=1 if queries else 3, BT=prologue.BLOCK_T,
+                          BD=prologue._block(head_dim), **({"PAD": max(conv_k - 1, 0)} if way == "bwd" else {}))
+            typed = {n: ptr for n in ("X", "DX", "CACHE", "DCACHE", "W", "BIAS")}
+            typed.update({n: "*fp32" if queries else ptr for n in ("Q", "K", "V", "DQ", "DK", "DV")})
+            typed["PW"] = "*fp32"
         else:
             consts = dict(BT=prologue.BLOCK_T, BG=prologue._block(3 * 12))
             typed = {"G": ptr, "DG": ptr, "max_lr": "fp32", "log_max_momentum": "fp32",
                      **{n: "*fp32" for n in ("LR", "LOG_ETA", "LOG_KEEP", "DLR", "DLOG_ETA", "DLOG_KEEP")}}
-        launch = {"num_warps": num_warps or 4, "num_stages": 3}  # Triton's defaults, as the kernels launch
+        launch = {"num_warps": num_warps or (prologue.CONV_BWD_WARPS if kernel.startswith("conv_q") and way == "bwd"
+                                             else 4),
+                  "num_stages": 3}  # as the kernels launch
         sig = {n: "constexpr" if n in consts else typed.get(n, "i32") for n in fn.arg_names}
         scan = False
     elif kernel.startswith("read_"):  # MAC's retrieval (memtrain.kernels.titans.read): float32 queries and weights,

@@ -1,28 +1,40 @@
-"""The memory layer's prologue as two fused Triton kernels, forward and backward: the elementwise work between
-its projections and the inner loop, one launch per call each way where PyTorch issues a dozen ops.
+"""The memory layer's prologue as fused Triton kernels, forward and backward: the work between its projections
+and the inner loop, one launch per call each way (two backward with the convolution) where PyTorch issues a dozen
+ops.
 
-:meth:`memtrain.model.titans.memory.NeuralMemory.write` (Titans, Sections 3.1-3.2 and 4.4) turns the convolved
-projections and the gate projection into what the scan kernels read:
+:meth:`memtrain.model.titans.memory.NeuralMemory.write` (Titans, Sections 3.1-3.2 and 4.4) turns the projections
+and the gate projection into what the scan kernels read:
 
-- :func:`qkv_heads` -- ``q, k, v`` ``[B, H, T, head_dim]`` from the convolution's ``[B, T, 3 * H * head_dim]``:
-  SiLU, L2 normalisation per head (q and k; v too with ``norm_v``), one contiguous copy per head in the
-  activations' half precision. PyTorch's form (``NeuralMemory._qkv_heads``): 6 ops forward (SiLU, cast,
-  vector norm, clamp, division, the layout copy), about 16 backward.
+- :func:`conv_qkv_heads` -- ``q, k, v`` ``[B, H, T, head_dim]`` from the projection ``[B, T, 3 * H * head_dim]``
+  and the state's convolution cache: the causal depthwise convolution (Section 4.4), SiLU, L2 normalisation per
+  head (q and k; v too with ``norm_v``), one contiguous copy per head in the activations' half precision.
+  :func:`qkv_heads` is the same after a convolution run elsewhere (``MEMTRAIN_TITANS_FUSED_CONV=0``). PyTorch's
+  form (``NeuralMemory._conv``, ``NeuralMemory._qkv_heads``): the cache's concatenation and the convolution, then
+  6 ops forward (SiLU, cast, vector norm, clamp, division, the layout copy), about 16 backward.
+- :func:`conv_queries` -- MAC's retrieval queries (``NeuralMemory.segment_queries``): the same kernels with the
+  query part alone, no cache, the convolution restarting with zero left context every segment, float32 out.
 - :func:`gates` -- ``theta = max_lr * sigmoid(g_0)``, ``log eta = logsigmoid(g_1) + log(max_momentum)``,
   ``log(1 - alpha) = logsigmoid(-g_2)`` ``[B, H, T]`` in float32 from the gate projection's ``[B, T, 3 * H]``.
   PyTorch's form (``NeuralMemory._gates``, per-token gates): 8 ops forward, about 8 backward.
 
-Each is one custom operator (:mod:`torch.library`) with three separate outputs and a registered backward operator
-that reads the three gradients, so eager autograd issues one launch each way (no stack joins the outputs'
-gradients) and a compiled block's graph keeps it as one node (eager and compiled blocks compute the same). Eager
-``titans-170m-mac`` runs the pair 96 times per forward (12 blocks x 8 segments): 3,264 fewer device ops per
-sequence, 14,515 -> 11,251 (``benchmarks/op_count.py``).
+Each is one custom operator (:mod:`torch.library`) with separate outputs and a registered backward operator that
+reads their gradients, so eager autograd issues one launch each way (no stack joins the outputs' gradients) and a
+compiled block's graph keeps it as one node (eager and compiled blocks compute the same). Eager
+``titans-170m-mac`` runs the q/k/v and gate pair 96 times per forward (12 blocks x 8 segments): without the
+convolution 3,264 fewer device ops per sequence, 14,515 -> 11,251 (``benchmarks/op_count.py``); the convolution
+and the retrieval queries 492 fewer since (5,925 -> 5,433).
 
-Precision: the arithmetic is float32 (inputs upcast). SiLU's output is rounded to the input's dtype before the
-norm, as ``F.silu`` on a half-precision tensor returns it, so the forward matches PyTorch's form to float32
-rounding; the backward stays in float32 where PyTorch's rounds SiLU's gradient to half precision, so it is the
-more precise of the two. ``logsigmoid(u) = min(u, 0) - log1p(exp(-|u|))`` with ``log1p`` from its series below
-``1e-4`` (absolute error under 1e-12 there). Under ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors.
+The convolution's backward (:func:`_qkv_bwd_kernel`) recomputes the forward in tiles overlapping by the width - 1
+rows, takes each input row's gradient from the tile shifted in registers (``tl.gather``), and writes each
+program's part of the weight's and bias's gradients to a float32 buffer that :func:`_conv_grad_kernel` sums in
+order (deterministic; no atomics).
+
+Precision: the arithmetic is float32 (inputs upcast). The convolution's output is rounded to the input's dtype as
+``F.conv1d`` returns it, and SiLU's output before the norm, as ``F.silu`` on a half-precision tensor returns it,
+so the forward matches PyTorch's form to float32 rounding; the backward stays in float32 where PyTorch's rounds
+SiLU's and the convolution's gradients to half precision, so it is the more precise of the two.
+``logsigmoid(u) = min(u, 0) - log1p(exp(-|u|))`` with ``log1p`` from its series below ``1e-4`` (absolute error
+under 1e-12 there). Under ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors.
 """
 
 from __future__ import annotations
@@ -34,11 +46,14 @@ import triton
 import triton.language as tl
 
 BLOCK_T = 32  # tokens per program
+# The q/k/v backward with the convolution launches 8 warps: at head size 64 in bf16 (sm_90, Triton 3.6) it keeps
+# its tiles in 255 registers without spilling; 4 warps spill 804 bytes per thread (aot.compile_kernel).
+CONV_BWD_WARPS = 8
 # Unlike the scan kernels (triton_kernels._RUNTIME_INTS), these leave Triton's specialisation of integer arguments
 # on: they compile in under a second, a call length adds at most a variant or two (divisible by 16 or not), and
-# with the lengths and strides known divisible by 16 and the stride between tokens known to be 1 (the
-# convolution's output is ``[B, C, T]`` transposed) the loads along the tokens are 16-byte vectors (sm_90 PTX:
-# ``ld.global.v4``; scalar 2-byte loads with them unspecialised).
+# with the lengths and strides known divisible by 16 and the stride along the contiguous dimension known to be 1
+# (the channels of a projection; the tokens of a convolution's output, ``[B, C, T]`` transposed) the loads are
+# 16-byte vectors (sm_90 PTX: ``ld.global.v4``; scalar 2-byte loads with them unspecialised).
 
 
 @triton.jit
@@ -46,18 +61,6 @@ def _silu_rounded(X, x):
     """SiLU of float32 ``x`` rounded to ``X``'s element type (as ``F.silu`` returns it), and the sigmoid."""
     s = tl.sigmoid(x)
     return (x * s).to(X.dtype.element_ty).to(tl.float32), s
-
-
-@triton.jit
-def _qkv_rows(X, n, part, h, t0, T, sxb, sxt, sxc, INNER, HD, BT: tl.constexpr, BD: tl.constexpr):
-    """Rows ``t0 .. t0+BT`` of head ``h`` of part ``part`` (q, k, v) of sequence ``n``: float32 ``x``, the mask,
-    the offsets."""
-    offs_t = t0 + tl.arange(0, BT)
-    offs_d = tl.arange(0, BD)
-    m = (offs_t[:, None] < T) & (offs_d[None, :] < HD)
-    ch = part * INNER + h * HD + offs_d
-    x = tl.load(X + n * sxb + offs_t[:, None] * sxt + ch[None, :] * sxc, mask=m, other=0.0).to(tl.float32)
-    return x, m, offs_t, offs_d
 
 
 @triton.jit
@@ -78,29 +81,77 @@ def _load_part(Q, K, V, part, off, m):
 
 
 @triton.jit
-def _qkv_fwd_kernel(X, Q, K, V, T, sxb, sxt, sxc, H, HD, NORM_V: tl.constexpr, BT: tl.constexpr,
+def _src_rows(X, CACHE, n, ch, rows, lo, T, sxb, sxt, sxc, scb, sct, scc, md, PAD: tl.constexpr):
+    """Float32 rows ``rows`` (``[BT]``) of the convolution's input along ``ch``, each where ``lo <= row < T`` (zero
+    elsewhere; ``lo >= -PAD``): ``X``'s row for rows from 0, the cache's row ``PAD + row`` (the left context) below."""
+    ok = (rows >= lo) & (rows < T)
+    v = tl.load(X + n * sxb + rows[:, None] * sxt + ch[None, :] * sxc,
+                mask=(ok & (rows >= 0))[:, None] & md[None, :], other=0.0).to(tl.float32)
+    if PAD > 0:
+        v += tl.load(CACHE + n * scb + (rows + PAD)[:, None] * sct + ch[None, :] * scc,
+                     mask=(ok & (rows < 0))[:, None] & md[None, :], other=0.0).to(tl.float32)
+    return v
+
+
+@triton.jit
+def _first_src(t, SEG, CACHED):
+    """The first input row the convolution's output row ``t`` reads: its segment's start (segments of ``SEG`` rows
+    restart with zero left context), or ``-CACHED`` in the first segment (the cache's rows, 0 without a cache)."""
+    start = (t // SEG) * SEG
+    return tl.where(start <= 0, -CACHED, start)
+
+
+@triton.jit
+def _pre_rows(X, CACHE, W, BIAS, n, ch, rows, T, SEG, CACHED, sxb, sxt, sxc, scb, sct, scc, md,
+              CONV_K: tl.constexpr):
+    """Float32 rows ``rows`` of what SiLU takes along channels ``ch``: ``X`` itself (``CONV_K`` 0), or the causal
+    depthwise convolution ``bias + sum_k W[c, k] src[t + k - (CONV_K - 1)]`` over ``X`` after its cache
+    (:func:`_src_rows`, :func:`_first_src`), accumulated in float32 from the bias up and rounded to ``X``'s dtype
+    (as ``F.conv1d`` returns it)."""
+    if CONV_K == 0:
+        pre = _src_rows(X, CACHE, n, ch, rows, 0, T, sxb, sxt, sxc, scb, sct, scc, md, 0)
+    else:
+        lo = _first_src(rows, SEG, CACHED)
+        w = tl.load(W + ch * CONV_K, mask=md, other=0.0).to(tl.float32)
+        pre = tl.load(BIAS + ch, mask=md, other=0.0).to(tl.float32)[None, :] + w[None, :] * _src_rows(
+            X, CACHE, n, ch, rows - (CONV_K - 1), lo, T, sxb, sxt, sxc, scb, sct, scc, md, CONV_K - 1)
+        for k in tl.static_range(1, CONV_K):
+            w = tl.load(W + ch * CONV_K + k, mask=md, other=0.0).to(tl.float32)
+            pre += w[None, :] * _src_rows(X, CACHE, n, ch, rows + (k - (CONV_K - 1)), lo, T, sxb, sxt, sxc, scb,
+                                          sct, scc, md, CONV_K - 1)
+        pre = pre.to(X.dtype.element_ty).to(tl.float32)
+    return pre
+
+
+@triton.jit
+def _qkv_fwd_kernel(X, CACHE, W, BIAS, Q, K, V, T, SEG, CACHED, sxb, sxt, sxc, scb, sct, scc, H, HD,
+                    NORM_V: tl.constexpr, CONV_K: tl.constexpr, PARTS: tl.constexpr, BT: tl.constexpr,
                     BD: tl.constexpr):
-    """One program per (sequence, part, head) and ``BT`` tokens: ``Q``, ``K`` or ``V`` ``[n, h, t, :]``."""
+    """One program per (sequence, part, head) and ``BT`` tokens: ``Q``, ``K`` or ``V`` ``[n, h, t, :]`` (``PARTS``
+    3; 1: ``Q`` alone)."""
     pid = tl.program_id(0)
-    n, part, h = pid // (3 * H), (pid // H) % 3, pid % H
-    x, m, offs_t, offs_d = _qkv_rows(X, n, part, h, tl.program_id(1) * BT, T, sxb, sxt, sxc, H * HD, HD, BT, BD)
+    n, part, h = pid // (PARTS * H), (pid // H) % PARTS, pid % H
+    offs_t = tl.program_id(1) * BT + tl.arange(0, BT)
+    offs_d = tl.arange(0, BD)
+    md = offs_d < HD
+    ch = part * H * HD + h * HD + offs_d
+    x = _pre_rows(X, CACHE, W, BIAS, n, ch, offs_t, T, SEG, CACHED, sxb, sxt, sxc, scb, sct, scc, md, CONV_K)
     a, _ = _silu_rounded(X, x)
     norm = tl.sqrt(tl.sum(a * a, axis=1))
     scale = tl.where((part < 2) | NORM_V, 1.0 / tl.maximum(norm, 1e-12), 1.0)
     off = ((n * H + h) * T + offs_t[:, None]) * HD + offs_d[None, :]
-    _store_part(Q, K, V, part, off, a * scale[:, None], m)
+    _store_part(Q, K, V, part, off, a * scale[:, None], (offs_t < T)[:, None] & md[None, :])
 
 
 @triton.jit
-def _qkv_bwd_kernel(X, DQ, DK, DV, DX, T, sxb, sxt, sxc, H, HD, NORM_V: tl.constexpr, BT: tl.constexpr,
-                    BD: tl.constexpr):
-    """The gradient of ``X`` from those of ``Q``, ``K``, ``V``, recomputing the forward; ``DX`` has ``X``'s
-    strides."""
-    pid = tl.program_id(0)
-    n, part, h = pid // (3 * H), (pid // H) % 3, pid % H
-    x, m, offs_t, offs_d = _qkv_rows(X, n, part, h, tl.program_id(1) * BT, T, sxb, sxt, sxc, H * HD, HD, BT, BD)
+def _dpre_rows(X, CACHE, W, BIAS, DQ, DK, DV, n, part, h, ch, offs_d, rows, T, SEG, CACHED, sxb, sxt, sxc, scb,
+               sct, scc, H, HD, md, NORM_V: tl.constexpr, CONV_K: tl.constexpr):
+    """The gradient of :func:`_pre_rows`' rows ``rows`` from those of ``Q``, ``K``, ``V``, recomputing the forward:
+    float32, zero at rows outside ``0 .. T``."""
+    x = _pre_rows(X, CACHE, W, BIAS, n, ch, rows, T, SEG, CACHED, sxb, sxt, sxc, scb, sct, scc, md, CONV_K)
     a, s = _silu_rounded(X, x)
-    dy = _load_part(DQ, DK, DV, part, ((n * H + h) * T + offs_t[:, None]) * HD + offs_d[None, :], m)
+    m = ((rows >= 0) & (rows < T))[:, None] & md[None, :]
+    dy = _load_part(DQ, DK, DV, part, ((n * H + h) * T + rows[:, None]) * HD + offs_d[None, :], m)
     norm = tl.sqrt(tl.sum(a * a, axis=1))
     # y = a / max(|a|, eps), eps = 1e-12 (F.normalize's): (dy - u (u . dy)) / |a| above eps, dy / eps at or
     # below it (the clamp holds the norm constant there)
@@ -108,9 +159,68 @@ def _qkv_bwd_kernel(X, DQ, DK, DV, DX, T, sxb, sxt, sxc, H, HD, NORM_V: tl.const
     u = a * inv[:, None]
     proj = tl.where(norm > 1e-12, tl.sum(u * dy, axis=1), 0.0)
     da = tl.where((part < 2) | NORM_V, (dy - u * proj[:, None]) * inv[:, None], dy)
-    dx = da * (s * (1.0 + x * (1.0 - s)))  # silu'(x)
+    return da * (s * (1.0 + x * (1.0 - s)))  # silu'(x)
+
+
+@triton.jit
+def _qkv_bwd_kernel(X, CACHE, W, BIAS, DQ, DK, DV, DX, DCACHE, PW, T, SEG, CACHED, sxb, sxt, sxc, scb, sct, scc,
+                    sdb, sdt, sdc, H, HD, NORM_V: tl.constexpr, CONV_K: tl.constexpr, PARTS: tl.constexpr,
+                    PAD: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+    """The gradient of ``X`` (``DX``, strides ``sdb, sdt, sdc``) from those of ``Q``, ``K``, ``V``, recomputing the
+    forward; with the convolution (``CONV_K`` > 0) also its cache's (``DCACHE``, contiguous; with ``CACHED`` rows)
+    and this program's part of its weight's and bias's (``PW[n * programs along T + this one, k, c]``, the bias's
+    at ``k = CONV_K``).
+
+    With the convolution an input row ``i`` feeds the outputs ``i + s``, ``s = 0 .. PAD`` (``PAD = CONV_K - 1``)
+    of its segment: ``d src[i] = sum_s W[c, PAD - s] dpre[i + s]``. So the programs' tiles of ``BT`` rows overlap
+    by ``PAD``: program ``p`` recomputes ``dpre`` at rows ``p S - PAD .. p S - PAD + BT`` (``S = BT - PAD``),
+    gives the input gradient of the first ``S`` of them (rows from ``-PAD``: the cache's first) from the tile
+    shifted by ``s`` rows (``tl.gather``), and the weight's and bias's from its last ``S`` (each row of ``dpre`` in
+    one program)."""
+    pid = tl.program_id(0)
+    n, part, h = pid // (PARTS * H), (pid // H) % PARTS, pid % H
+    r = tl.arange(0, BT)
+    rows = tl.program_id(1) * (BT - PAD) - PAD + r
+    offs_d = tl.arange(0, BD)
+    md = offs_d < HD
     ch = part * H * HD + h * HD + offs_d
-    tl.store(DX + n * sxb + offs_t[:, None] * sxt + ch[None, :] * sxc, dx.to(DX.dtype.element_ty), mask=m)
+    dpre = _dpre_rows(X, CACHE, W, BIAS, DQ, DK, DV, n, part, h, ch, offs_d, rows, T, SEG, CACHED, sxb, sxt, sxc,
+                      scb, sct, scc, H, HD, md, NORM_V, CONV_K)
+    if CONV_K == 0:
+        dsrc = dpre
+    else:
+        C = PARTS * H * HD
+        pw = PW + ((n * tl.num_programs(1) + tl.program_id(1)) * (CONV_K + 1)) * C + ch
+        own = tl.where(r >= PAD, 1.0, 0.0)[:, None] * dpre
+        lo = _first_src(rows, SEG, CACHED)
+        for k in tl.static_range(CONV_K):
+            src = _src_rows(X, CACHE, n, ch, rows + (k - PAD), lo, T, sxb, sxt, sxc, scb, sct, scc, md, PAD)
+            tl.store(pw + k * C, tl.sum(own * src, axis=0), mask=md)
+        tl.store(pw + CONV_K * C, tl.sum(own, axis=0), mask=md)
+        dsrc = tl.load(W + ch * CONV_K + PAD, mask=md, other=0.0).to(tl.float32)[None, :] * dpre
+        for s in tl.static_range(1, CONV_K):
+            shifted = tl.gather(dpre, tl.minimum(r + s, BT - 1)[:, None] + tl.zeros((BT, BD), tl.int32), 0)
+            same = rows >= _first_src(rows + s, SEG, CACHED)  # output row i + s reads row i (its segment's)
+            dsrc += tl.where(same[:, None], tl.load(W + ch * CONV_K + (PAD - s), mask=md, other=0.0).to(
+                tl.float32)[None, :] * shifted, 0.0)
+        tl.store(DCACHE + (n * PAD + rows + PAD)[:, None] * C + ch[None, :], dsrc.to(DCACHE.dtype.element_ty),
+                 mask=((r < BT - PAD) & (rows < 0) & (rows >= -CACHED))[:, None] & md[None, :])
+    tl.store(DX + n * sdb + rows[:, None] * sdt + ch[None, :] * sdc, dsrc.to(DX.dtype.element_ty),
+             mask=((r < BT - PAD) & (rows >= 0) & (rows < T))[:, None] & md[None, :])
+
+
+@triton.jit
+def _conv_grad_kernel(PW, DW, DB, R, C, CONV_K: tl.constexpr, BC: tl.constexpr):
+    """The convolution's weight (``DW`` ``[C, CONV_K]``) and bias (``DB`` ``[C]``) gradients, each in its dtype:
+    row ``k`` of ``PW`` ``[R, CONV_K + 1, C]`` summed over ``R`` in float32, in order (deterministic)."""
+    k = tl.program_id(0)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    mc = c < C
+    acc = tl.zeros((BC,), tl.float32)
+    for r in range(R):
+        acc += tl.load(PW + (r * (CONV_K + 1) + k) * C + c, mask=mc, other=0.0)
+    tl.store(DW + c * CONV_K + k, acc.to(DW.dtype.element_ty), mask=mc & (k < CONV_K))
+    tl.store(DB + c, acc.to(DB.dtype.element_ty), mask=mc & (k == CONV_K))
 
 
 @triton.jit
@@ -182,15 +292,54 @@ def _block(x: int) -> int:
 # -- q, k, v -----------------------------------------------------------------------------------------
 
 
+def _qkv_launch(x, cache, weight, bias, heads: int, norm_v: bool, out_dtype: torch.dtype, parts: int = 3,
+                segment: int = 0) -> list[torch.Tensor]:
+    """The forward kernel's launch: ``parts`` (3: q, k, v; 1: q) outputs ``[B, heads, T, head_dim]``. ``weight``
+    None: no convolution; ``cache`` None: zero left context; ``segment``: the convolution restarts (zero left
+    context) every ``segment`` rows (0: never)."""
+    B, T, C = x.shape
+    hd = C // (parts * heads)
+    outs = [_empty(B, heads, T, hd, device=x.device, dtype=out_dtype) for _ in range(parts)]
+    conv_k = 0 if weight is None else weight.shape[-1]
+    cached = 0 if cache is None else cache.shape[1]
+    cache = cache if cached else x  # not read without a left context
+    _qkv_fwd_kernel[_grid(B, T, parts * heads)](x, cache, x if weight is None else weight,
+                                                x if bias is None else bias, *(outs * 3)[:3], T, segment or T,
+                                                cached, *x.stride(), *cache.stride(), heads, hd, NORM_V=norm_v,
+                                                CONV_K=conv_k, PARTS=parts, BT=BLOCK_T, BD=_block(hd))
+    return outs
+
+
+def _qkv_grad_launch(x, cache, weight, bias, grads, dx, heads: int, norm_v: bool, segment: int = 0):
+    """The backward kernel's launch, for :func:`_qkv_launch`'s outputs' gradients ``grads``: ``dx`` filled, and
+    with the convolution the gradients of ``cache`` (None without one), ``weight`` and ``bias``."""
+    B, T, C = x.shape
+    parts = len(grads)
+    conv_k = 0 if weight is None else weight.shape[-1]
+    pad = max(conv_k - 1, 0)
+    cached = 0 if cache is None else cache.shape[1]
+    grid = (B * parts * heads, triton.cdiv(T + pad, BLOCK_T - pad))  # tiles overlapping by pad rows
+    dcache = _empty(B, pad, C, device=x.device, dtype=cache.dtype) if cache is not None else None
+    pw = _empty(B * grid[1], conv_k + 1, C, device=x.device, dtype=torch.float32) if conv_k else x
+    grads = [g.contiguous() for g in grads]
+    _qkv_bwd_kernel[grid](x, cache if cached else x, x if weight is None else weight, x if bias is None else bias,
+                          *(grads * 3)[:3], dx, dcache if cached else x, pw, T, segment or T, cached, *x.stride(),
+                          *(cache if cached else x).stride(), *dx.stride(), heads, C // (parts * heads),
+                          NORM_V=norm_v, CONV_K=conv_k, PARTS=parts, PAD=pad, BT=BLOCK_T,
+                          BD=_block(C // (parts * heads)), num_warps=CONV_BWD_WARPS if conv_k else 4)
+    if not conv_k:
+        return None
+    dweight = _empty(*weight.shape, device=x.device, dtype=weight.dtype)
+    dbias = _empty(C, device=x.device, dtype=bias.dtype)
+    _conv_grad_kernel[(conv_k + 1, triton.cdiv(C, CONV_GRAD_BLOCK))](pw, dweight, dbias, pw.shape[0], C,
+                                                                      CONV_K=conv_k, BC=CONV_GRAD_BLOCK)
+    return dcache, dweight, dbias
+
+
 @torch.library.custom_op("memtrain::titans_qkv_heads", mutates_args=())
 def _qkv_fwd(x: torch.Tensor, heads: int, norm_v: bool,
              out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    B, T, C = x.shape
-    hd = C // (3 * heads)
-    q, k, v = (_empty(B, heads, T, hd, device=x.device, dtype=out_dtype) for _ in range(3))
-    _qkv_fwd_kernel[_grid(B, T, 3 * heads)](x, q, k, v, T, *x.stride(), heads, hd, NORM_V=norm_v, BT=BLOCK_T,
-                                            BD=_block(hd))
-    return q, k, v
+    return tuple(_qkv_launch(x, None, None, None, heads, norm_v, out_dtype))
 
 
 @_qkv_fwd.register_fake
@@ -215,12 +364,9 @@ def _dense_like(x: torch.Tensor) -> torch.Tensor:
 @torch.library.custom_op("memtrain::titans_qkv_heads_bwd", mutates_args=())
 def _qkv_bwd(x: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, heads: int,
              norm_v: bool) -> torch.Tensor:
-    B, T, C = x.shape
     x = _dense_like(x)
     dx = _empty_strided(x.shape, x.stride(), device=x.device, dtype=x.dtype)
-    _qkv_bwd_kernel[_grid(B, T, 3 * heads)](x, dq.contiguous(), dk.contiguous(), dv.contiguous(), dx, T,
-                                            *x.stride(), heads, C // (3 * heads), NORM_V=norm_v, BT=BLOCK_T,
-                                            BD=_block(C // (3 * heads)))
+    _qkv_grad_launch(x, None, None, None, (dq, dk, dv), dx, heads, norm_v)
     return dx
 
 
@@ -253,6 +399,118 @@ def qkv_heads(x: torch.Tensor, heads: int, norm_v: bool, out_dtype: torch.dtype)
     """``q, k, v`` ``[B, heads, T, head_dim]`` (contiguous, ``out_dtype``) from ``x`` ``[B, T, 3 * heads *
     head_dim]`` (any strides): ``normalize(silu(x_part))`` per head, v unnormalised unless ``norm_v``."""
     return _qkv_fwd(x, heads, norm_v, out_dtype)
+
+
+# -- the convolution and q, k, v ----------------------------------------------------------------------
+
+CONV_GRAD_BLOCK = 128  # channels per program of the weight and bias gradients' sum
+CONV_MAX_KERNEL = 16  # the widest convolution: the backward's 32-row tiles overlap by its width - 1
+
+
+@torch.library.custom_op("memtrain::titans_conv_qkv_heads", mutates_args=())
+def _conv_qkv_fwd(x: torch.Tensor, cache: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, heads: int,
+                  norm_v: bool, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return tuple(_qkv_launch(x, cache, weight, bias, heads, norm_v, out_dtype))
+
+
+@_conv_qkv_fwd.register_fake
+def _(x, cache, weight, bias, heads, norm_v, out_dtype):
+    B, T, C = x.shape
+    return tuple(x.new_empty(B, heads, T, C // (3 * heads), dtype=out_dtype) for _ in range(3))
+
+
+@torch.library.custom_op("memtrain::titans_conv_qkv_heads_bwd", mutates_args=())
+def _conv_qkv_bwd(x: torch.Tensor, cache: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, dq: torch.Tensor,
+                  dk: torch.Tensor, dv: torch.Tensor, heads: int,
+                  norm_v: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    dx = _empty(*x.shape, device=x.device, dtype=x.dtype)
+    return (dx, *_qkv_grad_launch(x, cache, weight, bias, (dq, dk, dv), dx, heads, norm_v))
+
+
+@_conv_qkv_bwd.register_fake
+def _(x, cache, weight, bias, dq, dk, dv, heads, norm_v):
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            torch.empty_like(cache, memory_format=torch.contiguous_format),
+            torch.empty_like(weight, memory_format=torch.contiguous_format), torch.empty_like(bias))
+
+
+def _conv_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:4])
+    ctx.args = inputs[4:6]
+
+
+def _conv_backward(ctx, dq, dk, dv):
+    return (*_conv_qkv_bwd(*ctx.saved_tensors, dq, dk, dv, *ctx.args), None, None, None)
+
+
+_conv_qkv_fwd.register_autograd(_conv_backward, setup_context=_conv_setup)
+
+
+def conv_qkv_heads(x: torch.Tensor, cache: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, heads: int,
+                   norm_v: bool, out_dtype: torch.dtype):
+    """:func:`qkv_heads` of the causal depthwise convolution of ``x`` ``[B, T, C]`` (any strides) after its left
+    context ``cache`` ``[B, kernel - 1, C]``: ``weight`` ``[C, 1, kernel]`` (``nn.Conv1d``'s, contiguous) and
+    ``bias`` ``[C]``, the convolution's output rounded to ``x``'s dtype as ``F.conv1d`` returns it. One kernel
+    each way plus one for the weight's and bias's gradients (summed in float32 over the sequences and blocks of
+    tokens, in order); the convolution's output is never stored."""
+    if not 1 <= weight.shape[-1] <= CONV_MAX_KERNEL:
+        raise ValueError(f"conv_qkv_heads: a width-{weight.shape[-1]} convolution; the kernels take widths 1 to "
+                         f"{CONV_MAX_KERNEL}")
+    if cache.shape[1] != weight.shape[-1] - 1:
+        raise ValueError(f"conv_qkv_heads: the cache has {cache.shape[1]} rows; a width-{weight.shape[-1]} "
+                         f"convolution needs {weight.shape[-1] - 1}")
+    return _conv_qkv_fwd(x, cache, weight.contiguous(), bias, heads, norm_v, out_dtype)
+
+
+@torch.library.custom_op("memtrain::titans_conv_queries", mutates_args=())
+def _conv_queries_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, heads: int, segment: int,
+                      out_dtype: torch.dtype) -> torch.Tensor:
+    return _qkv_launch(x, None, weight, bias, heads, False, out_dtype, parts=1, segment=segment)[0]
+
+
+@_conv_queries_fwd.register_fake
+def _(x, weight, bias, heads, segment, out_dtype):
+    B, T, C = x.shape
+    return x.new_empty(B, heads, T, C // heads, dtype=out_dtype)
+
+
+@torch.library.custom_op("memtrain::titans_conv_queries_bwd", mutates_args=())
+def _conv_queries_bwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, dq: torch.Tensor, heads: int,
+                      segment: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dx = _empty(*x.shape, device=x.device, dtype=x.dtype)
+    _, dweight, dbias = _qkv_grad_launch(x, None, weight, bias, (dq,), dx, heads, False, segment)
+    return dx, dweight, dbias
+
+
+@_conv_queries_bwd.register_fake
+def _(x, weight, bias, dq, heads, segment):
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            torch.empty_like(weight, memory_format=torch.contiguous_format), torch.empty_like(bias))
+
+
+def _queries_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:3])
+    ctx.args = inputs[3:5]
+
+
+def _queries_backward(ctx, dq):
+    return (*_conv_queries_bwd(*ctx.saved_tensors, dq, *ctx.args), None, None, None)
+
+
+_conv_queries_fwd.register_autograd(_queries_backward, setup_context=_queries_setup)
+
+
+def conv_queries(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, heads: int, segment: int,
+                 out_dtype: torch.dtype) -> torch.Tensor:
+    """Retrieval queries ``[B, heads, T, head_dim]`` (contiguous, ``out_dtype``) from the query projection ``x``
+    ``[B, T, heads * head_dim]`` (any strides): the causal depthwise convolution (``weight`` ``[C, 1, kernel]``,
+    ``bias`` ``[C]``) restarting with zero left context every ``segment`` rows, rounded to ``x``'s dtype, then
+    ``normalize(silu(.))`` per head -- :meth:`memtrain.model.titans.memory.NeuralMemory.segment_queries`' form.
+    The same kernels as :func:`conv_qkv_heads`, with one part and no cache."""
+    if not 1 <= weight.shape[-1] <= CONV_MAX_KERNEL or segment < 1:
+        raise ValueError(f"conv_queries: a width-{weight.shape[-1]} convolution over {segment}-row segments; the "
+                         f"kernels take widths 1 to {CONV_MAX_KERNEL} and segments of at least one row")
+    return _conv_queries_fwd(x, weight.contiguous(), bias, heads, segment, out_dtype)
 
 
 # -- gates -------------------------------------------------------------------------------------------
@@ -306,4 +564,4 @@ def gates(g: torch.Tensor, heads: int, max_lr: float, max_momentum: float):
     return _gates_fwd(g, heads, max_lr, math.log(max_momentum))
 
 
-__all__ = ["gates", "qkv_heads"]
+__all__ = ["conv_qkv_heads", "conv_queries", "gates", "qkv_heads"]

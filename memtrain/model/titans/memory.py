@@ -117,6 +117,16 @@ def fused_read() -> bool:
     return os.environ.get(FUSED_READ_ENV, "1") != "0"
 
 
+FUSED_CONV_ENV = "MEMTRAIN_TITANS_FUSED_CONV"
+
+
+def fused_conv() -> bool:
+    """Whether the fused q/k/v prologue (:func:`fused_prologue`) takes the causal convolution too
+    (:func:`memtrain.kernels.titans.prologue.conv_qkv_heads`), and MAC's retrieval queries run as one kernel with it
+    (:func:`~memtrain.kernels.titans.prologue.conv_queries`)."""
+    return os.environ.get(FUSED_CONV_ENV, "1") != "0"
+
+
 def scan_uses_kernels(q: torch.Tensor, state: MemoryState, algorithm: str, kernel: str,
                       io_dtype: torch.dtype) -> bool:
     """Whether :func:`run_scan` with these arguments runs the Triton kernels (``q`` ``[B, H, T, head_dim]``)."""
@@ -158,14 +168,14 @@ def compiled_scan() -> Callable[..., tuple[torch.Tensor, MemoryState]]:
 
 class Projections(NamedTuple):
     """The layer's parameterised maps as callables: ``qkv_gates`` gives ``to_qkv``'s and ``to_gates``' outputs,
-    ``conv`` is the write's convolution (:meth:`NeuralMemory._conv`), ``out_gain`` gives the output norm's gain
-    (``out_norm``) for one :meth:`NeuralMemory.gated_output` call, ``out`` is ``to_out``. Its modules
-    (:meth:`NeuralMemory.projections`), or for a forward that calls the layer's pieces many times (MAC's segments)
-    one GEMM for both input projections and each parameter's gradient computed or summed once
+    ``conv`` gives the weight and bias of one write's convolution (:meth:`NeuralMemory._conv`), ``out_gain`` gives
+    the output norm's gain (``out_norm``) for one :meth:`NeuralMemory.gated_output` call, ``out`` is ``to_out``.
+    Its modules (:meth:`NeuralMemory.projections`), or for a forward that calls the layer's pieces many times
+    (MAC's segments) one GEMM for both input projections and each parameter's gradient computed or summed once
     (:meth:`NeuralMemory.projections` with ``writes`` / ``outputs``)."""
 
     qkv_gates: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-    conv: Callable[[torch.Tensor], torch.Tensor]
+    conv: Callable[[], tuple[torch.Tensor, torch.Tensor]]
     out_gain: Callable[[], torch.Tensor]
     out: Callable[[torch.Tensor], torch.Tensor]
 
@@ -289,7 +299,8 @@ class NeuralMemory(nn.Module):
         (their gradients summed in one op each); plain where that does not apply. The same functions either
         way."""
         if not (writes or outputs):
-            return Projections(lambda x: (self.to_qkv(x), self.to_gates(x)), self._conv, lambda: self.out_norm,
+            return Projections(lambda x: (self.to_qkv(x), self.to_gates(x)), lambda: (self.conv.weight, self.conv.bias),
+                               lambda: self.out_norm,
                                self.to_out)
         gates = self.to_gates
         split = [self.to_qkv.out_features, gates.out_features]
@@ -297,7 +308,7 @@ class NeuralMemory(nn.Module):
         weights, biases = (iter(fan_out(p, writes)) for p in (self.conv.weight, self.conv.bias))
         gains = iter(fan_out(self.out_norm, outputs))
         return Projections(lambda x: both(x).split(split, dim=-1),
-                           lambda xp: self._conv(xp, params=(next(weights), next(biases))), lambda: next(gains),
+                           lambda: (next(weights), next(biases)), lambda: next(gains),
                            grouped_linear(self.to_out.weight))
 
     @property
@@ -331,7 +342,9 @@ class NeuralMemory(nn.Module):
         activations' half precision where the Triton kernels run (:func:`run_scan`), else the inner dtype. Where
         the kernels run, all of it is one fused kernel each way (:func:`memtrain.kernels.titans.prologue.qkv_heads`,
         a custom operator: one node in a compiled block's graph, so compiled and eager blocks compute the same).
-        ``half``: whether the kernels run and read half precision (:meth:`_kernels_read_half`)."""
+        ``half``: whether the kernels run and read half precision (:meth:`_kernels_read_half`). :meth:`write` calls
+        it after PyTorch's convolution only where the fused one (which takes the convolution too,
+        :func:`memtrain.kernels.titans.prologue.conv_qkv_heads`) is switched off."""
         if half and fused_prologue():
             from memtrain.kernels.titans.prologue import qkv_heads
             return qkv_heads(qkv, self.heads, self.value_norm, qkv.dtype)
@@ -349,6 +362,11 @@ class NeuralMemory(nn.Module):
         """Whether the Triton kernels run this call and read its q, k, v in the activations' half precision."""
         return qkv.dtype in (torch.bfloat16, torch.float16) and use_triton(
             self.kernel, qkv, self.depth, algorithm, self.head_dim, self.init_weights[0].shape[-2], dtype=qkv.dtype)
+
+    def _conv_fused(self, half: bool) -> bool:
+        """Whether the convolution runs inside the fused prologue's kernels, given whether the scan's run in half
+        precision (``half``): unless switched off, for widths up to 16 (``prologue.CONV_MAX_KERNEL``)."""
+        return half and fused_prologue() and fused_conv() and self.conv_kernel <= 16
 
     def output_gate(self, x: torch.Tensor) -> torch.Tensor:
         """The output's sigmoid gate from ``x`` ``[B, T, dim]``: ``sigmoid(x W_G)`` ``[B, T, H*d]``."""
@@ -424,10 +442,17 @@ class NeuralMemory(nn.Module):
         if state is None:
             state = self.init_state(B, x.device)
         qkv, g = proj.qkv_gates(x)
-        conv_in = torch.cat([state.conv_cache.to(qkv.dtype), qkv], dim=1)
-        conv_cache = conv_in[:, conv_in.shape[1] - (self.conv_kernel - 1):]
+        pad, cache = self.conv_kernel - 1, state.conv_cache.to(qkv.dtype)
         half = self._kernels_read_half(qkv, algorithm)
-        q, k, v = self._qkv_heads(proj.conv(conv_in), half)
+        if self._conv_fused(half):
+            from memtrain.kernels.titans.prologue import conv_qkv_heads
+
+            q, k, v = conv_qkv_heads(qkv, cache, *proj.conv(), self.heads, self.value_norm, qkv.dtype)
+            conv_cache = qkv[:, T - pad:] if T >= pad else torch.cat([cache, qkv], dim=1)[:, T:]
+        else:
+            conv_in = torch.cat([cache, qkv], dim=1)
+            conv_cache = conv_in[:, conv_in.shape[1] - pad:]
+            q, k, v = self._qkv_heads(self._conv(conv_in, params=proj.conv()), half)
         lr, log_eta, log_keep, chunk_gates = self._gates(g, state, half and fused_prologue())
         y, new_state = self.scan(q, k, v, lr, log_eta, log_keep, state, self.chunk_size, algorithm, self.kernel,
                                  qkv.dtype)
@@ -445,10 +470,17 @@ class NeuralMemory(nn.Module):
     def segment_queries(self, x: torch.Tensor, segment_len: int) -> torch.Tensor:
         """:meth:`retrieve`'s queries ``[B, H, T, head_dim]`` of every ``segment_len``-token segment of ``x``
         ``[B, T, dim]`` at once (the last segment may be shorter): the query convolution restarts (zero left
-        padding) at every segment start, as if each segment were retrieved on its own."""
+        padding) at every segment start, as if each segment were retrieved on its own. Where the kernels run
+        (half-precision activations), the convolution, SiLU and norm are one fused kernel each way
+        (:func:`memtrain.kernels.titans.prologue.conv_queries`; ``MEMTRAIN_TITANS_FUSED_CONV=0`` keeps this form)."""
         B, T, _ = x.shape
         n = -(-T // segment_len)
         q = F.linear(x, self.to_qkv.weight[: self.inner])
+        if self._conv_fused(self._kernels_read_half(q, "chunked")):
+            from memtrain.kernels.titans.prologue import conv_queries
+
+            return conv_queries(q, self.conv.weight[: self.inner], self.conv.bias[: self.inner], self.heads,
+                                segment_len, self.inner_dtype)
         if n * segment_len != T:  # zero rows after the end: a causal convolution leaves the rows before unchanged
             q = F.pad(q, (0, 0, 0, n * segment_len - T))
         q = F.pad(q.reshape(B * n, segment_len, self.inner), (0, 0, self.conv_kernel - 1, 0))  # zero left context
