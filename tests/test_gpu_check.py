@@ -227,9 +227,9 @@ def test_the_real_plan_names_existing_files_and_loadable_recipes(capsys):
     # 15 device minutes: the guards (the fused kernels, which every recipe runs; MAC's fused retrieval and grouped
     # weight gradients), the two recipes with a throughput target as they ship, MAC's old backward beside them, the
     # layer target, the other two recipes
-    assert names[:11] == ["env", "fused_kernels", "fused_read", "grouped_wgrad", "recipe_170m_mac", "recipe_400m_mag",
-                          "recipe_170m_mac_shipped", "titans_layer", "recipe_340m_mac", "recipe_760m_mal",
-                          "recipe_170m_mac_compiled"]
+    assert names[:12] == ["env", "fused_kernels", "fused_conv", "fused_read", "grouped_wgrad", "recipe_170m_mac",
+                          "recipe_400m_mag", "recipe_170m_mac_shipped", "titans_layer", "recipe_340m_mac",
+                          "recipe_760m_mal", "recipe_170m_mac_compiled"]
     from memtrain.kernels.titans import form_env
 
     old, new = gc.select(gc.PLAN, "recipe_170m_mac_shipped")[0], gc.select(gc.PLAN, "recipe_170m_mac")[0]
@@ -239,13 +239,16 @@ def test_the_real_plan_names_existing_files_and_loadable_recipes(capsys):
     assert gc.select(gc.PLAN, "recipe_170m_mac")[0].timeout_s >= 120
     guard = gc.select(gc.PLAN, "fused_kernels")[0]
     from memtrain.model.anchor import FUSED_ROPE_ENV
-    from memtrain.model.titans.memory import FUSED_OUTPUT_ENV, FUSED_PROLOGUE_ENV, FUSED_READ_ENV
+    from memtrain.model.titans.memory import FUSED_CONV_ENV, FUSED_OUTPUT_ENV, FUSED_PROLOGUE_ENV, FUSED_READ_ENV
 
     assert guard.on_failure_env == {FUSED_PROLOGUE_ENV: "0", FUSED_OUTPUT_ENV: "0", FUSED_ROPE_ENV: "0"}
     assert "tests/test_titans_kernel.py" in guard.argv and "tests/test_rope_kernel.py" in guard.argv
     read_guard = gc.select(gc.PLAN, "fused_read")[0]  # its own: a failure turns off the retrieval alone
     assert read_guard.on_failure_env == {FUSED_READ_ENV: "0"} and gc.PLAN.index(read_guard) < gc.PLAN.index(
         gc.select(gc.PLAN, "recipe_170m_mac")[0])
+    conv_guard = gc.select(gc.PLAN, "fused_conv")[0]  # the convolution's fusion alone; its tests not in the first
+    assert conv_guard.on_failure_env == {FUSED_CONV_ENV: "0"} and "not conv_" in guard.argv[-1]
+    assert "conv_" in conv_guard.argv[-1]
     from memtrain.model.grouped_linear import GROUPED_ENV
 
     grouped = gc.select(gc.PLAN, "grouped_wgrad")[0]

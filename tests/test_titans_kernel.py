@@ -814,14 +814,22 @@ def test_kernel_prologue_conv_qkv_heads_refuses_a_cache_that_does_not_fit():
 
 
 def test_kernel_prologue_custom_operators_pass_opcheck():
-    """The prologue's four custom operators: schemas, fake implementations, autograd registration, AOTAutograd
-    against eager (``torch.library.opcheck``), with the convolution's transposed strides, a column slice."""
+    """The prologue's two custom operators without the convolution: schemas, fake implementations, autograd
+    registration, AOTAutograd against eager (``torch.library.opcheck``), with the convolution's transposed
+    strides."""
     from memtrain.kernels.titans import prologue
 
     x = torch.randn(2, 30, 9, device=DEVICE).transpose(1, 2).requires_grad_(True)  # [2, 9, 30]: 3 heads of 3
     torch.library.opcheck(prologue._qkv_fwd, (x.transpose(1, 2), 3, False, torch.float32))
     g = torch.randn(2, 19, 12, device=DEVICE, requires_grad=True)
     torch.library.opcheck(prologue._gates_fwd, (g, 4, 0.01, math.log(0.9)))
+
+
+def test_kernel_prologue_conv_custom_operators_pass_opcheck():
+    """The convolution's two custom operators (q/k/v after the cache; the retrieval queries in segments of 7):
+    ``torch.library.opcheck`` with a column-sliced input."""
+    from memtrain.kernels.titans import prologue
+
     x = torch.randn(2, 19, 16, device=DEVICE)[..., 1:].requires_grad_(True)  # a column slice: 5 heads of 3
     cache, weight, bias = (torch.randn(*shape, device=DEVICE, requires_grad=True) for shape in ((2, 3, 15),
                                                                                                 (15, 1, 4), (15,)))
