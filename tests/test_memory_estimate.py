@@ -221,8 +221,8 @@ def test_recipe_show_estimates_titans_activations_below_the_measured_peak(monkey
     assert saved < (measured_code.total - fused_read.total) / 2**30 < 1.05 * saved
     # PyTorch's convolution keeps its input after the cache ([4, 3 + 512, 2304] bf16) and the q/k/v prologue its
     # output ([4, 512, 2304]) per write; the fused one neither (it keeps the projection, kept already, and the
-    # cache: a view of the segment before's, except the first segment's zeros): 1.69 GiB
-    write = 12 * 8 * 4 * (515 + 512) * 2304 * 2 - 12 * 4 * 3 * 2304 * 2
+    # cache, [4, 3, 2304], its own tensor): 1.69 GiB
+    write = 12 * 8 * 4 * (515 + 512) * 2304 * 2 - 12 * 8 * 4 * 3 * 2304 * 2
     # and per block for the retrieval queries its input (8 segments of [4, 3 + 512, 768] bf16), SiLU's input
     # ([4, 4096, 768] bf16), the norm's ([4, 12, 4096, 64] float32) and its two [4, 12, 4096, 1] float32 tensors,
     # where the fused queries keep the projection (as large as SiLU's input): 0.86 GiB

@@ -720,8 +720,10 @@ def test_kernel_prologue_conv_qkv_heads_matches_torch(poisoned_prologue, dtype, 
     ``F.conv1d`` over the cache and the input, rounded to ``dtype``, then SiLU, L2 norm per head, layout) in
     float64: odd head size and count, the input a column slice of a wider projection (as MAC's stacked one), a
     random cache, widths 4 (the recipes'), 1 (no left context) and 3, lengths across the backward's overlapping
-    32-row tiles and one shorter than the cache; every element written. The gradients of the input, cache,
-    weight and bias against float64 autograd: one backward operator and no convolution or stack."""
+    32-row tiles and one shorter than the cache; every element written; the next cache exactly the last rows of the
+    cache and the input. The gradients of the input, cache, weight and bias against float64 autograd, with q/k/v
+    and the next cache in the loss, q/k/v alone and the next cache alone: one backward operator and no
+    convolution, stack or zero-filled slice gradient."""
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     B, H, hd = 2, 3, 5
     C = 3 * H * hd
@@ -730,7 +732,8 @@ def test_kernel_prologue_conv_qkv_heads_matches_torch(poisoned_prologue, dtype, 
     cache = (2 * torch.randn(B, width - 1, C, generator=gen)).to(DEVICE, dtype).requires_grad_(True)
     weight = (torch.randn(C, 1, width, generator=gen) / width ** 0.5).to(DEVICE, dtype).requires_grad_(True)
     bias = (0.3 * torch.randn(C, generator=gen)).to(DEVICE, dtype).requires_grad_(True)
-    q, k, v = poisoned_prologue.conv_qkv_heads(x, cache, weight, bias, H, False, dtype)
+    q, k, v, new_cache = poisoned_prologue.conv_qkv_heads(x, cache, weight, bias, H, False, dtype)
+    assert new_cache.is_contiguous() and torch.equal(new_cache, torch.cat([cache, x], 1)[:, T:].detach())
     ins64 = [t.detach().double().requires_grad_(True) for t in (x, cache, weight, bias)]
 
     def torch_form(x, cache, weight, bias, rounded):
@@ -746,16 +749,25 @@ def test_kernel_prologue_conv_qkv_heads_matches_torch(poisoned_prologue, dtype, 
         assert got.dtype == dtype and got.shape == (B, H, T, hd) and got.is_contiguous()
         assert torch.isfinite(got).all() and _rel(got, want) < tol, _rel(got, want)
     cot = torch.randn(3, B, H, T, hd, generator=gen).to(DEVICE)
-    with op_names() as ops:
-        grads = torch.autograd.grad(sum((o.float() * c).sum() for o, c in zip((q, k, v), cot)),
-                                    (x, cache, weight, bias))
-    assert ops.names.count("titans_conv_qkv_heads_bwd") == 1, ops.names
-    assert not [n for n in ops.names if "conv" in n and "titans" not in n or n == "stack"], ops.names
-    refs = torch.autograd.grad((torch_form(*ins64, rounded=False) * cot.double()).sum(), ins64)
-    for name, g, want, inp in zip(("x", "cache", "weight", "bias"), grads, refs, (x, cache, weight, bias)):
-        assert g.dtype == dtype and g.shape == inp.shape and torch.isfinite(g).all(), name
-        if g.numel():
-            assert _rel(g, want) < tol, (name, _rel(g, want))
+    cot_cache = torch.randn(new_cache.shape, generator=gen).to(DEVICE)
+    for used in (("qkv", "cache"), ("qkv",), ("cache",)):
+        loss = sum(((o.float() * c).sum() for o, c in zip((q, k, v), cot)) if "qkv" in used else ())
+        if "cache" in used:
+            loss = loss + (new_cache.float() * cot_cache).sum()
+        with op_names() as ops:
+            grads = torch.autograd.grad(loss, (x, cache, weight, bias), retain_graph=True)
+        assert ops.names.count("titans_conv_qkv_heads_bwd") == 1, ops.names
+        assert not [n for n in ops.names if "conv" in n and "titans" not in n or n in ("stack", "slice_backward")]
+        loss64 = sum(((torch_form(*ins64, rounded=False) * cot.double()).sum(),) if "qkv" in used else ())
+        if "cache" in used:
+            loss64 = loss64 + (torch.cat(ins64[1::-1], 1)[:, T:] * cot_cache.double()).sum()
+        refs = torch.autograd.grad(loss64, ins64, allow_unused=True, materialize_grads=True)
+        for name, g, want, inp in zip(("x", "cache", "weight", "bias"), grads, refs, (x, cache, weight, bias)):
+            assert g.dtype == dtype and g.shape == inp.shape and torch.isfinite(g).all(), (used, name)
+            if want.count_nonzero():
+                assert _rel(g, want) < tol, (used, name, _rel(g, want))
+            else:  # the next cache alone: no gradient reaches the weight and bias
+                assert not g.count_nonzero(), (used, name)
 
 
 @pytest.mark.parametrize("dtype, width, T, segment", [(torch.float16, 4, 45, 16), (torch.float32, 4, 37, 37),

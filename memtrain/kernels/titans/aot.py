@@ -247,9 +247,10 @@ def compile_kernel(kernel: str, depth: int = 2, head_dim: int = 64, hidden: int 
         elif not kernel.startswith("gates"):  # q/k/v; MAC's retrieval queries (float32 out, no cache)
             conv_k = 4 if kernel.startswith("conv") else 0
             queries = kernel.startswith("conv_queries")
-            consts = dict(NORM_V=True, CONV_K=conv_k, PARTS=1 if queries else 3, BT=prologue.BLOCK_T,
-                          BD=prologue._block(head_dim), **({"PAD": max(conv_k - 1, 0)} if way == "bwd" else {}))
-            typed = {n: ptr for n in ("X", "DX", "CACHE", "DCACHE", "W", "BIAS")}
+            consts = dict(NORM_V=True, CONV_K=conv_k, PARTS=1 if queries else 3,
+                          NEW_CACHE=kernel.startswith("conv_qkv"), BT=prologue.BLOCK_T, BD=prologue._block(head_dim),
+                          **({"PAD": max(conv_k - 1, 0)} if way == "bwd" else {}))
+            typed = {n: ptr for n in ("X", "DX", "CACHE", "DCACHE", "W", "BIAS", "NEWC", "DNEWC")}
             typed.update({n: "*fp32" if queries else ptr for n in ("Q", "K", "V", "DQ", "DK", "DV")})
             typed["PW"] = "*fp32"
         else:

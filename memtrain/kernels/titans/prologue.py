@@ -22,7 +22,8 @@ reads their gradients, so eager autograd issues one launch each way (no stack jo
 compiled block's graph keeps it as one node (eager and compiled blocks compute the same). Eager
 ``titans-170m-mac`` runs the q/k/v and gate pair 96 times per forward (12 blocks x 8 segments): without the
 convolution 3,264 fewer device ops per sequence, 14,515 -> 11,251 (``benchmarks/op_count.py``); the convolution
-and the retrieval queries 492 fewer since (5,925 -> 5,433).
+and the retrieval queries 660 fewer since (5,925 -> 5,265, the next segment's cache an output of its own whose
+gradient the backward kernel adds: no zero-filled gradient of the projection and add per segment).
 
 The convolution's backward (:func:`_qkv_bwd_kernel`) recomputes the forward in tiles overlapping by the width - 1
 rows, takes each input row's gradient from the tile shifted in registers (``tl.gather``), and writes each
@@ -40,6 +41,7 @@ under 1e-12 there). Under ``TRITON_INTERPRET=1`` the same kernels run on CPU ten
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import triton
@@ -124,11 +126,12 @@ def _pre_rows(X, CACHE, W, BIAS, n, ch, rows, T, SEG, CACHED, sxb, sxt, sxc, scb
 
 
 @triton.jit
-def _qkv_fwd_kernel(X, CACHE, W, BIAS, Q, K, V, T, SEG, CACHED, sxb, sxt, sxc, scb, sct, scc, H, HD,
-                    NORM_V: tl.constexpr, CONV_K: tl.constexpr, PARTS: tl.constexpr, BT: tl.constexpr,
-                    BD: tl.constexpr):
+def _qkv_fwd_kernel(X, CACHE, W, BIAS, Q, K, V, NEWC, T, SEG, CACHED, sxb, sxt, sxc, scb, sct, scc, H, HD,
+                    NORM_V: tl.constexpr, CONV_K: tl.constexpr, PARTS: tl.constexpr, NEW_CACHE: tl.constexpr,
+                    BT: tl.constexpr, BD: tl.constexpr):
     """One program per (sequence, part, head) and ``BT`` tokens: ``Q``, ``K`` or ``V`` ``[n, h, t, :]`` (``PARTS``
-    3; 1: ``Q`` alone)."""
+    3; 1: ``Q`` alone). ``NEW_CACHE``: the first program along T also copies its channels of the convolution's
+    next left context, the last ``CONV_K - 1`` rows of the cache and ``X`` together, to ``NEWC`` (contiguous)."""
     pid = tl.program_id(0)
     n, part, h = pid // (PARTS * H), (pid // H) % PARTS, pid % H
     offs_t = tl.program_id(1) * BT + tl.arange(0, BT)
@@ -141,6 +144,13 @@ def _qkv_fwd_kernel(X, CACHE, W, BIAS, Q, K, V, T, SEG, CACHED, sxb, sxt, sxc, s
     scale = tl.where((part < 2) | NORM_V, 1.0 / tl.maximum(norm, 1e-12), 1.0)
     off = ((n * H + h) * T + offs_t[:, None]) * HD + offs_d[None, :]
     _store_part(Q, K, V, part, off, a * scale[:, None], (offs_t < T)[:, None] & md[None, :])
+    if NEW_CACHE:
+        if tl.program_id(1) == 0:
+            r = tl.arange(0, BT)
+            tail = _src_rows(X, CACHE, n, ch, T - (CONV_K - 1) + r, -CACHED, T, sxb, sxt, sxc, scb, sct, scc, md,
+                             CONV_K - 1)
+            tl.store(NEWC + (n * (CONV_K - 1) + r)[:, None] * (PARTS * H * HD) + ch[None, :],
+                     tail.to(NEWC.dtype.element_ty), mask=(r < CONV_K - 1)[:, None] & md[None, :])
 
 
 @triton.jit
@@ -163,13 +173,14 @@ def _dpre_rows(X, CACHE, W, BIAS, DQ, DK, DV, n, part, h, ch, offs_d, rows, T, S
 
 
 @triton.jit
-def _qkv_bwd_kernel(X, CACHE, W, BIAS, DQ, DK, DV, DX, DCACHE, PW, T, SEG, CACHED, sxb, sxt, sxc, scb, sct, scc,
-                    sdb, sdt, sdc, H, HD, NORM_V: tl.constexpr, CONV_K: tl.constexpr, PARTS: tl.constexpr,
-                    PAD: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+def _qkv_bwd_kernel(X, CACHE, W, BIAS, DQ, DK, DV, DNEWC, DX, DCACHE, PW, T, SEG, CACHED, sxb, sxt, sxc, scb, sct,
+                    scc, sdb, sdt, sdc, H, HD, NORM_V: tl.constexpr, CONV_K: tl.constexpr, PARTS: tl.constexpr,
+                    PAD: tl.constexpr, NEW_CACHE: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
     """The gradient of ``X`` (``DX``, strides ``sdb, sdt, sdc``) from those of ``Q``, ``K``, ``V``, recomputing the
     forward; with the convolution (``CONV_K`` > 0) also its cache's (``DCACHE``, contiguous; with ``CACHED`` rows)
     and this program's part of its weight's and bias's (``PW[n * programs along T + this one, k, c]``, the bias's
-    at ``k = CONV_K``).
+    at ``k = CONV_K``). ``NEW_CACHE``: the gradient of the next left context (``DNEWC``, contiguous ``[B, PAD, C]``:
+    the rows ``T - PAD .. T`` of the cache and ``X`` together) is added where those rows lie.
 
     With the convolution an input row ``i`` feeds the outputs ``i + s``, ``s = 0 .. PAD`` (``PAD = CONV_K - 1``)
     of its segment: ``d src[i] = sum_s W[c, PAD - s] dpre[i + s]``. So the programs' tiles of ``BT`` rows overlap
@@ -203,6 +214,10 @@ def _qkv_bwd_kernel(X, CACHE, W, BIAS, DQ, DK, DV, DX, DCACHE, PW, T, SEG, CACHE
             same = rows >= _first_src(rows + s, SEG, CACHED)  # output row i + s reads row i (its segment's)
             dsrc += tl.where(same[:, None], tl.load(W + ch * CONV_K + (PAD - s), mask=md, other=0.0).to(
                 tl.float32)[None, :] * shifted, 0.0)
+        if NEW_CACHE:
+            j = rows - (T - PAD)
+            dsrc += tl.load(DNEWC + (n * PAD + j)[:, None] * C + ch[None, :],
+                            mask=((j >= 0) & (j < PAD))[:, None] & md[None, :], other=0.0).to(tl.float32)
         tl.store(DCACHE + (n * PAD + rows + PAD)[:, None] * C + ch[None, :], dsrc.to(DCACHE.dtype.element_ty),
                  mask=((r < BT - PAD) & (rows < 0) & (rows >= -CACHED))[:, None] & md[None, :])
     tl.store(DX + n * sdb + rows[:, None] * sdt + ch[None, :] * sdc, dsrc.to(DX.dtype.element_ty),
@@ -294,25 +309,31 @@ def _block(x: int) -> int:
 
 def _qkv_launch(x, cache, weight, bias, heads: int, norm_v: bool, out_dtype: torch.dtype, parts: int = 3,
                 segment: int = 0) -> list[torch.Tensor]:
-    """The forward kernel's launch: ``parts`` (3: q, k, v; 1: q) outputs ``[B, heads, T, head_dim]``. ``weight``
-    None: no convolution; ``cache`` None: zero left context; ``segment``: the convolution restarts (zero left
-    context) every ``segment`` rows (0: never)."""
+    """The forward kernel's launch: ``parts`` (3: q, k, v; 1: q) outputs ``[B, heads, T, head_dim]``, and with a
+    ``cache`` the next one (the last ``kernel - 1`` rows of the cache and ``x`` together). ``weight`` None: no
+    convolution; ``cache`` None: zero left context; ``segment``: the convolution restarts (zero left context)
+    every ``segment`` rows (0: never)."""
     B, T, C = x.shape
     hd = C // (parts * heads)
     outs = [_empty(B, heads, T, hd, device=x.device, dtype=out_dtype) for _ in range(parts)]
     conv_k = 0 if weight is None else weight.shape[-1]
     cached = 0 if cache is None else cache.shape[1]
-    cache = cache if cached else x  # not read without a left context
-    _qkv_fwd_kernel[_grid(B, T, parts * heads)](x, cache, x if weight is None else weight,
-                                                x if bias is None else bias, *(outs * 3)[:3], T, segment or T,
-                                                cached, *x.stride(), *cache.stride(), heads, hd, NORM_V=norm_v,
-                                                CONV_K=conv_k, PARTS=parts, BT=BLOCK_T, BD=_block(hd))
+    if cache is not None:
+        outs.append(_empty(B, cached, C, device=x.device, dtype=x.dtype))
+    _qkv_fwd_kernel[_grid(B, T, parts * heads)](x, cache if cached else x, x if weight is None else weight,
+                                                x if bias is None else bias, *(outs[:parts] * 3)[:3],
+                                                outs[-1] if cached else x, T, segment or T, cached, *x.stride(),
+                                                *(cache if cached else x).stride(), heads, hd, NORM_V=norm_v,
+                                                CONV_K=conv_k, PARTS=parts, NEW_CACHE=cached > 0, BT=BLOCK_T,
+                                                BD=_block(hd))
     return outs
 
 
-def _qkv_grad_launch(x, cache, weight, bias, grads, dx, heads: int, norm_v: bool, segment: int = 0):
-    """The backward kernel's launch, for :func:`_qkv_launch`'s outputs' gradients ``grads``: ``dx`` filled, and
-    with the convolution the gradients of ``cache`` (None without one), ``weight`` and ``bias``."""
+def _qkv_grad_launch(x, cache, weight, bias, grads, dx, heads: int, norm_v: bool, segment: int = 0,
+                     dnew_cache: Optional[torch.Tensor] = None):
+    """The backward kernel's launch, for :func:`_qkv_launch`'s outputs' gradients ``grads`` (and ``dnew_cache``,
+    the next cache's, None where it has none): ``dx`` filled, and with the convolution the gradients of ``cache``
+    (None without one), ``weight`` and ``bias``."""
     B, T, C = x.shape
     parts = len(grads)
     conv_k = 0 if weight is None else weight.shape[-1]
@@ -322,10 +343,12 @@ def _qkv_grad_launch(x, cache, weight, bias, grads, dx, heads: int, norm_v: bool
     dcache = _empty(B, pad, C, device=x.device, dtype=cache.dtype) if cache is not None else None
     pw = _empty(B * grid[1], conv_k + 1, C, device=x.device, dtype=torch.float32) if conv_k else x
     grads = [g.contiguous() for g in grads]
+    new_cache = dnew_cache is not None and cached > 0
     _qkv_bwd_kernel[grid](x, cache if cached else x, x if weight is None else weight, x if bias is None else bias,
-                          *(grads * 3)[:3], dx, dcache if cached else x, pw, T, segment or T, cached, *x.stride(),
+                          *(grads * 3)[:3], dnew_cache.contiguous() if new_cache else x, dx,
+                          dcache if cached else x, pw, T, segment or T, cached, *x.stride(),
                           *(cache if cached else x).stride(), *dx.stride(), heads, C // (parts * heads),
-                          NORM_V=norm_v, CONV_K=conv_k, PARTS=parts, PAD=pad, BT=BLOCK_T,
+                          NORM_V=norm_v, CONV_K=conv_k, PARTS=parts, PAD=pad, NEW_CACHE=new_cache, BT=BLOCK_T,
                           BD=_block(C // (parts * heads)), num_warps=CONV_BWD_WARPS if conv_k else 4)
     if not conv_k:
         return None
@@ -409,26 +432,28 @@ CONV_MAX_KERNEL = 16  # the widest convolution: the backward's 32-row tiles over
 
 @torch.library.custom_op("memtrain::titans_conv_qkv_heads", mutates_args=())
 def _conv_qkv_fwd(x: torch.Tensor, cache: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, heads: int,
-                  norm_v: bool, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  norm_v: bool, out_dtype: torch.dtype
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return tuple(_qkv_launch(x, cache, weight, bias, heads, norm_v, out_dtype))
 
 
 @_conv_qkv_fwd.register_fake
 def _(x, cache, weight, bias, heads, norm_v, out_dtype):
     B, T, C = x.shape
-    return tuple(x.new_empty(B, heads, T, C // (3 * heads), dtype=out_dtype) for _ in range(3))
+    return (*(x.new_empty(B, heads, T, C // (3 * heads), dtype=out_dtype) for _ in range(3)),
+            x.new_empty(B, cache.shape[1], C))
 
 
 @torch.library.custom_op("memtrain::titans_conv_qkv_heads_bwd", mutates_args=())
 def _conv_qkv_bwd(x: torch.Tensor, cache: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, dq: torch.Tensor,
-                  dk: torch.Tensor, dv: torch.Tensor, heads: int,
+                  dk: torch.Tensor, dv: torch.Tensor, dnew_cache: Optional[torch.Tensor], heads: int,
                   norm_v: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     dx = _empty(*x.shape, device=x.device, dtype=x.dtype)
-    return (dx, *_qkv_grad_launch(x, cache, weight, bias, (dq, dk, dv), dx, heads, norm_v))
+    return (dx, *_qkv_grad_launch(x, cache, weight, bias, (dq, dk, dv), dx, heads, norm_v, dnew_cache=dnew_cache))
 
 
 @_conv_qkv_bwd.register_fake
-def _(x, cache, weight, bias, dq, dk, dv, heads, norm_v):
+def _(x, cache, weight, bias, dq, dk, dv, dnew_cache, heads, norm_v):
     return (torch.empty_like(x, memory_format=torch.contiguous_format),
             torch.empty_like(cache, memory_format=torch.contiguous_format),
             torch.empty_like(weight, memory_format=torch.contiguous_format), torch.empty_like(bias))
@@ -437,10 +462,17 @@ def _(x, cache, weight, bias, dq, dk, dv, heads, norm_v):
 def _conv_setup(ctx, inputs, output):
     ctx.save_for_backward(*inputs[:4])
     ctx.args = inputs[4:6]
+    ctx.qkv = [(o.shape, o.dtype) for o in output[:3]]
+    ctx.set_materialize_grads(False)  # the next cache's gradient stays None where the loss does not reach it
 
 
-def _conv_backward(ctx, dq, dk, dv):
-    return (*_conv_qkv_bwd(*ctx.saved_tensors, dq, dk, dv, *ctx.args), None, None, None)
+def _conv_backward(ctx, dq, dk, dv, dnew_cache):
+    """The gradients of ``x``, the cache, the weight and the bias; q, k or v that the loss does not reach give
+    zeros (as autograd would materialise them), the next cache's gradient is left out (no zeros op)."""
+    x = ctx.saved_tensors[0]
+    dqkv = [torch.zeros(shape, device=x.device, dtype=dtype) if g is None else g
+            for g, (shape, dtype) in zip((dq, dk, dv), ctx.qkv)]
+    return (*_conv_qkv_bwd(*ctx.saved_tensors, *dqkv, dnew_cache, *ctx.args), None, None, None)
 
 
 _conv_qkv_fwd.register_autograd(_conv_backward, setup_context=_conv_setup)
@@ -450,9 +482,12 @@ def conv_qkv_heads(x: torch.Tensor, cache: torch.Tensor, weight: torch.Tensor, b
                    norm_v: bool, out_dtype: torch.dtype):
     """:func:`qkv_heads` of the causal depthwise convolution of ``x`` ``[B, T, C]`` (any strides) after its left
     context ``cache`` ``[B, kernel - 1, C]``: ``weight`` ``[C, 1, kernel]`` (``nn.Conv1d``'s, contiguous) and
-    ``bias`` ``[C]``, the convolution's output rounded to ``x``'s dtype as ``F.conv1d`` returns it. One kernel
-    each way plus one for the weight's and bias's gradients (summed in float32 over the sequences and blocks of
-    tokens, in order); the convolution's output is never stored."""
+    ``bias`` ``[C]``, the convolution's output rounded to ``x``'s dtype as ``F.conv1d`` returns it; and the next
+    call's left context (the last ``kernel - 1`` rows of ``cache`` and ``x`` together, contiguous): ``(q, k, v,
+    new_cache)``. One kernel each way plus one for the weight's and bias's gradients (summed in float32 over the
+    sequences and blocks of tokens, in order); the convolution's output is never stored. The new cache's gradient
+    (the next segment's, in MAC) is added inside the backward kernel, where a view of ``x`` would have cost a
+    zero-filled gradient of all of ``x`` and an add."""
     if not 1 <= weight.shape[-1] <= CONV_MAX_KERNEL:
         raise ValueError(f"conv_qkv_heads: a width-{weight.shape[-1]} convolution; the kernels take widths 1 to "
                          f"{CONV_MAX_KERNEL}")

@@ -447,8 +447,7 @@ class NeuralMemory(nn.Module):
         if self._conv_fused(half):
             from memtrain.kernels.titans.prologue import conv_qkv_heads
 
-            q, k, v = conv_qkv_heads(qkv, cache, *proj.conv(), self.heads, self.value_norm, qkv.dtype)
-            conv_cache = qkv[:, T - pad:] if T >= pad else torch.cat([cache, qkv], dim=1)[:, T:]
+            q, k, v, conv_cache = conv_qkv_heads(qkv, cache, *proj.conv(), self.heads, self.value_norm, qkv.dtype)
         else:
             conv_in = torch.cat([cache, qkv], dim=1)
             conv_cache = conv_in[:, conv_in.shape[1] - pad:]
