@@ -49,7 +49,7 @@ import triton.language as tl
 
 BLOCK_T = 32  # tokens per program
 # The q/k/v backward with the convolution launches 8 warps: at head size 64 in bf16 (sm_90, Triton 3.6) it keeps
-# its tiles in 255 registers without spilling; 4 warps spill 804 bytes per thread (aot.compile_kernel).
+# its tiles in 255 registers without spilling; 4 warps spill about 800 bytes per thread (aot.compile_kernel).
 CONV_BWD_WARPS = 8
 # Unlike the scan kernels (triton_kernels._RUNTIME_INTS), these leave Triton's specialisation of integer arguments
 # on: they compile in under a second, a call length adds at most a variant or two (divisible by 16 or not), and

@@ -299,9 +299,8 @@ class NeuralMemory(nn.Module):
         (their gradients summed in one op each); plain where that does not apply. The same functions either
         way."""
         if not (writes or outputs):
-            return Projections(lambda x: (self.to_qkv(x), self.to_gates(x)), lambda: (self.conv.weight, self.conv.bias),
-                               lambda: self.out_norm,
-                               self.to_out)
+            return Projections(lambda x: (self.to_qkv(x), self.to_gates(x)),
+                               lambda: (self.conv.weight, self.conv.bias), lambda: self.out_norm, self.to_out)
         gates = self.to_gates
         split = [self.to_qkv.out_features, gates.out_features]
         both = grouped_linear(torch.cat([self.to_qkv.weight, gates.weight]), F.pad(gates.bias, (split[0], 0)))
