@@ -156,8 +156,7 @@ PLAN: list[Phase] = [
     # off.
     Phase("fused_kernels", _pytest("tests/test_titans_kernel.py", "tests/test_rope_kernel.py", "-k",
                                    "(prologue or output or rope) and not compiles and not conv_"), 100, "pytest",
-          "the memory layer's fused prologue (convolution and q/k/v, gates) and output stage and the fused RoPE "
-          "against float64, "
+          "the memory layer's fused prologue (q/k/v, gates) and output stage and the fused RoPE against float64, "
           "compiled; on failure the later phases set MEMTRAIN_TITANS_FUSED_PROLOGUE=0, "
           "MEMTRAIN_TITANS_FUSED_OUTPUT=0 and MEMTRAIN_FUSED_ROPE=0",
           on_failure_env={"MEMTRAIN_TITANS_FUSED_PROLOGUE": "0", "MEMTRAIN_TITANS_FUSED_OUTPUT": "0",

@@ -36,9 +36,8 @@ import tempfile
 from typing import Optional
 
 KERNELS = ("fwd", "bwd", "fwd_advance", "fwd_read", "bwd_recompute", "bwd_local", "bwd_carry", "coef_fwd", "coef_bwd",
-           "qkv_fwd", "qkv_bwd", "conv_qkv_fwd", "conv_qkv_bwd", "conv_queries_fwd",
-           "conv_queries_bwd", "conv_grad", "gates_fwd", "gates_bwd", "out_fwd",
-           "out_bwd", "rope_fwd", "rope_bwd", "read_fwd", "read_bwd")
+           "qkv_fwd", "qkv_bwd", "conv_qkv_fwd", "conv_qkv_bwd", "conv_queries_fwd", "conv_queries_bwd", "conv_grad",
+           "gates_fwd", "gates_bwd", "out_fwd", "out_bwd", "rope_fwd", "rope_bwd", "read_fwd", "read_bwd")
 # The scan kernels' integer arguments; every other non-constexpr argument is a pointer.
 _INTS = {"NC", "Tp", "N_LAST", "SAVE_EVERY", "NSAVE", "C", "D", "H1", "grp", "c0", "c1"}
 _HALF = {"Q", "K", "V"}  # q, k, v reach the kernels in the activations' half precision in training
@@ -257,9 +256,8 @@ def compile_kernel(kernel: str, depth: int = 2, head_dim: int = 64, hidden: int 
             consts = dict(BT=prologue.BLOCK_T, BG=prologue._block(3 * 12))
             typed = {"G": ptr, "DG": ptr, "max_lr": "fp32", "log_max_momentum": "fp32",
                      **{n: "*fp32" for n in ("LR", "LOG_ETA", "LOG_KEEP", "DLR", "DLOG_ETA", "DLOG_KEEP")}}
-        launch = {"num_warps": num_warps or (prologue.CONV_BWD_WARPS if kernel.startswith("conv_q") and way == "bwd"
-                                             else 4),
-                  "num_stages": 3}  # as the kernels launch
+        conv_bwd = kernel.startswith("conv_q") and way == "bwd"  # 8 warps, the rest Triton's defaults, as launched
+        launch = {"num_warps": num_warps or (prologue.CONV_BWD_WARPS if conv_bwd else 4), "num_stages": 3}
         sig = {n: "constexpr" if n in consts else typed.get(n, "i32") for n in fn.arg_names}
         scan = False
     elif kernel.startswith("read_"):  # MAC's retrieval (memtrain.kernels.titans.read): float32 queries and weights,

@@ -430,6 +430,12 @@ CONV_GRAD_BLOCK = 128  # channels per program of the weight and bias gradients' 
 CONV_MAX_KERNEL = 16  # the widest convolution: the backward's 32-row tiles overlap by its width - 1
 
 
+def _check_width(name: str, weight: torch.Tensor) -> None:
+    if not 1 <= weight.shape[-1] <= CONV_MAX_KERNEL:
+        raise ValueError(f"{name}: a width-{weight.shape[-1]} convolution; the kernels take widths 1 to "
+                         f"{CONV_MAX_KERNEL}")
+
+
 @torch.library.custom_op("memtrain::titans_conv_qkv_heads", mutates_args=())
 def _conv_qkv_fwd(x: torch.Tensor, cache: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, heads: int,
                   norm_v: bool, out_dtype: torch.dtype
@@ -488,9 +494,7 @@ def conv_qkv_heads(x: torch.Tensor, cache: torch.Tensor, weight: torch.Tensor, b
     sequences and blocks of tokens, in order); the convolution's output is never stored. The new cache's gradient
     (the next segment's, in MAC) is added inside the backward kernel, where a view of ``x`` would have cost a
     zero-filled gradient of all of ``x`` and an add."""
-    if not 1 <= weight.shape[-1] <= CONV_MAX_KERNEL:
-        raise ValueError(f"conv_qkv_heads: a width-{weight.shape[-1]} convolution; the kernels take widths 1 to "
-                         f"{CONV_MAX_KERNEL}")
+    _check_width("conv_qkv_heads", weight)
     if cache.shape[1] != weight.shape[-1] - 1:
         raise ValueError(f"conv_qkv_heads: the cache has {cache.shape[1]} rows; a width-{weight.shape[-1]} "
                          f"convolution needs {weight.shape[-1] - 1}")
@@ -542,9 +546,9 @@ def conv_queries(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, head
     ``bias`` ``[C]``) restarting with zero left context every ``segment`` rows, rounded to ``x``'s dtype, then
     ``normalize(silu(.))`` per head -- :meth:`memtrain.model.titans.memory.NeuralMemory.segment_queries`' form.
     The same kernels as :func:`conv_qkv_heads`, with one part and no cache."""
-    if not 1 <= weight.shape[-1] <= CONV_MAX_KERNEL or segment < 1:
-        raise ValueError(f"conv_queries: a width-{weight.shape[-1]} convolution over {segment}-row segments; the "
-                         f"kernels take widths 1 to {CONV_MAX_KERNEL} and segments of at least one row")
+    _check_width("conv_queries", weight)
+    if segment < 1:
+        raise ValueError(f"conv_queries: {segment}-row segments; the kernels take segments of at least one row")
     return _conv_queries_fwd(x, weight.contiguous(), bias, heads, segment, out_dtype)
 
 

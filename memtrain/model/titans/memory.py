@@ -471,14 +471,14 @@ class NeuralMemory(nn.Module):
         padding) at every segment start, as if each segment were retrieved on its own. Where the kernels run
         (half-precision activations), the convolution, SiLU and norm are one fused kernel each way
         (:func:`memtrain.kernels.titans.prologue.conv_queries`; ``MEMTRAIN_TITANS_FUSED_CONV=0`` keeps this form)."""
-        B, T, _ = x.shape
-        n = -(-T // segment_len)
         q = F.linear(x, self.to_qkv.weight[: self.inner])
         if self._conv_fused(self._kernels_read_half(q, "chunked")):
             from memtrain.kernels.titans.prologue import conv_queries
 
             return conv_queries(q, self.conv.weight[: self.inner], self.conv.bias[: self.inner], self.heads,
                                 segment_len, self.inner_dtype)
+        B, T, _ = x.shape
+        n = -(-T // segment_len)
         if n * segment_len != T:  # zero rows after the end: a causal convolution leaves the rows before unchanged
             q = F.pad(q, (0, 0, 0, n * segment_len - T))
         q = F.pad(q.reshape(B * n, segment_len, self.inner), (0, 0, self.conv_kernel - 1, 0))  # zero left context
