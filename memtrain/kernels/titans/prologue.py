@@ -474,11 +474,13 @@ def _conv_setup(ctx, inputs, output):
 
 def _conv_backward(ctx, dq, dk, dv, dnew_cache):
     """The gradients of ``x``, the cache, the weight and the bias; q, k or v that the loss does not reach give
-    zeros (as autograd would materialise them), the next cache's gradient is left out (no zeros op)."""
-    x = ctx.saved_tensors[0]
-    dqkv = [torch.zeros(shape, device=x.device, dtype=dtype) if g is None else g
+    zeros (as autograd would materialise them), the next cache's gradient is left out (no zeros op). The saved
+    tensors are unpacked once: under activation checkpointing (``torch.utils.checkpoint``, non-reentrant) a second
+    unpack is an error."""
+    saved = ctx.saved_tensors
+    dqkv = [torch.zeros(shape, device=saved[0].device, dtype=dtype) if g is None else g
             for g, (shape, dtype) in zip((dq, dk, dv), ctx.qkv)]
-    return (*_conv_qkv_bwd(*ctx.saved_tensors, *dqkv, dnew_cache, *ctx.args), None, None, None)
+    return (*_conv_qkv_bwd(*saved, *dqkv, dnew_cache, *ctx.args), None, None, None)
 
 
 _conv_qkv_fwd.register_autograd(_conv_backward, setup_context=_conv_setup)
