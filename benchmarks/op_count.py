@@ -27,6 +27,21 @@ chunked form runs and its per-chunk loop is counted.
         model.titans.memory_heads=2 model.ffn_dim=256 model.vocab_size=1024 data.tokenizer.vocab_size=1024 \\
         model.titans.kernel=triton
 
+``--time K`` also times the host: K more forwards and backwards of the same micro-batch (after one untimed), without
+the counter, the launches still stubbed, and prints ``host_ms_per_micro_batch`` (their median) and
+``host_us_per_op`` (that over ``ops_total``): the Python, dispatcher, autograd and allocator time one micro-batch
+costs the host before any kernel runs -- the floor under an eager step's time where the device is faster than the
+host. The ops still compute on the CPU, so time it at a shape whose tensors are tiny and whose structure is the
+recipe's (the count shows it is: same ``ops_total``): for ``titans-170m-mac``, ``data.seq_len=128
+model.titans.segment_len=16`` keep its 8 segments of one chunk each. CPU-side costs that only a GPU run has (CUDA's
+launch calls, Triton's launcher) are not in it. ``MEMTRAIN_KERNEL_OPS=dispatch`` times the kernels' custom operators
+through torch's dispatcher (``memtrain.kernels.op``).
+
+    python benchmarks/op_count.py recipes/titans-170m-mac.yaml model.d_model=32 model.n_heads=2 \\
+        model.titans.memory_heads=2 model.titans.memory_head_dim=16 model.ffn_dim=64 model.vocab_size=256 \\
+        data.tokenizer.vocab_size=256 data.seq_len=128 model.titans.segment_len=16 model.titans.kernel=triton \\
+        --time 7
+
 Not part of the test suite (a smoke test runs it at a tiny size).
 """
 
@@ -37,7 +52,9 @@ import collections
 import contextlib
 import json
 import os
+import statistics
 import sys
+import time
 from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # kernel: triton passes its checks on a CPU; launches are stubbed
@@ -148,7 +165,7 @@ def _label_calls(owner, attr: str, label: str, where: list[str]) -> None:
     setattr(owner, attr, labelled)
 
 
-def count(recipe, dtype: torch.dtype) -> dict:
+def count(recipe, dtype: torch.dtype, time_reps: int = 0) -> dict:
     from memtrain.kernels import rope
     from memtrain.kernels.titans import output, prologue, read, triton_deep, triton_kernels
     from memtrain.model import anchor, build
@@ -191,11 +208,31 @@ def count(recipe, dtype: torch.dtype) -> dict:
         out.loss_sum.float().backward()
     total = sum(counter.ops.values())
     micro = recipe.train.micro_batch_size
-    return {"model_type": recipe.model.type, "seq_len": T, "micro_batch_size": micro, "dtype": str(dtype),
-            "ops_forward": forward + forward_launches, "ops_backward": total - forward + sum(launches.values())
-            - forward_launches, "ops_total": total + sum(launches.values()), "triton_launches": dict(launches),
-            "ops_per_token": round((total + sum(launches.values())) / (micro * T), 3),
-            "forward_by_module": by_module, "top_ops": counter.ops.most_common(12)}
+    result = {"model_type": recipe.model.type, "seq_len": T, "micro_batch_size": micro, "dtype": str(dtype),
+              "ops_forward": forward + forward_launches, "ops_backward": total - forward + sum(launches.values())
+              - forward_launches, "ops_total": total + sum(launches.values()), "triton_launches": dict(launches),
+              "ops_per_token": round((total + sum(launches.values())) / (micro * T), 3),
+              "forward_by_module": by_module, "top_ops": counter.ops.most_common(12)}
+    if time_reps:  # after the counts: the timed steps' launches are stubbed too, and counted in ``launches``
+        result.update(_host_time(model, x, time_reps))
+        result["host_us_per_op"] = round(result["host_ms_per_micro_batch"] * 1e3 / result["ops_total"], 2)
+    return result
+
+
+def _host_time(model, x: torch.Tensor, reps: int) -> dict:
+    """The median wall time of ``reps`` forwards and backwards of ``x`` (after one untimed), nothing counted."""
+    def step():
+        out = model(x, labels=x.roll(-1, 1))
+        out.loss_sum.float().backward()
+
+    step()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return {"host_ms_per_micro_batch": round(statistics.median(times) * 1e3, 2),
+            "host_ms_all": [round(t * 1e3, 2) for t in times], "host_torch_threads": torch.get_num_threads()}
 
 
 def main() -> int:
@@ -203,7 +240,11 @@ def main() -> int:
     ap.add_argument("recipe", help="recipe YAML")
     ap.add_argument("overrides", nargs="*", help="key=value overrides, as for `memtrain train`")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="model dtype (default bf16)")
+    ap.add_argument("--time", type=int, default=0, metavar="K",
+                    help="also time K forwards and backwards on the host, nothing counted (see the module docstring)")
     args = ap.parse_args()
+    if args.time < 0:
+        ap.error(f"--time takes a count of repetitions (0: none), got {args.time}")
     from memtrain.config import load_recipe
     from memtrain.errors import MemtrainError
 
@@ -215,7 +256,8 @@ def main() -> int:
     if recipe.model.type not in ("decoder", "titans"):
         print(f"op_count: model.type {recipe.model.type!r} is not counted (decoder and titans are)", file=sys.stderr)
         return 2
-    print(json.dumps({"recipe": args.recipe, "overrides": args.overrides, **count(recipe, DTYPES[args.dtype])}))
+    result = count(recipe, DTYPES[args.dtype], args.time)
+    print(json.dumps({"recipe": args.recipe, "overrides": args.overrides, **result}))
     return 0
 
 

@@ -5,8 +5,11 @@ the recipe's precision, the DeepSpeed engine of ``memtrain.parallel.engine.initi
 for hierarchical memories with its fetch / reduce / clip / step, the sharded chapter bank of cross-attention
 memories), runs ``--warmup`` untimed and ``--steps`` timed optimizer steps of ``accumulation`` micro-batches
 each, and prints one JSON line: tokens/s, MFU, peak memory, the median forward / backward / optimizer
-split of a step (the trainer's ``time/*_s``), the wall time of the first warm-up step (``torch.compile``
-of flex attention and of the blocks, Triton autotuning, DeepSpeed's lazy set-up) and the environment. The
+split of a step (the trainer's ``time/*_s``) and the host's part of each (``host_forward_s``, ``host_backward_s``,
+``host_optimizer_s``: the time until the part's Python code returned, before the device was waited for; near the
+part's own time on a GPU means host-bound, see ``StepClock``), the wall time of the first warm-up step
+(``torch.compile`` of flex attention and of the blocks, Triton autotuning, DeepSpeed's lazy set-up) and the
+environment. The
 model gets the trainer's training options (``memtrain.launcher.train.configure_model``): the output says
 which ran -- ``compiled_blocks`` (``model.compile``: auto compiles the decoder blocks on CUDA) with
 ``compile_s`` (seconds spent in torch.compile over the warm-up and timed steps), ``checkpoint_every``
@@ -355,13 +358,15 @@ def time_steps(runner, batches: Iterator[dict], device: torch.device, accum: int
         if i == 0:
             first = step_s
         if i >= warmup:
-            rows.append({"step_s": step_s, "data_s": data_s, **{f"{k}_s": v for k, v in clock.seconds.items()}})
+            rows.append({"step_s": step_s, "data_s": data_s, **{f"{k}_s": v for k, v in clock.seconds.items()},
+                         **{f"host_{k}_s": v for k, v in clock.host.items()}})
         print(f"{label} step {i + 1}/{warmup + steps}{' (warm-up)' if i < warmup else ''}: {step_s:.3f} s, "
               f"loss {losses[-1]:.4f}", file=sys.stderr, flush=True)
     step_s = _median([r["step_s"] for r in rows])
     out = {"first_step_s": first if warmup else None, "step_s": step_s,
            "tokens_per_s": tokens_per_step / step_s if step_s else None}
-    for key in ("forward_s", "backward_s", "optimizer_s", "data_s"):
+    for key in ("forward_s", "backward_s", "optimizer_s", "data_s", "host_forward_s", "host_backward_s",
+                "host_optimizer_s"):
         out[key] = _median([r[key] for r in rows])
     out["other_s"] = _median([r["step_s"] - r["data_s"] - r["forward_s"] - r["backward_s"] - r["optimizer_s"]
                               for r in rows])

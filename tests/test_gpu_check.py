@@ -196,6 +196,21 @@ def test_a_phase_that_finishes_takes_its_leftover_children_with_it(tmp_path):
     assert _gone(int(pid_file.read_text())), "the finished phase's child process outlived it"
 
 
+def test_host_time_twin_keeps_the_recipes_structure():
+    """The host_time phase times titans-170m-mac's structure at tiny widths: the same blocks, memory depth and chunk,
+    and as many MAC segments, each as many chunks long relative to its memory chunk as one (the op count depends
+    on these, not on widths; test_op_count_counts_the_structure_not_the_widths)."""
+    full = load_recipe(str(ROOT / "recipes" / "titans-170m-mac.yaml"))
+    twin = load_recipe(str(ROOT / "recipes" / "titans-170m-mac.yaml"), list(gc.HOST_TWIN))
+    phase = gc.select(gc.PLAN, "host_time")[0]
+    assert phase.argv[1:3] == ["benchmarks/op_count.py", "recipes/titans-170m-mac.yaml"] and "--time" in phase.argv
+    assert twin.model.n_layers == full.model.n_layers
+    assert twin.model.titans.memory_depth == full.model.titans.memory_depth
+    assert twin.data.seq_len // twin.model.titans.segment_len == full.data.seq_len // full.model.titans.segment_len
+    assert twin.model.titans.segment_len == twin.model.titans.memory_chunk_size == full.model.titans.memory_chunk_size
+    assert twin.model.titans.variant == "mac" and twin.model.titans.kernel == "triton"
+
+
 def test_pytest_summary_forms():
     assert gc.pytest_summary("x\n2 passed, 1 skipped in 3.21s\n") == "2 passed, 1 skipped in 3.21s"
     assert gc.pytest_summary("== 1 failed, 9 passed, 3 deselected in 61.00s (0:01:01) ==") == \
@@ -442,6 +457,23 @@ def test_op_count_counts_the_structure_not_the_widths():
     assert c["triton_launches"]["_fwd_kernel"] == 8 and c["ops_total"] < a["ops_total"]
 
 
+def test_op_count_times_the_host_without_changing_the_counts():
+    """``--time K`` times K more forwards and backwards with nothing counted and reports their median (and per op);
+    the counts are those of a run without it (the timed steps' stubbed launches are not added to them), and a negative
+    K is refused in one line."""
+    a = _op_count()
+    t = _op_count("--time", "2")
+    for key in ("ops_forward", "ops_backward", "ops_total", "triton_launches", "top_ops", "forward_by_module"):
+        assert t[key] == a[key], key
+    assert "host_ms_per_micro_batch" not in a
+    assert len(t["host_ms_all"]) == 2 and 0 < min(t["host_ms_all"]) <= t["host_ms_per_micro_batch"] <= max(
+        t["host_ms_all"]) + 0.01
+    assert t["host_us_per_op"] == round(t["host_ms_per_micro_batch"] * 1e3 / t["ops_total"], 2)
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "op_count.py"), "recipes/titans-cpu-mac.yaml",
+                        "--time", "-1"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 2 and "--time takes a count" in r.stderr.strip().splitlines()[-1], r.stderr
+
+
 def test_op_count_counts_rms_norm_as_cuda_runs_it():
     """``F.rms_norm`` is one fused kernel each way on CUDA (torch 2.11+) where input and gain share a dtype or there is
     no gain, and its formula where they differ: op_count counts it so (one ``_fused_rms_norm`` forward, one
@@ -530,9 +562,41 @@ def test_train_throughput_stops_at_its_time_cap_and_profiles_a_step():
     assert 0 < row["profile_busy_fraction"] <= 1.5 and row["profile_step_s"] > 0
     assert row["busy_of_timed_step"] == pytest.approx(row["profile_device_busy_s"] / row["step_s"], rel=1e-3)
     assert len(row["profile_top"]) == 3 and all(t["self_s"] > 0 and t["count"] >= 1 for t in row["profile_top"])
+    for part in ("forward", "backward", "optimizer"):  # on CPU nothing is waited for: the host's time is the part's
+        assert row[f"host_{part}_s"] == pytest.approx(row[f"{part}_s"], rel=1e-2, abs=1e-4), part
     bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_throughput.py"), "recipes/quickstart.yaml",
                           "--max-seconds", "0"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert bad.returncode == 2 and "--max-seconds must be > 0" in bad.stderr
+
+
+def test_step_clock_splits_the_hosts_time_from_the_devices(monkeypatch):
+    """``StepClock`` on a GPU with ``sync``: a part's time runs until the device is done, its ``host`` time until its
+    Python code returned (before the wait), summed over micro-batches; without ``sync`` nothing waits and the two are
+    the same."""
+    import time
+
+    import torch
+
+    from memtrain.launcher.train import StepClock
+
+    waits = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: (waits.append(device), time.sleep(0.05)))
+    cuda = torch.device("cuda")
+    clock = StepClock(cuda, sync=True)
+    for _ in range(2):
+        clock.start()
+        time.sleep(0.02)  # the host's part
+        clock.mark("forward")
+    assert len(waits) == 4 and waits[0] == cuda
+    assert 0.04 <= clock.host["forward"] < 0.09, clock.host
+    assert clock.seconds["forward"] >= clock.host["forward"] + 2 * 0.05, clock.seconds
+    assert clock.host["backward"] == clock.seconds["backward"] == 0.0
+    unsynced = StepClock(cuda, sync=False)
+    unsynced.start()
+    time.sleep(0.01)
+    unsynced.mark("backward")
+    assert len(waits) == 4
+    assert unsynced.host["backward"] == pytest.approx(unsynced.seconds["backward"], abs=1e-3)
 
 
 def _entry(cache: Path, key: str, name: str, size: int = 5) -> None:

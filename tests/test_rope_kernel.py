@@ -96,8 +96,8 @@ def test_kernel_rope_custom_operators_pass_opcheck():
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(2, 9, 4, 6, generator=gen).to(DEVICE)[:, :, 1:].requires_grad_(True)
     cos, sin = _tables(gen, 2, 9, 6, batch_broadcast=True)
-    torch.library.opcheck(rope._rope_fwd, (x, cos, sin))
-    torch.library.opcheck(rope._rope_bwd, (x.detach(), cos, sin))
+    torch.library.opcheck(rope._rope_fwd.op, (x, cos, sin))
+    torch.library.opcheck(rope._rope_bwd.op, (x.detach(), cos, sin))
 
 
 def test_kernel_rope_is_what_apply_rope_runs_where_it_applies(fused_here, monkeypatch):

@@ -426,13 +426,13 @@ def test_kernel_custom_operators_pass_opcheck():
     ins = _inputs(gen, N, NC * C, D, H, 2, dtype=torch.float32)
     q, k, v, lr, log_eta, log_keep = (x.requires_grad_(True) for x in ins[:6])
     gates = [x.detach().reshape(N, NC, C).requires_grad_(True) for x in (lr, log_eta, log_keep)]
-    torch.library.opcheck(triton_kernels._coef_fwd, gates)
+    torch.library.opcheck(triton_kernels._coef_fwd.op, gates)
     coef = [c.detach().requires_grad_(True) for c in triton_kernels._coef_fwd(*gates)]
     for depth in (1, 2):
         state = [x.requires_grad_(True) for x in _inputs(gen, N, NC * C, D, H, depth, dtype=torch.float32)[6:]]
         w, s = state[:depth], state[depth:]
         for split in (False, True):  # the forward's two forms (SPLIT_FORWARD)
-            torch.library.opcheck(triton_kernels._scan_fwd, (q, k, v, *coef, w[0], s[0], w[-1], s[-1], T, C, depth,
+            torch.library.opcheck(triton_kernels._scan_fwd.op, (q, k, v, *coef, w[0], s[0], w[-1], s[-1], T, C, depth,
                                                              split))
     # Other strides than dense row-major (what a compiled graph may hand an operator): the same results.
 
@@ -449,7 +449,7 @@ def test_kernel_custom_operators_pass_opcheck():
         assert _rel(b, a) < 1e-5
     state = _inputs(gen, N, NC * C, D, H, 3, dtype=torch.float32)[6:]
     wc, sc = (triton_deep._pack(x, 16).requires_grad_(True) for x in (state[:3], state[3:]))
-    torch.library.opcheck(triton_deep._deep_fwd, (q, k, v, *coef, wc, sc, T, C))
+    torch.library.opcheck(triton_deep._deep_fwd.op, (q, k, v, *coef, wc, sc, T, C))
 
 
 @pytest.mark.parametrize("depth", [1, 2])
@@ -832,9 +832,9 @@ def test_kernel_prologue_custom_operators_pass_opcheck():
     from memtrain.kernels.titans import prologue
 
     x = torch.randn(2, 30, 9, device=DEVICE).transpose(1, 2).requires_grad_(True)  # [2, 9, 30]: 3 heads of 3
-    torch.library.opcheck(prologue._qkv_fwd, (x.transpose(1, 2), 3, False, torch.float32))
+    torch.library.opcheck(prologue._qkv_fwd.op, (x.transpose(1, 2), 3, False, torch.float32))
     g = torch.randn(2, 19, 12, device=DEVICE, requires_grad=True)
-    torch.library.opcheck(prologue._gates_fwd, (g, 4, 0.01, math.log(0.9)))
+    torch.library.opcheck(prologue._gates_fwd.op, (g, 4, 0.01, math.log(0.9)))
 
 
 def test_kernel_prologue_conv_custom_operators_pass_opcheck():
@@ -845,8 +845,8 @@ def test_kernel_prologue_conv_custom_operators_pass_opcheck():
     x = torch.randn(2, 19, 16, device=DEVICE)[..., 1:].requires_grad_(True)  # a column slice: 5 heads of 3
     cache, weight, bias = (torch.randn(*shape, device=DEVICE, requires_grad=True) for shape in ((2, 3, 15),
                                                                                                 (15, 1, 4), (15,)))
-    torch.library.opcheck(prologue._conv_qkv_fwd, (x, cache, weight, bias, 5, True, torch.float32))
-    torch.library.opcheck(prologue._conv_queries_fwd, (x, weight, bias, 5, 7, torch.float32))
+    torch.library.opcheck(prologue._conv_qkv_fwd.op, (x, cache, weight, bias, 5, True, torch.float32))
+    torch.library.opcheck(prologue._conv_queries_fwd.op, (x, weight, bias, 5, 7, torch.float32))
 
 
 # -- the memory layer's output stage (memtrain.kernels.titans.output) --------------------------------------------
@@ -912,7 +912,7 @@ def test_kernel_output_custom_operators_pass_opcheck():
     y = torch.randn(2, 9, 3, 6, device=DEVICE).transpose(1, 2).requires_grad_(True)
     w = torch.randn(3, 6, device=DEVICE, requires_grad=True)
     g = torch.rand(2, 12, 18, device=DEVICE)[:, 3:].requires_grad_(True)
-    torch.library.opcheck(output._out_fwd, (y, w, g, 1e-6))
+    torch.library.opcheck(output._out_fwd.op, (y, w, g, 1e-6))
     with pytest.raises(ValueError, match="do not match"):
         output.gated_norm(y, w[:, :5], g)
 
@@ -972,9 +972,9 @@ def test_kernel_read_custom_operators_pass_opcheck():
     q = torch.randn(2, 9, 3, 6, device=DEVICE).transpose(1, 2).requires_grad_(True)
     w1 = torch.randn(1, 3, 10, 6, device=DEVICE, requires_grad=True)
     w2 = torch.randn(2, 3, 6, 10, device=DEVICE, requires_grad=True)
-    torch.library.opcheck(read._read_fwd, (q, w1, w2, 2, 0))
+    torch.library.opcheck(read._read_fwd.op, (q, w1, w2, 2, 0))
     w = torch.randn(2, 3, 6, 6, device=DEVICE, requires_grad=True)
-    torch.library.opcheck(read._read_fwd, (q, w, w, 1, 0))
+    torch.library.opcheck(read._read_fwd.op, (q, w, w, 1, 0))
     with pytest.raises(ValueError, match="do not match"):
         read.read([w1[:, :2], w2], q)
     with pytest.raises(ValueError, match="depth 1 or 2"):

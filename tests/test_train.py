@@ -386,6 +386,9 @@ def test_quickstart_recipe_runs_end_to_end(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert rows[-1]["loss/train"] < rows[0]["loss/train"]
     assert "loss/val" in rows[1] and "loss/val" in rows[3]
+    for part in ("forward", "backward", "optimizer"):  # on CPU nothing is waited for: the host's time is the part's
+        assert all(0 <= r[f"time/host_{part}_s"] <= r[f"time/{part}_s"] + 1e-6 for r in rows), part
+        assert rows[-1][f"time/host_{part}_s"] == pytest.approx(rows[-1][f"time/{part}_s"], rel=0.05, abs=1e-3)
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["global_step2", "global_step4",
                                                                                   "latest"]
 

@@ -102,6 +102,14 @@ CAP_MARGIN_S = 30.0  # a capped phase's process start (imports) and last step af
 TITANS_RECIPES = ("titans-170m-mac", "titans-400m-mag", "titans-340m-mac", "titans-760m-mal")
 
 
+# titans-170m-mac's structure (12 blocks, 8 MAC segments of one memory chunk each) at tiny widths:
+# benchmarks/op_count.py counts and times its host cost on a CPU (the same 5,265 device ops per micro-batch as the
+# recipe).
+HOST_TWIN = ("model.d_model=32", "model.n_heads=2", "model.titans.memory_heads=2", "model.titans.memory_head_dim=16",
+             "model.ffn_dim=64", "model.vocab_size=256", "data.tokenizer.vocab_size=256", "data.seq_len=128",
+             "model.titans.segment_len=16", "model.titans.kernel=triton")
+
+
 def _pytest(*args: str) -> list[str]:
     return [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", *args]
 
@@ -227,6 +235,20 @@ PLAN: list[Phase] = [
           about="titans-400m-mag with model.compile: true (each block one graph, the scan kernels custom operators "
                 "in it), beside recipe_400m_mag: what compiling the half of MAG's device time that is not the scan's "
                 "backward gains, and the profiled step's kernels"),
+    # The host's own cost of one eager titans-170m-mac micro-batch, on the GPU machine's CPU: the model's structure
+    # (12 blocks of 8 segments, 5,265 device ops) at tiny widths and 16-token segments, the launches stubbed (op_count
+    # --time; 262 ms on the 2-core CPU used for development, 2026-11-28). Set against recipe_170m_mac's host_forward_s
+    # and host_backward_s it says how much of the step the host bounds.
+    Phase("host_time", [PY, "benchmarks/op_count.py", "recipes/titans-170m-mac.yaml", *HOST_TWIN, "--time", "7"], 90,
+          about="the host's time for one eager titans-170m-mac micro-batch (its structure at tiny widths, launches "
+                "stubbed, on the CPU): the floor under an eager step where the device is faster than the host"),
+    Phase("recipe_170m_mac_dispatch",
+          _throughput("titans-170m-mac", "train.schedule.warmup=2", steps=20), 110, capped=True,
+          env={"MEMTRAIN_KERNEL_OPS": "dispatch"},
+          about="titans-170m-mac with every memtrain kernel's custom operator called through torch's dispatcher "
+                "(MEMTRAIN_KERNEL_OPS=dispatch), as before 2026-11-28, beside recipe_170m_mac (the eager "
+                "autograd.Function path, memtrain.kernels.op): what the 720 operator pairs per micro-batch cost the "
+                "host on a GPU (49 us each on the 2-core CPU used for development)"),
     Phase("recipe_170m_mac_ungrouped",
           _throughput("titans-170m-mac", "train.schedule.warmup=2", steps=20, extra=("--profile", "25")), 110,
           capped=True, env={"MEMTRAIN_GROUPED_WGRAD": "0"},
@@ -687,8 +709,13 @@ def phase_line(rec: dict) -> str:
             parts.append(f"{row.get('kind', '')} {_fmt(row['tokens_per_s'])} tok/s, MFU {_fmt(row.get('mfu'))}, "
                          f"{_fmt(row.get('peak_memory_gib'))} GiB, loss {_fmt(row.get('loss_first'))}->"
                          f"{_fmt(row.get('loss_last'))}, all finite {row.get('loss_all_finite')}, "
-                         f"{row.get('steps_done')} timed steps"
+                         f"{row.get('steps_done')} timed steps, fwd/bwd {_fmt(row.get('forward_s'))}/"
+                         f"{_fmt(row.get('backward_s'))} s (host {_fmt(row.get('host_forward_s'))}/"
+                         f"{_fmt(row.get('host_backward_s'))})"
                          + _busy(row) + _top_op(row.get("profile_top")))
+        elif "host_ms_per_micro_batch" in row:  # benchmarks/op_count.py --time
+            parts.append(f"{row['ops_total']} ops per micro-batch, host {_fmt(row['host_ms_per_micro_batch'])} ms "
+                         f"({_fmt(row.get('host_us_per_op'))} us per op)")
         elif "chunked_tokens_per_s" in row:  # benchmarks/titans.py
             parts.append(f"T{row['seq_len']} d{row['dim']} L{row['depth']} C{row['chunk_size']}: kernel "
                          f"{_fmt(row.get('kernel_bf16_tokens_per_s'))} tok/s (err "

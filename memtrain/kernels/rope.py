@@ -29,6 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
+from memtrain.kernels.launch import block, cdiv
+from memtrain.kernels.op import kernel_op
+
 BLOCK_T = 32  # tokens per program
 
 
@@ -72,14 +75,14 @@ def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool
     y = _empty(B, T, H, D, device=x.device, dtype=x.dtype)
     cos, sin = cos.expand(B, T, 1, D), sin.expand(B, T, 1, D)  # a broadcast batch gets stride 0
     half = D // 2
-    grid = (B * H, triton.cdiv(T, BLOCK_T))
+    grid = (B * H, cdiv(T, BLOCK_T))
     _rope_kernel[grid](x, cos, sin, y, T, H, half, *x.stride(), cos.stride(0), cos.stride(1), cos.stride(3),
                        sin.stride(0), sin.stride(1), sin.stride(3), INVERSE=inverse, BT=BLOCK_T,
-                       BD=max(16, triton.next_power_of_2(half)))
+                       BD=block(half))
     return y
 
 
-@torch.library.custom_op("memtrain::rope", mutates_args=())
+@kernel_op("memtrain::rope")
 def _rope_fwd(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return _launch(x, cos, sin, inverse=False)
 
@@ -89,7 +92,7 @@ def _(x, cos, sin):
     return x.new_empty(x.shape)
 
 
-@torch.library.custom_op("memtrain::rope_bwd", mutates_args=())
+@kernel_op("memtrain::rope_bwd")
 def _rope_bwd(dy: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return _launch(dy, cos, sin, inverse=True)
 

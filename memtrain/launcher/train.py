@@ -170,12 +170,18 @@ class _StopFlag:
 class StepClock:
     """Wall time per part of a step (forward, backward, optimizer), summed over its micro-batches. With
     ``sync`` on a GPU each mark waits for the device first, so the parts are the device's time, not the
-    launch time; without it (unlogged steps) nothing waits."""
+    launch time; without it (unlogged steps) nothing waits.
+
+    ``host`` holds, per part, the time until the part's Python code returned, before the mark waited for the
+    device: with ``sync`` on a GPU, a part whose host time is well below its time is device-bound; one whose host
+    time is about its time is host-bound (or its queue of launches was full, which blocks the host too). On CPU,
+    or without ``sync``, the two are the same."""
 
     def __init__(self, device: torch.device, sync: bool) -> None:
         self.sync = sync and device.type == "cuda"
         self.device = device
         self.seconds = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
+        self.host = dict(self.seconds)
         self.t = time.perf_counter()
 
     def start(self) -> None:
@@ -184,6 +190,7 @@ class StepClock:
         self.t = time.perf_counter()
 
     def mark(self, part: str) -> None:
+        self.host[part] += time.perf_counter() - self.t
         if self.sync:
             torch.cuda.synchronize(self.device)
         now = time.perf_counter()
@@ -861,6 +868,7 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
                 "throughput/data_wait_frac": data_frac / world,
                 "time/data_s": data_wait,
                 **{f"time/{part}_s": seconds for part, seconds in split.seconds.items()},
+                **{f"time/host_{part}_s": seconds for part, seconds in split.host.items()},
                 "progress/tokens_seen": float(tokens_seen),
             }
             values.update(anchor_comm.stats())

@@ -37,6 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
+from memtrain.kernels.launch import block, cdiv
+
 
 @triton.jit
 def _mm(a, b, IEEE: tl.constexpr):
@@ -181,7 +183,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, blk_row, blk_rows, slot_lo
 
 def block_sizes(D: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_D) for head size ``D`` (tl.dot needs every dimension >= 16)."""
-    bd = max(16, triton.next_power_of_2(D))
+    bd = block(D)
     if bd <= 64:
         return 64, 64, bd
     return (64, 32, bd) if bd <= 128 else (32, 32, bd)
@@ -273,7 +275,7 @@ class ChapterAttention(torch.autograd.Function):
                                     dlw_blocks.shape[-1], *args[4:],
                                     BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, IEEE=ieee)
             U, Nc = keys.shape[0], keys.shape[1]
-            _bwd_dkdv_kernel[(U, triton.cdiv(Nc, bn), H)](
+            _bwd_dkdv_kernel[(U, cdiv(Nc, bn), H)](
                 q, keys, values, d_out_in, lse, delta, dk, dv, table.row, table.rows, logw, table.rev_ptr,
                 table.rev_blk, table.rev_slot, *args, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, IEEE=ieee)
         else:
@@ -299,7 +301,7 @@ def sequence_routed_attention(q: torch.Tensor, keys: torch.Tensor, values: torch
     B, T, H, D = q.shape
     k = slots.shape[1]
     bm = block_sizes(D)[0]
-    per_seq = triton.cdiv(T, bm)
+    per_seq = cdiv(T, bm)
     dev = q.device
     b = torch.arange(B, device=dev).repeat_interleave(per_seq)
     i = torch.arange(per_seq, device=dev).repeat(B)

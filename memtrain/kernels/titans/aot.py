@@ -214,10 +214,11 @@ def compile_kernel(kernel: str, depth: int = 2, head_dim: int = 64, hidden: int 
         raise ValueError(f"unknown kernel {kernel!r}; expected one of {', '.join(KERNELS)}")
     if kernel.startswith("rope"):  # memtrain.kernels.rope (every model's RoPE; MAC's retrieved keys): float32 tables
         from memtrain.kernels import rope
+        from memtrain.kernels.launch import block
 
         fn = rope._rope_kernel
         ptr = {"fp32": "*fp32", "bf16": "*bf16", "fp16": "*fp16"}[half]
-        consts = dict(INVERSE=kernel == "rope_bwd", BT=rope.BLOCK_T, BD=max(16, triton.next_power_of_2(head_dim // 2)))
+        consts = dict(INVERSE=kernel == "rope_bwd", BT=rope.BLOCK_T, BD=block(head_dim // 2))
         typed = {"X": ptr, "Y": ptr, "COS": "*fp32", "SIN": "*fp32"}
         launch = {"num_warps": num_warps or 4, "num_stages": 3}  # Triton's defaults, as the kernel launches
         sig = {n: "constexpr" if n in consts else typed.get(n, "i32") for n in fn.arg_names}

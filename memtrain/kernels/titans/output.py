@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from memtrain.kernels.launch import cdiv
+from memtrain.kernels.op import kernel_op
 from memtrain.kernels.titans.prologue import BLOCK_T, _block
 
 
@@ -92,10 +94,10 @@ def _empty(*shape, device, dtype) -> torch.Tensor:
 
 def _grid(y: torch.Tensor) -> tuple[int, int]:
     B, H, T, _ = y.shape
-    return B * H, triton.cdiv(T, BLOCK_T)
+    return B * H, cdiv(T, BLOCK_T)
 
 
-@torch.library.custom_op("memtrain::titans_gated_norm", mutates_args=())
+@kernel_op("memtrain::titans_gated_norm")
 def _out_fwd(y: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float) -> torch.Tensor:
     B, H, T, HD = y.shape
     z = _empty(B, T, H * HD, device=y.device, dtype=gate.dtype)
@@ -110,7 +112,7 @@ def _(y, weight, gate, eps):
     return gate.new_empty(B, T, H * HD)
 
 
-@torch.library.custom_op("memtrain::titans_gated_norm_bwd", mutates_args=())
+@kernel_op("memtrain::titans_gated_norm_bwd")
 def _out_bwd(y: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, dz: torch.Tensor,
              eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     B, H, T, HD = y.shape

@@ -47,6 +47,10 @@ import torch
 import triton
 import triton.language as tl
 
+from memtrain.kernels.launch import block as _block
+from memtrain.kernels.launch import cdiv
+from memtrain.kernels.op import kernel_op
+
 BLOCK_T = 32  # tokens per program
 # The q/k/v backward with the convolution launches 8 warps: at head size 64 in bf16 (sm_90, Triton 3.6) it keeps
 # its tiles in 255 registers without spilling; 4 warps spill about 800 bytes per thread (aot.compile_kernel).
@@ -297,11 +301,7 @@ def _empty_strided(shape, stride, device, dtype) -> torch.Tensor:
 
 
 def _grid(B: int, T: int, per_seq: int) -> tuple[int, int]:
-    return B * per_seq, triton.cdiv(T, BLOCK_T)
-
-
-def _block(x: int) -> int:
-    return max(16, triton.next_power_of_2(x))
+    return B * per_seq, cdiv(T, BLOCK_T)
 
 
 # -- q, k, v -----------------------------------------------------------------------------------------
@@ -339,7 +339,7 @@ def _qkv_grad_launch(x, cache, weight, bias, grads, dx, heads: int, norm_v: bool
     conv_k = 0 if weight is None else weight.shape[-1]
     pad = max(conv_k - 1, 0)
     cached = 0 if cache is None else cache.shape[1]
-    grid = (B * parts * heads, triton.cdiv(T + pad, BLOCK_T - pad))  # tiles overlapping by pad rows
+    grid = (B * parts * heads, cdiv(T + pad, BLOCK_T - pad))  # tiles overlapping by pad rows
     dcache = _empty(B, pad, C, device=x.device, dtype=cache.dtype) if cache is not None else None
     pw = _empty(B * grid[1], conv_k + 1, C, device=x.device, dtype=torch.float32) if conv_k else x
     grads = [g.contiguous() for g in grads]
@@ -354,12 +354,12 @@ def _qkv_grad_launch(x, cache, weight, bias, grads, dx, heads: int, norm_v: bool
         return None
     dweight = _empty(*weight.shape, device=x.device, dtype=weight.dtype)
     dbias = _empty(C, device=x.device, dtype=bias.dtype)
-    _conv_grad_kernel[(conv_k + 1, triton.cdiv(C, CONV_GRAD_BLOCK))](pw, dweight, dbias, pw.shape[0], C,
-                                                                      CONV_K=conv_k, BC=CONV_GRAD_BLOCK)
+    _conv_grad_kernel[(conv_k + 1, cdiv(C, CONV_GRAD_BLOCK))](pw, dweight, dbias, pw.shape[0], C,
+                                                              CONV_K=conv_k, BC=CONV_GRAD_BLOCK)
     return dcache, dweight, dbias
 
 
-@torch.library.custom_op("memtrain::titans_qkv_heads", mutates_args=())
+@kernel_op("memtrain::titans_qkv_heads")
 def _qkv_fwd(x: torch.Tensor, heads: int, norm_v: bool,
              out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return tuple(_qkv_launch(x, None, None, None, heads, norm_v, out_dtype))
@@ -384,7 +384,7 @@ def _dense_like(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-@torch.library.custom_op("memtrain::titans_qkv_heads_bwd", mutates_args=())
+@kernel_op("memtrain::titans_qkv_heads_bwd")
 def _qkv_bwd(x: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, heads: int,
              norm_v: bool) -> torch.Tensor:
     x = _dense_like(x)
@@ -436,7 +436,7 @@ def _check_width(name: str, weight: torch.Tensor) -> None:
                          f"{CONV_MAX_KERNEL}")
 
 
-@torch.library.custom_op("memtrain::titans_conv_qkv_heads", mutates_args=())
+@kernel_op("memtrain::titans_conv_qkv_heads")
 def _conv_qkv_fwd(x: torch.Tensor, cache: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, heads: int,
                   norm_v: bool, out_dtype: torch.dtype
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -450,7 +450,7 @@ def _(x, cache, weight, bias, heads, norm_v, out_dtype):
             x.new_empty(B, cache.shape[1], C))
 
 
-@torch.library.custom_op("memtrain::titans_conv_qkv_heads_bwd", mutates_args=())
+@kernel_op("memtrain::titans_conv_qkv_heads_bwd")
 def _conv_qkv_bwd(x: torch.Tensor, cache: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, dq: torch.Tensor,
                   dk: torch.Tensor, dv: torch.Tensor, dnew_cache: Optional[torch.Tensor], heads: int,
                   norm_v: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -503,7 +503,7 @@ def conv_qkv_heads(x: torch.Tensor, cache: torch.Tensor, weight: torch.Tensor, b
     return _conv_qkv_fwd(x, cache, weight.contiguous(), bias, heads, norm_v, out_dtype)
 
 
-@torch.library.custom_op("memtrain::titans_conv_queries", mutates_args=())
+@kernel_op("memtrain::titans_conv_queries")
 def _conv_queries_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, heads: int, segment: int,
                       out_dtype: torch.dtype) -> torch.Tensor:
     return _qkv_launch(x, None, weight, bias, heads, False, out_dtype, parts=1, segment=segment)[0]
@@ -515,7 +515,7 @@ def _(x, weight, bias, heads, segment, out_dtype):
     return x.new_empty(B, heads, T, C // heads, dtype=out_dtype)
 
 
-@torch.library.custom_op("memtrain::titans_conv_queries_bwd", mutates_args=())
+@kernel_op("memtrain::titans_conv_queries_bwd")
 def _conv_queries_bwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, dq: torch.Tensor, heads: int,
                       segment: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dx = _empty(*x.shape, device=x.device, dtype=x.dtype)
@@ -563,7 +563,7 @@ def _rows(g: torch.Tensor) -> torch.Tensor:
     return g if g.stride(-1) == 1 else g.contiguous()
 
 
-@torch.library.custom_op("memtrain::titans_gates", mutates_args=())
+@kernel_op("memtrain::titans_gates")
 def _gates_fwd(g: torch.Tensor, heads: int, max_lr: float,
                log_max_momentum: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     B, T, _ = g.shape
@@ -580,7 +580,7 @@ def _(g, heads, max_lr, log_max_momentum):
     return tuple(g.new_empty(B, heads, T, dtype=torch.float32) for _ in range(3))
 
 
-@torch.library.custom_op("memtrain::titans_gates_bwd", mutates_args=())
+@kernel_op("memtrain::titans_gates_bwd")
 def _gates_bwd(g: torch.Tensor, dlr: torch.Tensor, dlog_eta: torch.Tensor, dlog_keep: torch.Tensor, heads: int,
                max_lr: float) -> torch.Tensor:
     B, T, _ = g.shape

@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from memtrain.kernels.launch import cdiv
+from memtrain.kernels.op import kernel_op
 from memtrain.kernels.titans.triton_kernels import _block, _mm
 
 BLOCK_T = 64  # tokens per program (forward) and per step of the backward's loop
@@ -146,12 +148,12 @@ def _launch_args(q: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, depth: int
             {"DEPTH": depth, "DOT": dot, "BT": BLOCK_T, "BD": _block(D), "BH": _block(w1.shape[-2])})
 
 
-@torch.library.custom_op("memtrain::titans_read", mutates_args=())
+@kernel_op("memtrain::titans_read")
 def _read_fwd(q: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, depth: int, dot: int) -> torch.Tensor:
     B, H, T, D = q.shape
     y = _empty(B, H, T, D, device=q.device, dtype=torch.float32)
     ints, consts = _launch_args(q, w1, w2, depth, dot)
-    _read_fwd_kernel[(B * H, triton.cdiv(T, BLOCK_T))](q, w1, w2, y, *ints, **consts)
+    _read_fwd_kernel[(B * H, cdiv(T, BLOCK_T))](q, w1, w2, y, *ints, **consts)
     return y
 
 
@@ -160,7 +162,7 @@ def _(q, w1, w2, depth, dot):
     return q.new_empty(q.shape, dtype=torch.float32)
 
 
-@torch.library.custom_op("memtrain::titans_read_bwd", mutates_args=())
+@kernel_op("memtrain::titans_read_bwd")
 def _read_bwd(q: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, dy: torch.Tensor, depth: int,
               dot: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     B, H, T, D = q.shape

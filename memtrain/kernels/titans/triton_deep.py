@@ -33,6 +33,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from memtrain.kernels.op import kernel_op
 from memtrain.kernels.titans import triton_kernels as tk
 from memtrain.kernels.titans.triton_kernels import (_DOT, _RUNTIME_INTS, _advance, _block, _checkpoints, _coefs,
                                                     _end_grads, _mm, _qkv, _read, _read_grads, _rows,
@@ -333,7 +334,7 @@ def _deep_shapes(q, wc, C):
     return [(N, Tp, D), wc.shape, wc.shape, wc.shape, (N, nsave, *wc.shape[1:]), (N, nsave, *wc.shape[1:])]
 
 
-@torch.library.custom_op("memtrain::titans_deep_fwd", mutates_args=())
+@kernel_op("memtrain::titans_deep_fwd")
 def _deep_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dec: torch.Tensor, car: torch.Tensor,
               mix: torch.Tensor, e_end: torch.Tensor, m_end: torch.Tensor, wc: torch.Tensor, sc: torch.Tensor,
               T: int, C: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
@@ -357,7 +358,7 @@ def _(q, k, v, dec, car, mix, e_end, m_end, wc, sc, T, C):
     return tuple(q.new_empty(shape, dtype=torch.float32) for shape in _deep_shapes(q, wc, C))
 
 
-@torch.library.custom_op("memtrain::titans_deep_bwd", mutates_args=())
+@kernel_op("memtrain::titans_deep_bwd")
 def _deep_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dy: torch.Tensor, dec: torch.Tensor,
               car: torch.Tensor, mix: torch.Tensor, e_end: torch.Tensor, m_end: torch.Tensor, sw: torch.Tensor,
               ss: torch.Tensor, gw: torch.Tensor, gs: torch.Tensor, gwg: torch.Tensor, T: int, C: int) -> tuple[

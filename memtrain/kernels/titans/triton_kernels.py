@@ -47,6 +47,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from memtrain.kernels.launch import block as _block
+from memtrain.kernels.op import kernel_op
 from memtrain.kernels.titans import requested_backward, requested_forward, requested_wave
 
 
@@ -810,10 +812,6 @@ def _empty(*shape, device, dtype=torch.float32) -> torch.Tensor:
 _DOT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the dot products' operand precision
 
 
-def _block(x: int) -> int:
-    return max(16, triton.next_power_of_2(x))
-
-
 # The backward restarts from the states the forward saved at every R-th chunk start and recomputes R of them at
 # a time into a scratch. The saved states live from the call's forward until its backward, alongside those of
 # every other call of the step (MAC: each block's every segment), the scratch only during one call's backward.
@@ -920,8 +918,8 @@ def _launch_shape(D: int, H1: int, C: int) -> dict:
 # The autograd of the kernels is four custom operators (torch.library): the coefficients' forward and backward,
 # the scan's forward and backward. Dynamo and AOTAutograd trace a custom operator as one opaque node (its
 # ``register_fake`` gives the shapes), so compiled Titans blocks keep the scan inside their graph instead of
-# breaking it per call (TitansLM.compile_blocks); eagerly each costs one dispatcher call more than an
-# autograd.Function would (tens of microseconds per layer call).
+# breaking it per call (TitansLM.compile_blocks); eagerly each call skips the dispatcher through an autograd.Function
+# made of the same implementation, set-up and backward (memtrain.kernels.op).
 
 
 def _coef_shapes(lr: torch.Tensor):
@@ -938,7 +936,7 @@ def _coef_launch(C: int) -> dict:
     return dict(BC=BC, num_warps=4 if BC <= 32 else 16)
 
 
-@torch.library.custom_op("memtrain::titans_coef_fwd", mutates_args=())
+@kernel_op("memtrain::titans_coef_fwd")
 def _coef_fwd(lr: torch.Tensor, log_eta: torch.Tensor, log_keep: torch.Tensor) -> tuple[
         torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     N, NC, C = lr.shape
@@ -952,7 +950,7 @@ def _(lr, log_eta, log_keep):
     return tuple(lr.new_empty(shape, dtype=torch.float32) for shape in _coef_shapes(lr))
 
 
-@torch.library.custom_op("memtrain::titans_coef_bwd", mutates_args=())
+@kernel_op("memtrain::titans_coef_bwd")
 def _coef_bwd(lr: torch.Tensor, log_eta: torch.Tensor, log_keep: torch.Tensor, ddec: torch.Tensor,
               dcar: torch.Tensor, dmix: torch.Tensor, dee: torch.Tensor, dme: torch.Tensor) -> tuple[
         torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -1032,7 +1030,7 @@ def _scan_shapes(q, w1, w2, C: int, depth: int) -> list[tuple[int, ...]]:
     return [(N, Tp, D), *((N, *l) for l in (l1, l1, l2, l2, l1, l2)), *((N, nsave, *l) for l in (l1, l1, l2, l2))]
 
 
-@torch.library.custom_op("memtrain::titans_scan_fwd", mutates_args=())
+@kernel_op("memtrain::titans_scan_fwd")
 def _scan_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dec: torch.Tensor, car: torch.Tensor,
               mix: torch.Tensor, e_end: torch.Tensor, m_end: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor,
               w2: torch.Tensor, s2: torch.Tensor, T: int, C: int, depth: int, split: bool) -> tuple[
@@ -1074,7 +1072,7 @@ def _(q, k, v, dec, car, mix, e_end, m_end, w1, s1, w2, s2, T, C, depth, split):
     return tuple(q.new_empty(shape, dtype=torch.float32) for shape in _scan_shapes(q, w1, w2, C, depth))
 
 
-@torch.library.custom_op("memtrain::titans_scan_bwd", mutates_args=())
+@kernel_op("memtrain::titans_scan_bwd")
 def _scan_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dy: torch.Tensor, dec: torch.Tensor,
               car: torch.Tensor, mix: torch.Tensor, e_end: torch.Tensor, m_end: torch.Tensor, sw1: torch.Tensor,
               ss1: torch.Tensor, sw2: torch.Tensor, ss2: torch.Tensor, gw1: torch.Tensor, gs1: torch.Tensor,
