@@ -200,7 +200,7 @@ def test_kernel_op_compiled_graph_holds_the_operator():
     assert targets.count("memtrain.rope.default") == 1, targets
 
 
-def test_kernel_op_fills_defaults_and_routes_keyword_calls(dispatched):
+def test_kernel_op_fills_defaults_and_routes_keyword_calls():
     """A call that leaves trailing defaulted arguments out gets them filled before its autograd set-up reads them
     (as the dispatcher fills them); a keyword call goes to the operator."""
     calls = []
