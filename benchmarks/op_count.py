@@ -247,10 +247,12 @@ def main() -> int:
         ap.error(f"--time takes a count of repetitions (0: none), got {args.time}")
     from memtrain.config import load_recipe
     from memtrain.errors import MemtrainError
+    from memtrain.kernels.op import requested_mode
 
     try:
         recipe = load_recipe(args.recipe, args.overrides)
-    except MemtrainError as e:
+        requested_mode()  # MEMTRAIN_KERNEL_OPS: --time times the path it names
+    except (MemtrainError, ValueError) as e:
         print(f"op_count: {e}", file=sys.stderr)
         return 2
     if recipe.model.type not in ("decoder", "titans"):

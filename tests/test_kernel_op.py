@@ -266,3 +266,30 @@ def test_kernel_op_mac_model_trains_the_same_through_either_path(dispatched, mon
     assert torch.equal(got[0], want[0]) and got[1].keys() == want[1].keys()
     for name, g in want[1].items():
         torch.testing.assert_close(got[1][name], g, rtol=0, atol=0, equal_nan=True, msg=name)
+
+
+def test_kernel_op_mode_from_the_environment_and_a_bad_value_refused(monkeypatch):
+    """``MEMTRAIN_KERNEL_OPS``: unset or ``eager`` takes the eager path, ``dispatch`` the dispatcher; another value (a
+    typo would otherwise run as ``eager``) is one error naming the variable and the choices, raised before a run
+    starts (``check_kernels``, for every model) and when a Titans memory that may run the kernels is built."""
+    from memtrain.config import recipe_from_dict
+    from memtrain.errors import SettingError
+    from memtrain.launcher.train import check_kernels
+    from memtrain.model.titans import NeuralMemory
+
+    recipe = recipe_from_dict({"model": {"type": "decoder", "vocab_size": 40, "d_model": 16, "n_layers": 1,
+                                         "n_heads": 2, "ffn_dim": 32, "max_seq_len": 16},
+                               "data": {"seq_len": 16, "tokenizer": {"vocab_size": 40}}})
+    env = kernel_ops.DISPATCH_ENV
+    for raw, mode in (("", "eager"), ("eager", "eager"), ("dispatch", "dispatch")):
+        monkeypatch.setenv(env, raw)
+        assert kernel_ops.requested_mode() == mode
+        check_kernels(recipe, torch.device("cpu"))
+        NeuralMemory(16, heads=2, kernel="auto")
+    monkeypatch.setenv(env, "dispach")
+    message = r"^MEMTRAIN_KERNEL_OPS='dispach': expected one of eager, dispatch \(or unset it\)$"
+    with pytest.raises(SettingError, match=message):
+        check_kernels(recipe, torch.device("cpu"))
+    with pytest.raises(SettingError, match=message):
+        NeuralMemory(16, heads=2, kernel="auto")
+    NeuralMemory(16, heads=2, kernel="torch")  # never runs the kernels

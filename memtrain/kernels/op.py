@@ -20,7 +20,8 @@ where nothing traces: not while Dynamo compiles, no ``TorchDispatchMode`` active
 parameter. Anywhere else it calls the operator. Both paths run the same implementation, set-up and backward, so
 they compute the same, bit for bit (tests/test_kernel_op.py checks every operator). ``.op`` is the operator
 itself (``torch.library.opcheck`` takes it). ``MEMTRAIN_KERNEL_OPS=dispatch`` sends every call through the
-dispatcher (read when the call is made; for comparing the two).
+dispatcher (read when the call is made; for comparing the two; another value than ``eager`` is refused before a run
+starts, :func:`requested_mode`).
 """
 
 from __future__ import annotations
@@ -32,10 +33,22 @@ from typing import Any, Callable
 import torch
 
 # MEMTRAIN_KERNEL_OPS=dispatch: every call of a KernelOp goes through torch's dispatcher, as a plain custom operator
-# (a switch for measuring the eager path's saving, and a way back should it misbehave).
+# (a switch for measuring the eager path's saving, and a way back should it misbehave); eager (or unset): the eager
+# path where it applies.
 DISPATCH_ENV = "MEMTRAIN_KERNEL_OPS"
+DISPATCH_MODES = ("eager", "dispatch")
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 OPS: dict[str, "KernelOp"] = {}  # every KernelOp by its operator's name (tests/test_kernel_op.py covers each)
+
+
+def requested_mode() -> str:
+    """The path :data:`DISPATCH_ENV` asks for (``eager`` where it is unset); ValueError (one line) for another value.
+    The trainer checks it before a run starts (``memtrain.launcher.train.check_kernels``) and a Titans memory when
+    it is built, so a mistyped value stops a run rather than being read as ``eager``."""
+    mode = os.environ.get(DISPATCH_ENV, "") or "eager"
+    if mode not in DISPATCH_MODES:
+        raise ValueError(f"{DISPATCH_ENV}={mode!r}: expected one of {', '.join(DISPATCH_MODES)} (or unset it)")
+    return mode
 
 
 def eager(args: tuple) -> bool:
@@ -100,4 +113,4 @@ def kernel_op(name: str) -> Callable[[Callable[..., Any]], KernelOp]:
     return lambda fn: KernelOp(name, fn)
 
 
-__all__ = ["DISPATCH_ENV", "KernelOp", "OPS", "eager", "kernel_op"]
+__all__ = ["DISPATCH_ENV", "DISPATCH_MODES", "KernelOp", "OPS", "eager", "kernel_op", "requested_mode"]

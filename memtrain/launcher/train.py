@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from memtrain.config import CUDAGRAPH_MODES, Recipe, RecipeError
-from memtrain.errors import CheckpointError, CollectiveError, DivergenceError, LaunchError
+from memtrain.errors import CheckpointError, CollectiveError, DivergenceError, LaunchError, SettingError
 from memtrain.parallel import dist
 from memtrain.launcher.console import library_output, set_library_log_levels
 from memtrain.launcher.metrics import ATTEMPTS, MetricsWriter, format_line
@@ -459,7 +459,14 @@ def _finite_weights(engine, bank, device: torch.device) -> bool:
 
 
 def check_kernels(recipe: Recipe, device: torch.device) -> None:
-    """RecipeError when the recipe forces Triton kernels where they cannot run (before anything is written)."""
+    """RecipeError when the recipe forces Triton kernels where they cannot run, SettingError for a switch of the
+    kernels' operators set to a value it does not take (before anything is written)."""
+    from memtrain.kernels.op import requested_mode
+
+    try:
+        requested_mode()
+    except ValueError as err:
+        raise SettingError(str(err)) from None
     c = recipe.memory.crossattn
     if recipe.memory.is_crossattn and c is not None and c.top_k and c.kernel == "triton":
         from memtrain.kernels.routed_attention import use_triton
