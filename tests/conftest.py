@@ -126,6 +126,25 @@ def poison_empty(monkeypatch):
     return poison
 
 
+@pytest.fixture
+def tiny_titans_recipe():
+    """``tiny_titans_recipe(variant="mac", n_layers=2, **titans)``: a Titans LM recipe small enough for the Triton
+    kernels under the interpreter (d_model 24, 2 heads, 40 tokens of vocabulary, 32-token sequences; a 2-head memory
+    with chunks of 3 and MAC segments of 8, 2 persistent tokens, ``kernel: triton``); ``titans`` overrides or adds
+    ``model.titans`` keys."""
+    from memtrain.config import recipe_from_dict
+
+    def make(variant: str = "mac", n_layers: int = 2, **titans):
+        return recipe_from_dict({
+            "model": {"type": "titans", "vocab_size": 40, "d_model": 24, "n_layers": n_layers, "n_heads": 2,
+                      "ffn_dim": 48, "max_seq_len": 32,
+                      "titans": {"variant": variant, "memory_heads": 2, "memory_chunk_size": 3, "segment_len": 8,
+                                 "persistent_tokens": 2, "memory_max_lr": 0.1, "memory_init_lr": 0.05,
+                                 "kernel": "triton", **titans}},
+            "data": {"seq_len": 32, "tokenizer": {"vocab_size": 40}}})
+    return make
+
+
 class _OpNames(TorchDispatchMode):
     """Records the names of the operators (ATen's and custom ones) that run within it, in order: ``names``."""
 

@@ -225,24 +225,17 @@ def test_kernel_op_fills_defaults_and_routes_keyword_calls():
         kernel_ops.OPS.pop("memtrain_test::scaled")
 
 
-def test_kernel_op_mac_model_trains_the_same_through_either_path(dispatched, monkeypatch):
+def test_kernel_op_mac_model_trains_the_same_through_either_path(dispatched, monkeypatch, tiny_titans_recipe):
     """A float16 MAC language model whose kernels all run (the scan, coefficients, fused prologue with its
     convolution, read, output stage and RoPE; DeepSpeed's bf16 training takes the same paths on a GPU), every block's
     activations recomputed in backward (``torch.utils.checkpoint``, so each operator's forward runs twice, once
     inside the backward): the same loss and every parameter's gradient bit for bit through the eager path as through
     the dispatcher, and no eager call reaching the dispatcher. (Both paths failed here before 2026-11-28: the fused
     convolution's backward unpacked its saved tensors twice, which non-reentrant checkpointing refuses.)"""
-    from memtrain.config import recipe_from_dict
     from memtrain.model import anchor, build
 
     monkeypatch.setattr(anchor, "FUSED_ROPE_DEVICES", ("cpu", "cuda"))  # the fused RoPE, as on a GPU
-    r = recipe_from_dict({
-        "model": {"type": "titans", "vocab_size": 40, "d_model": 24, "n_layers": 1, "n_heads": 2, "ffn_dim": 48,
-                  "max_seq_len": 32,
-                  "titans": {"variant": "mac", "memory_heads": 2, "memory_chunk_size": 3, "segment_len": 8,
-                             "persistent_tokens": 2, "memory_max_lr": 0.1, "memory_init_lr": 0.05,
-                             "kernel": "triton"}},
-        "data": {"seq_len": 32, "tokenizer": {"vocab_size": 40}}})
+    r = tiny_titans_recipe(n_layers=1)
     torch.manual_seed(torch.seed() % 2**31)
     model = build(r.model, r.memory).to(DEVICE).half()
     model.set_activation_checkpointing(True)

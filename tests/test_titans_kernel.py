@@ -983,23 +983,16 @@ def test_kernel_read_custom_operators_pass_opcheck():
         read.read([w1, w2], q.double())
 
 
-def test_kernel_mac_reads_its_memory_with_the_fused_read_in_half_precision(monkeypatch):
+def test_kernel_mac_reads_its_memory_with_the_fused_read_in_half_precision(monkeypatch, tiny_titans_recipe):
     """A half-precision MAC model whose kernels run retrieves each segment with the fused read (one call per block and
     segment, float16 products as the scan's reads) and each block's retrieval queries with the fused convolution (one
     call per block), within float16's rounding of the PyTorch forms they replace: the loss and every parameter's
     gradient. ``MEMTRAIN_TITANS_FUSED_READ=0`` and ``MEMTRAIN_TITANS_FUSED_CONV=0`` turn them off; float32 models
     keep PyTorch's."""
-    from memtrain.config import recipe_from_dict
     from memtrain.kernels.titans import prologue, read
     from memtrain.model import build
 
-    r = recipe_from_dict({
-        "model": {"type": "titans", "vocab_size": 40, "d_model": 24, "n_layers": 2, "n_heads": 2, "ffn_dim": 48,
-                  "max_seq_len": 32,
-                  "titans": {"variant": "mac", "memory_heads": 2, "memory_chunk_size": 3, "segment_len": 8,
-                             "persistent_tokens": 2, "memory_max_lr": 0.1, "memory_init_lr": 0.05,
-                             "kernel": "triton"}},
-        "data": {"seq_len": 32, "tokenizer": {"vocab_size": 40}}})
+    r = tiny_titans_recipe()
     torch.manual_seed(torch.seed() % 2**31)
     model = build(r.model, r.memory).to(DEVICE)
     x = torch.randint(0, 40, (2, 19)).to(DEVICE)
@@ -1112,19 +1105,12 @@ def test_kernel_dispatch():
 
 
 @pytest.mark.parametrize("variant", ["mac", "mag"])
-def test_kernel_in_the_titans_model_equals_the_torch_path(variant):
+def test_kernel_in_the_titans_model_equals_the_torch_path(variant, tiny_titans_recipe):
     """``model.titans.kernel`` triton vs torch in a whole Titans LM: the same loss and every parameter's gradient."""
-    from memtrain.config import recipe_from_dict
     from memtrain.model import build
 
     def model(kernel: str):
-        r = recipe_from_dict({
-            "model": {"type": "titans", "vocab_size": 40, "d_model": 24, "n_layers": 2, "n_heads": 2,
-                      "ffn_dim": 48, "max_seq_len": 32,
-                      "titans": {"variant": variant, "memory_heads": 2, "memory_chunk_size": 3, "segment_len": 8,
-                                 "window": 8, "persistent_tokens": 2, "memory_max_lr": 0.1, "memory_init_lr": 0.05,
-                                 "kernel": kernel}},
-            "data": {"seq_len": 32, "tokenizer": {"vocab_size": 40}}})
+        r = tiny_titans_recipe(variant, window=8, kernel=kernel)
         torch.manual_seed(0)
         return build(r.model, r.memory).to(DEVICE)
 
