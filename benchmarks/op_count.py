@@ -28,14 +28,17 @@ chunked form runs and its per-chunk loop is counted.
         model.titans.kernel=triton
 
 ``--time K`` also times the host: K more forwards and backwards of the same micro-batch (after one untimed), without
-the counter, the launches still stubbed, and prints ``host_ms_per_micro_batch`` (their median) and
-``host_us_per_op`` (that over ``ops_total``): the Python, dispatcher, autograd and allocator time one micro-batch
-costs the host before any kernel runs -- the floor under an eager step's time where the device is faster than the
-host. The ops still compute on the CPU, so time it at a shape whose tensors are tiny and whose structure is the
-recipe's (the count shows it is: same ``ops_total``): for ``titans-170m-mac``, ``data.seq_len=128
-model.titans.segment_len=16`` keep its 8 segments of one chunk each. CPU-side costs that only a GPU run has (CUDA's
-launch calls, Triton's launcher) are not in it. ``MEMTRAIN_KERNEL_OPS=dispatch`` times the kernels' custom operators
-through torch's dispatcher (``memtrain.kernels.op``).
+the counter, the launches still stubbed, and prints ``host_ms_per_micro_batch`` (their median), ``host_forward_ms``
+and ``host_backward_ms`` (each part's median) and ``host_us_per_op`` (the whole's over ``ops_total``): the Python,
+dispatcher, autograd and allocator time one micro-batch costs the host before any kernel runs -- the floor under an
+eager step's time where the device is faster than the host. The ops still compute on the CPU, so time it at a shape
+whose tensors are tiny and whose structure is the recipe's (the count shows it is: same ``ops_total``); even tiny,
+bf16 products and norms cost a CPU more than a GPU's launch of them (on the 2-core CPU used for development, about a
+fifth of the twin's forward under cProfile was ``linear`` and ``rms_norm``, 48 and 62 us a call), so the figure is
+an upper bound for those ops. For ``titans-170m-mac``, ``data.seq_len=128 model.titans.segment_len=16`` keep its 8
+segments of one chunk each. CPU-side costs that only a GPU run has (CUDA's launch calls, Triton's launcher) are not
+in it. ``MEMTRAIN_KERNEL_OPS=dispatch`` times the kernels' custom operators through torch's dispatcher
+(``memtrain.kernels.op``).
 
     python benchmarks/op_count.py recipes/titans-170m-mac.yaml model.d_model=32 model.n_heads=2 \\
         model.titans.memory_heads=2 model.titans.memory_head_dim=16 model.ffn_dim=64 model.vocab_size=256 \\
@@ -220,19 +223,27 @@ def count(recipe, dtype: torch.dtype, time_reps: int = 0) -> dict:
 
 
 def _host_time(model, x: torch.Tensor, reps: int) -> dict:
-    """The median wall time of ``reps`` forwards and backwards of ``x`` (after one untimed), nothing counted."""
-    def step():
-        out = model(x, labels=x.roll(-1, 1))
+    """The median wall time of ``reps`` forwards and backwards of ``x`` (after one untimed), nothing counted; and of
+    the forward and the backward apart (``host_forward_ms``, ``host_backward_ms``: each part's median, so they need not
+    add up to the whole's). Apart because they bound a GPU step differently: an eager forward is Python issuing ops one
+    by one, on the step's critical path wherever the device finishes them sooner; the backward is mostly autograd's C++
+    engine."""
+    labels = x.roll(-1, 1)
+
+    def step() -> tuple[float, float]:
+        start = time.perf_counter()
+        out = model(x, labels=labels)
+        mid = time.perf_counter()
         out.loss_sum.float().backward()
+        return mid - start, time.perf_counter() - mid
 
     step()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return {"host_ms_per_micro_batch": round(statistics.median(times) * 1e3, 2),
-            "host_ms_all": [round(t * 1e3, 2) for t in times], "host_torch_threads": torch.get_num_threads()}
+    forward, backward = zip(*(step() for _ in range(reps)))
+    times = [f + b for f, b in zip(forward, backward)]
+    ms = lambda t: round(t * 1e3, 2)  # noqa: E731
+    return {"host_ms_per_micro_batch": ms(statistics.median(times)), "host_ms_all": [ms(t) for t in times],
+            "host_forward_ms": ms(statistics.median(forward)), "host_backward_ms": ms(statistics.median(backward)),
+            "host_torch_threads": torch.get_num_threads()}
 
 
 def main() -> int:

@@ -130,7 +130,8 @@ def test_a_capped_phase_stops_inside_its_clipped_timeout_and_gets_its_env(tmp_pa
 def test_phase_lines_give_each_benchmarks_key_figures():
     """The closing table (what a time-limited session reads first): a recipe's tokens/s with its profile's
     costliest op; the kernel sweep's variants each with its form, warps, wave and time per chunk; a failed variant
-    with its error; the layer benchmark with its profile's costliest op."""
+    with its error; the layer benchmark with its profile's costliest op; the host's time with its forward and
+    backward."""
     recipe = {"name": "recipe_400m_mag", "status": "ok", "seconds": 97.0, "results": [{
         "kind": "titans", "tokens_per_s": 22273.0, "mfu": 0.053, "peak_memory_gib": 37.3, "loss_first": 10.86,
         "loss_last": 10.46, "loss_all_finite": True, "steps_done": 50, "profile_busy_fraction": 0.94,
@@ -156,6 +157,11 @@ def test_phase_lines_give_each_benchmarks_key_figures():
         gc.phase_line(layer)
     del recipe["results"][0]["profile_top"]
     assert "top op" not in gc.phase_line(recipe)
+    host = {"name": "host_time", "status": "ok", "seconds": 20.0, "results": [{
+        "ops_total": 5265, "host_ms_per_micro_batch": 262.0, "host_forward_ms": 121.0, "host_backward_ms": 141.0,
+        "host_us_per_op": 49.76}]}
+    assert "5265 ops per micro-batch, host 262 ms (fwd/bwd 121/141 ms, 49.8 us per op)" in gc.phase_line(host), \
+        gc.phase_line(host)
 
 
 def test_a_failed_guard_phase_sets_its_environment_for_the_later_phases(tmp_path):
@@ -270,6 +276,10 @@ def test_the_real_plan_names_existing_files_and_loadable_recipes(capsys):
     assert grouped.on_failure_env == {GROUPED_ENV: "0"} and "tests/test_gpu.py" in grouped.argv
     assert gc.select(gc.PLAN, "recipe_170m_mac_ungrouped")[0].env == {GROUPED_ENV: "0"}
     assert "CUDA_LAUNCH_BLOCKING" not in gc.select(gc.PLAN, "recipe_170m_mac_compiled")[0].env
+    # titans-340m-mac is measured at micro-batch 8, its candidate (16 memory heads: 128 scan programs), and says so
+    mac340 = gc.select(gc.PLAN, "recipe_340m_mac")[0]
+    assert "train.micro_batch_size=8" in mac340.argv and "8 sequences, not the recipe's" in mac340.about
+    assert "not the recipe's" not in gc.select(gc.PLAN, "recipe_760m_mal")[0].about
 
 
 def test_layer_benchmark_builds_the_recipes_memory_whose_inner_loop_stays_finite():
@@ -458,7 +468,8 @@ def test_op_count_counts_the_structure_not_the_widths():
 
 
 def test_op_count_times_the_host_without_changing_the_counts():
-    """``--time K`` times K more forwards and backwards with nothing counted and reports their median (and per op);
+    """``--time K`` times K more forwards and backwards with nothing counted and reports their median (and per op,
+    and the forward's and the backward's apart);
     the counts are those of a run without it (the timed steps' stubbed launches are not added to them), and a negative
     K is refused in one line."""
     a = _op_count()
@@ -469,6 +480,10 @@ def test_op_count_times_the_host_without_changing_the_counts():
     assert len(t["host_ms_all"]) == 2 and 0 < min(t["host_ms_all"]) <= t["host_ms_per_micro_batch"] <= max(
         t["host_ms_all"]) + 0.01
     assert t["host_us_per_op"] == round(t["host_ms_per_micro_batch"] * 1e3 / t["ops_total"], 2)
+    # the forward and the backward apart (medians of each part): both timed, each below the whole's slowest step,
+    # and the two medians within rounding of the whole's when K = 2 (a median of two is their mean)
+    assert 0 < t["host_forward_ms"] < max(t["host_ms_all"]) and 0 < t["host_backward_ms"] < max(t["host_ms_all"])
+    assert abs(t["host_forward_ms"] + t["host_backward_ms"] - t["host_ms_per_micro_batch"]) < 0.05
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "op_count.py"), "recipes/titans-cpu-mac.yaml",
                         "--time", "-1"], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 2 and "--time takes a count" in r.stderr.strip().splitlines()[-1], r.stderr

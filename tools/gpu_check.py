@@ -121,14 +121,17 @@ def _throughput(recipe: str, *overrides: str, steps: int = 50, warmup: int = 2, 
             "--docs", str(docs), *extra]
 
 
-def _recipe_phase(recipe: str, timeout_s: float, steps: int = 20, why: str = "") -> Phase:
+def _recipe_phase(recipe: str, timeout_s: float, steps: int = 20, why: str = "", overrides: tuple[str, ...] = ()
+                  ) -> Phase:
+    micro = next((o.split("=", 1)[1] for o in overrides if o.startswith("train.micro_batch_size=")), None)
     return Phase(f"recipe_{recipe.removeprefix('titans-').replace('-', '_')}",
-                 _throughput(recipe, "train.schedule.warmup=2", steps=steps, extra=("--profile", "25")), timeout_s,
-                 capped=True,
-                 about=f"{recipe}: {steps + 2} optimizer steps of one micro-batch (the recipe's, of 4096-token "
-                       "sequences with 4 documents each) at lr 4e-4 after a 2-step warm-up; tokens/s, MFU, peak "
-                       "memory, every loss finite; then one profiled step (device-busy fraction, top 25 kernels)"
-                       f"{why}")
+                 _throughput(recipe, "train.schedule.warmup=2", *overrides, steps=steps, extra=("--profile", "25")),
+                 timeout_s, capped=True,
+                 about=f"{recipe}: {steps + 2} optimizer steps of one micro-batch ("
+                       + (f"{micro} sequences, not the recipe's" if micro else "the recipe's")
+                       + ", of 4096-token sequences with 4 documents each) at lr 4e-4 after a 2-step warm-up; "
+                       "tokens/s, MFU, peak memory, every loss finite; then one profiled step (device-busy fraction, "
+                       f"top 25 kernels){why}")
 
 
 def _form_phase(recipe: str, form: str, timeout_s: float, why: str) -> Phase:
@@ -208,8 +211,16 @@ PLAN: list[Phase] = [
                 "trains it (kernel_bf16_weights: the fused output stage too), and one profiled forward+backward (on an "
                 "H200, 2026-11-27, under autocast with the fused kernels off: 659,734 tokens/s with the shipped forms, "
                 "765,170 with both split)"),
-    _recipe_phase("titans-340m-mac", 110, why="; 52 finite steps on an H200 (16,620 tokens/s, 4.2% MFU, shipped "
-                  "backward, fused kernels off)"),
+    # At the recipe's micro-batch of 4 it ran 52 finite steps on an H200 three times (16,620 tokens/s, 4.2% MFU, 48.0
+    # GiB, shipped backward, fused kernels off). What decides its 10% MFU is micro-batch 8, as for 170m-mac and
+    # 400m-mag: 8 x 16 memory heads = 128 scan programs, one per SM of an H100 / H200 (400m-mag's backward took 127 us
+    # per chunk for 128 programs against 87 for 64, +50% tokens/s in the recipe), at an estimated 53.5 GiB with the
+    # fused kernels (`memtrain recipe show ... train.micro_batch_size=8`; 76.7 without them, past an H100's 80 GB
+    # once the measured peaks' ~20% above the estimate are added). So the phase measures 8, the candidate.
+    _recipe_phase("titans-340m-mac", 110, overrides=("train.micro_batch_size=8",),
+                  why="; at micro-batch 8, the candidate for the recipe (4 ran 52 finite steps on an H200: 16,620 "
+                      "tokens/s, 4.2% MFU, 48.0 GiB, shipped backward, fused kernels off): 128 scan programs in one "
+                      "wave, an estimated 53.5 GiB (fits an 80 GB H100 if the peak is within 50% of it)"),
     _recipe_phase("titans-760m-mal", 110, why="; 52 finite steps on an H200 (17,885 tokens/s, 8.0% MFU, shipped "
                   "backward, fused kernels off): the recipe nearest 10% MFU"),
     Phase("recipe_170m_mac_compiled",
@@ -715,7 +726,8 @@ def phase_line(rec: dict) -> str:
                          + _busy(row) + _top_op(row.get("profile_top")))
         elif "host_ms_per_micro_batch" in row:  # benchmarks/op_count.py --time
             parts.append(f"{row['ops_total']} ops per micro-batch, host {_fmt(row['host_ms_per_micro_batch'])} ms "
-                         f"({_fmt(row.get('host_us_per_op'))} us per op)")
+                         f"(fwd/bwd {_fmt(row.get('host_forward_ms'))}/{_fmt(row.get('host_backward_ms'))} ms, "
+                         f"{_fmt(row.get('host_us_per_op'))} us per op)")
         elif "chunked_tokens_per_s" in row:  # benchmarks/titans.py
             parts.append(f"T{row['seq_len']} d{row['dim']} L{row['depth']} C{row['chunk_size']}: kernel "
                          f"{_fmt(row.get('kernel_bf16_tokens_per_s'))} tok/s (err "
