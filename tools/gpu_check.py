@@ -211,14 +211,15 @@ PLAN: list[Phase] = [
                 "trains it (kernel_bf16_weights: the fused output stage too), and one profiled forward+backward (on an "
                 "H200, 2026-11-27, under autocast with the fused kernels off: 659,734 tokens/s with the shipped forms, "
                 "765,170 with both split)"),
-    # At the recipe's micro-batch of 4 it ran 52 finite steps on an H200 three times (16,620 tokens/s, 4.2% MFU, 48.0
-    # GiB, shipped backward, fused kernels off). What decides its 10% MFU is micro-batch 8, as for 170m-mac and
-    # 400m-mag: 8 x 16 memory heads = 128 scan programs, one per SM of an H100 / H200 (400m-mag's backward took 127 us
-    # per chunk for 128 programs against 87 for 64, +50% tokens/s in the recipe), at an estimated 53.5 GiB with the
-    # fused kernels (`memtrain recipe show ... train.micro_batch_size=8`; 76.7 without them, past an H100's 80 GB
-    # once the measured peaks' ~20% above the estimate are added). So the phase measures 8, the candidate.
+    # At the recipe's micro-batch of 4 it ran in all three H200 runs (52 finite steps in the last two; 16,620 tokens/s,
+    # 4.2% MFU, 48.0 GiB, shipped backward, fused kernels off). The likeliest lever toward its 10% MFU is micro-batch
+    # 8, as for 170m-mac and 400m-mag: 8 x 16 memory heads = 128 scan programs, one per SM of an H100 / H200
+    # (400m-mag's backward took 127 us per chunk for 128 programs against 87 for 64, +50% tokens/s in the recipe), at
+    # an estimated 53.5 GiB with the fused kernels (`memtrain recipe show ... train.micro_batch_size=8`; 76.7 without
+    # them, past an H100's 80 GB once the measured peaks' ~20% above the estimate are added). So the phase measures 8,
+    # the candidate.
     _recipe_phase("titans-340m-mac", 110, overrides=("train.micro_batch_size=8",),
-                  why="; at micro-batch 8, the candidate for the recipe (4 ran 52 finite steps on an H200: 16,620 "
+                  why="; at micro-batch 8, the candidate for the recipe (4 ran 52 finite steps on an H200, 16,620 "
                       "tokens/s, 4.2% MFU, 48.0 GiB, shipped backward, fused kernels off): 128 scan programs in one "
                       "wave, an estimated 53.5 GiB (fits an 80 GB H100 if the peak is within 50% of it)"),
     _recipe_phase("titans-760m-mal", 110, why="; 52 finite steps on an H200 (17,885 tokens/s, 8.0% MFU, shipped "
