@@ -256,7 +256,8 @@ def kernel_columns(mem: NeuralMemory, x: torch.Tensor, warm: torch.Tensor, repea
     if mem.depth < deep_from:
         from memtrain.kernels.titans.triton_kernels import backward_form, forward_form
 
-        ran = {titans_kernels.FORWARD_ENV: forward_form(), titans_kernels.BACKWARD_ENV: backward_form()}
+        ran = {titans_kernels.FORWARD_ENV: forward_form(mem.chunk_size),
+               titans_kernels.BACKWARD_ENV: backward_form()}
         out["kernel_forward"], out["kernel_backward"] = ran.values()  # what the "kernel" columns ran
         for form in forms:
             if titans_kernels.form_env(form) == ran:

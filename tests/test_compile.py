@@ -291,6 +291,42 @@ def test_titans_compiled_blocks_with_the_triton_kernels_are_one_graph(variant, d
         torch.testing.assert_close(p.grad, r.grad, rtol=1e-3, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_titans_mac_never_asks_a_projection_its_truth_value(monkeypatch, compiled):
+    """The GPU machines' torch 2.11 Dynamo cannot take the truth value of a function. ``out_proj or self.wo`` in
+    ``PrefixAttention.attend_heads``, where a compiled MAC block's ``wo`` is one (``grouped_linear`` gives
+    ``F.linear`` in a lambda there), broke the graph inside the loop over segments, and Dynamo then ran the block's
+    whole forward eagerly (under torch 2.11 ``test_titans_compiled_blocks_with_the_triton_kernels_are_one_graph``
+    failed on it; torch 2.14 takes it). So no MAC forward asks a projection (``grouped_linear``'s, the memory's
+    ``Projections``) whether it is true: here each raises if asked, eager blocks and blocks in the compiled form
+    alike, and the outputs are those of the plain model."""
+    from memtrain.model.titans import arch, memory
+
+    class Refuses:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __call__(self, *args):
+            return self.fn(*args)
+
+        def __bool__(self):
+            raise AssertionError("a projection was asked its truth value")
+
+    class RefusingProjections(memory.Projections):
+        def __bool__(self):
+            raise AssertionError("the memory's projections were asked their truth value")
+
+    x, doc = _titans_batch()
+    plain, model = _titans("mac"), _titans("mac")
+    for block in (*plain.blocks, *model.blocks):
+        block.compiled = compiled
+    expected = plain(x, doc_ids=doc).logits
+    monkeypatch.setattr(arch, "grouped_linear", lambda *a, _f=arch.grouped_linear, **k: Refuses(_f(*a, **k)))
+    monkeypatch.setattr(memory.NeuralMemory, "projections",
+                        lambda self, *a, _f=memory.NeuralMemory.projections, **k: RefusingProjections(*_f(self, *a, **k)))
+    torch.testing.assert_close(model(x, doc_ids=doc).logits, expected, rtol=0, atol=0)
+
+
 def test_titans_compiled_half_precision_blocks_take_the_fused_prologue():
     """In half precision (bf16 training; float16 here, the interpreter's bf16 dot products being wrong) the layer's
     prologue is two more custom operators (memtrain.kernels.titans.prologue; the convolution in the first), its

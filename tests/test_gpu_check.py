@@ -804,8 +804,8 @@ def test_layer_benchmark_times_each_backward_form_and_profiles_the_kernels(monke
         ran.append(form())
         return ran[-1]
 
-    def seen_fwd():  # and each scan forward
-        ran_fwd.append(form_fwd())
+    def seen_fwd(chunk):  # and each scan forward
+        ran_fwd.append(form_fwd(chunk))
         return ran_fwd[-1]
 
     monkeypatch.setattr(tk, "backward_form", seen)

@@ -190,12 +190,12 @@ def test_kernel_backward_form_from_the_environment(monkeypatch):
     fwd = titans_kernels.FORWARD_ENV  # the forward's form the same way
     monkeypatch.delenv(fwd, raising=False)
     monkeypatch.setattr(triton_kernels, "SPLIT_FORWARD", True)
-    assert triton_kernels.forward_form() == "split"
+    assert triton_kernels.forward_form(16) == "split"
     monkeypatch.setattr(triton_kernels, "SPLIT_FORWARD", False)
-    assert triton_kernels.forward_form() == "shipped"
+    assert triton_kernels.forward_form(64) == "shipped"
     for form in titans_kernels.FORWARD_FORMS:
         monkeypatch.setenv(fwd, form)
-        assert triton_kernels.forward_form() == form
+        assert triton_kernels.forward_form(16) == triton_kernels.forward_form(64) == form
     monkeypatch.setenv(fwd, "fast")
     monkeypatch.setenv(env, "split")
     with pytest.raises(SettingError, match=r"^MEMTRAIN_TITANS_FORWARD='fast': expected one of shipped, split "
@@ -211,6 +211,48 @@ def test_kernel_backward_form_from_the_environment(monkeypatch):
     y, *_ = titans_kernels.scan(*ins[:6], ins[6:8], ins[8:], ins[6:8], 0, 2, kernel="triton")
     y.sum().backward()
     assert spy.forms == [(False, True)]
+
+
+def test_kernel_forward_form_follows_the_chunk_size(monkeypatch):
+    """By default (``SPLIT_FORWARD`` None) the depth-1/2 forward's form follows the chunk size: the one-program
+    forward below ``SPLIT_FORWARD_MIN_CHUNK`` (64) tokens per chunk, where an H200 timed the split one 12-56% slower
+    (the recipes' chunk 16), and the split forward from 64 on (19% faster at the layer target's chunk 64).
+    ``SPLIT_FORWARD`` True / False and ``MEMTRAIN_TITANS_FORWARD`` override it. The launches follow: a chunk-64 call
+    runs the split forward's two kernels, a chunk-4 call the one-program forward, both against the float64 reference
+    (outputs, end state and every input's gradient, ending inside a chunk)."""
+    fwd_env = titans_kernels.FORWARD_ENV
+    monkeypatch.delenv(fwd_env, raising=False)
+    monkeypatch.delenv(titans_kernels.BACKWARD_ENV, raising=False)
+    assert triton_kernels.SPLIT_FORWARD is None and triton_kernels.SPLIT_FORWARD_MIN_CHUNK == 64
+    assert [triton_kernels.forward_form(c) for c in (2, 16, 32, 63, 64, 128)] == ["shipped"] * 4 + ["split"] * 2
+    monkeypatch.setattr(triton_kernels, "SPLIT_FORWARD", False)
+    assert triton_kernels.forward_form(64) == "shipped"
+    monkeypatch.setattr(triton_kernels, "SPLIT_FORWARD", True)
+    assert triton_kernels.forward_form(16) == "split"
+    monkeypatch.setattr(triton_kernels, "SPLIT_FORWARD", None)
+    monkeypatch.setenv(fwd_env, "shipped")
+    assert triton_kernels.forward_form(64) == "shipped"
+    monkeypatch.setenv(fwd_env, "split")
+    assert triton_kernels.forward_form(16) == "split"
+    monkeypatch.delenv(fwd_env)
+
+    spies = {name: _LaunchSpy(getattr(triton_kernels, name), ()) for name in
+             ("_fwd_kernel", "_fwd_advance_kernel", "_fwd_read_kernel")}
+    for name, spy in spies.items():
+        monkeypatch.setattr(triton_kernels, name, spy)
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    for T, chunk, ran in ((70, 64, {"_fwd_advance_kernel", "_fwd_read_kernel"}), (11, 4, {"_fwd_kernel"})):
+        for spy in spies.values():
+            spy.grids.clear()
+        ins, ref, out = _both(gen, 1, T, 4, 6, 2, chunk)
+        assert {name for name, spy in spies.items() if spy.grids} == ran, (chunk, ran)
+        for a, b in zip(out, ref):
+            assert _rel(a, b) < 1e-4, chunk
+        cots = [torch.randn(r.shape, generator=gen, dtype=torch.float64).to(DEVICE) for r in ref]
+        g_ref = torch.autograd.grad(sum((r * c).sum() for r, c in zip(ref, cots)), ins)
+        g_out = torch.autograd.grad(sum((o.double() * c).sum() for o, c in zip(out, cots)), ins)
+        for i, (a, b) in enumerate(zip(g_out, g_ref)):
+            assert _rel(a, b) < 1e-4, (chunk, i, _rel(a, b))
 
 
 @pytest.mark.parametrize("depth,form", [(2, "shipped"), (1, "lean")])

@@ -207,8 +207,9 @@ PLAN: list[Phase] = [
     Phase("titans_layer", [PY, "benchmarks/titans.py", "--configs", "0", "--no-any-depth", "--profile", "15"], 180,
           about="the layer target: B4 T2048 d512 8 heads depth 2 chunk 64, kernel vs torch chunked vs "
                 "sequential vs titans-pytorch (target: kernel >= 1M tokens/s, >= 10x titans-pytorch), the shipped "
-                "and split forms' columns beside the default, the layer in bf16 weights without autocast as memtrain "
-                "trains it (kernel_bf16_weights: the fused output stage too), and one profiled forward+backward (on an "
+                "form's columns beside the default (at chunk 64 both split forms since 2026-11-28), the layer in bf16 "
+                "weights without autocast as memtrain trains it (kernel_bf16_weights: the fused output stage too), "
+                "and one profiled forward+backward (on an "
                 "H200, 2026-11-27, under autocast with the fused kernels off: 659,734 tokens/s with the shipped forms, "
                 "765,170 with both split)"),
     # At the recipe's micro-batch of 4 it ran in all three H200 runs (52 finite steps in the last two; 16,620 tokens/s,

@@ -862,16 +862,23 @@ SPLIT_BACKWARD = True
 # The split forward (:func:`_fwd_advance_kernel`, :func:`_fwd_read_kernel`): per recompute group the recurrence in
 # one program per sequence and head and the reads in one program per chunk, in place of one program per sequence
 # and head doing both. Its scratch (the group's chunk-start states) lives during one call's forward: the backward's
-# recompute scratch, at most SCRATCH_BYTES. Off: on the H200 it took 12% (MAC's shape) and 56% (MAG's) more time
-# per chunk than the shipped forward at the recipes' chunk 16, and 19% less at the layer target's chunk 64, where
-# the forward is a seventh of the scan's time (2026-11-27).
-SPLIT_FORWARD = False
+# recompute scratch, at most SCRATCH_BYTES. On the H200 (2026-11-27, benchmarks/titans_kernels.py) it took 12%
+# (MAC's shape) and 56% (MAG's) more time per chunk than the shipped forward at the recipes' chunk 16, and 19% less
+# at the layer target's chunk 64 (28.9 against 35.7 us). It writes every chunk-start state (128 KiB per program at
+# the recipes' widths) to its scratch and reads it back, traffic that per token falls as 1 / chunk, while the
+# shipped loop's reads grow with the chunk. So by default it runs for chunks of SPLIT_FORWARD_MIN_CHUNK tokens and
+# more, the shipped forward below (chunk 32 was not timed: shipped). SPLIT_FORWARD True / False: the split / the
+# shipped forward at every chunk size; None: by chunk size.
+SPLIT_FORWARD: Optional[bool] = None
+SPLIT_FORWARD_MIN_CHUNK = 64
 
 
-def forward_form() -> str:
-    """The depth-1/2 forward's form: what :data:`memtrain.kernels.titans.FORWARD_ENV` asks for where it is set,
-    else :data:`SPLIT_FORWARD`."""
-    return requested_forward() or ("split" if SPLIT_FORWARD else "shipped")
+def forward_form(chunk: int) -> str:
+    """The depth-1/2 forward's form for chunks of ``chunk`` tokens: what :data:`memtrain.kernels.titans.FORWARD_ENV`
+    asks for where it is set, else :data:`SPLIT_FORWARD` where it is True or False, else ``split`` from
+    :data:`SPLIT_FORWARD_MIN_CHUNK` tokens per chunk on and ``shipped`` below."""
+    split = chunk >= SPLIT_FORWARD_MIN_CHUNK if SPLIT_FORWARD is None else SPLIT_FORWARD
+    return requested_forward() or ("split" if split else "shipped")
 
 
 def backward_form() -> str:
@@ -1179,7 +1186,7 @@ def _scan(q, k, v, coef, T: int, C: int, w, s):
     w1, w2 = w[0], w[-1]
     s1, s2 = s[0], s[-1]
     y, w1o, s1o, w2o, s2o, wg1, wg2, *_ = _scan_fwd(q, k, v, *coef, w1, s1, w2, s2, T, C, depth,
-                                                    forward_form() == "split")
+                                                    forward_form(C) == "split")
     if depth == 2:
         return y, [w1o, w2o], [s1o, s2o], [wg1, wg2]
     return y, [w1o], [s1o], [wg1]

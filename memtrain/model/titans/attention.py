@@ -165,7 +165,10 @@ class PrefixAttention(Attention):
         bf16; attention runs in ``v``'s dtype."""
         B, Tq = q.shape[:2]
         out = attend(q.to(v.dtype).transpose(1, 2), k.to(v.dtype).transpose(1, 2), v.transpose(1, 2), mask)
-        return (out_proj or self.wo)(out.transpose(1, 2).reshape(B, Tq, self.n_heads * self.head_dim))
+        # `is None`, not `or`: torch 2.11's Dynamo cannot take the truth value of a function (a compiled MAC block's
+        # `wo` is one) and fell back to eager for the whole segment loop
+        proj = self.wo if out_proj is None else out_proj
+        return proj(out.transpose(1, 2).reshape(B, Tq, self.n_heads * self.head_dim))
 
 
 __all__ = ["PrefixAttention", "segment_mask", "sliding_window_mask", "window_allowed", "with_prefix"]

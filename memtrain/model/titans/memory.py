@@ -437,7 +437,7 @@ class NeuralMemory(nn.Module):
         """:meth:`forward` before its output stage: ``(y [B, H, T, head_dim], new_state)``, the retrievals
         ``M_t(q_t)`` that :meth:`gated_output` turns into ``forward``'s output. ``proj``: the projections to use
         (None: :meth:`projections`; eager MAC passes grouped ones, made once per block forward)."""
-        proj = proj or self.projections()
+        proj = self.projections() if proj is None else proj
         if algorithm not in ALGORITHMS:
             raise ValueError(f"unknown algorithm {algorithm!r}; expected one of {', '.join(ALGORITHMS)}")
         B, T, _ = x.shape
