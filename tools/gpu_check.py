@@ -209,9 +209,8 @@ PLAN: list[Phase] = [
                 "sequential vs titans-pytorch (target: kernel >= 1M tokens/s, >= 10x titans-pytorch), the shipped "
                 "form's columns beside the default (at chunk 64 both split forms since 2026-11-28), the layer in bf16 "
                 "weights without autocast as memtrain trains it (kernel_bf16_weights: the fused output stage too), "
-                "and one profiled forward+backward (on an "
-                "H200, 2026-11-27, under autocast with the fused kernels off: 659,734 tokens/s with the shipped forms, "
-                "765,170 with both split)"),
+                "and one profiled forward+backward (on an H200, 2026-11-27, under autocast with the fused kernels "
+                "off: 659,734 tokens/s with the shipped forms, 765,170 with both split)"),
     # At the recipe's micro-batch of 4 it ran in all three H200 runs (52 finite steps in the last two; 16,620 tokens/s,
     # 4.2% MFU, 48.0 GiB, shipped backward, fused kernels off). The likeliest lever toward its 10% MFU is micro-batch
     # 8, as for 170m-mac and 400m-mag: 8 x 16 memory heads = 128 scan programs, one per SM of an H100 / H200
