@@ -94,6 +94,11 @@ def _train(rank: int, stage: int, persistence, logger: bool) -> dict:
     if logger:
         config["comms_logger"] = {"enabled": True, "prof_all": True, "verbose": False, "debug": False}
     optimizer = eng.build_optimizer(model, recipe)
+    # As memtrain's engine starts DeepSpeed (eng.initialize): without building the CPU shm op, which the counted
+    # collectives never use. Building it cost each worker ~26 s on a first run, and a build killed mid-way leaves
+    # a lock in TORCH_EXTENSIONS_DIR on which every later build waits forever (seen: this file hung until the
+    # timeout under another torch, whose build is not the cached one).
+    eng.skip_inference_shm_op()
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, dist_init_required=False)
     assert engine.gradient_accumulation_steps() == ACCUM
     counter = comm.AnchorCommCounter(engine)
