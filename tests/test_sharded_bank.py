@@ -28,7 +28,7 @@ STEPS, ACCUM, MB, T = 4, 2, 2, 12
 BETAS, EPS, WD = (0.9, 0.95), 1e-8, 0.1
 # The clip threshold per step: it bites on steps 1 and 3, not on 0 and 2. The bank's norms are 0.22-0.38 here
 # (torch 2.11 and 2.14, whose model initialisations differ); one threshold of 0.3 inside that range clipped
-# some steps under 2.14 and none under 2.11, so the thresholds sit about 3x beyond it on either side.
+# some steps under 2.14 and none at world 3 under 2.11, so the thresholds sit about 3x beyond it on either side.
 CLIP = (1.0, 0.1, 1.0, 0.1)
 
 
