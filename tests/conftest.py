@@ -25,6 +25,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 # builds its own jit functions (tl.sum, tl.max, ...) at import, in the mode the variable gives then.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    # nested device-function calls skip Triton's redundant re-patching of triton.language (tests/triton_interpreter.py)
+    from triton_interpreter import install as _install_interpreter_speedup
+
+    _install_interpreter_speedup()
 
 ALLOWED_SKIP_MARKERS = ("gpu", "slurm")
 SKIP_ALLOWED = "memtrain_skip_allowed"  # a user property on the reports of gpu- and slurm-marked tests
