@@ -26,7 +26,8 @@ XDIST = [[], ["-n", "2", "--dist", "loadfile"]]
 
 
 def _run(tmp_path: Path, body: str, xdist: list[str]) -> subprocess.CompletedProcess:
-    shutil.copy(HERE / "conftest.py", tmp_path / "conftest.py")
+    for name in ("conftest.py", "triton_interpreter.py"):  # the conftest and the helper it imports
+        shutil.copy(HERE / name, tmp_path / name)
     (tmp_path / "pytest.ini").write_text(INI)
     (tmp_path / "test_sample.py").write_text("import pytest\n\n\ndef test_ok():\n    pass\n\n\n" + body)
     env = {k: v for k, v in os.environ.items() if k != "MEMTRAIN_GPU_TIER_ON_CPU"}
