@@ -4,11 +4,11 @@ Under ``TRITON_INTERPRET=1`` every launch patches ``triton.language`` (and ``tl.
 ``tl.tensor``) to the interpreter's semantics, runs the grid, and restores them. Every call of a nested
 ``@triton.jit`` device function (``_mm``, ``_load_mat``, ``tl.sum``, ...) patches them again
 (``InterpretedFunction.__call__`` -> ``_patch_lang``): ``inspect.getmembers`` over those modules and several
-hundred ``setattr``, 0.85 ms a call under cProfile, and memtrain's kernels make tens of thousands of such calls in
-a test (a float16 MAC model's forward and backward: 39,724, a third of that test's profiled time). Within one launch the second patch of the same
-modules sets the same behaviour again: builtins are wrapped once (a wrapper is no builtin, so it is not
-wrapped twice) and the rest are the same functions anew; the nested calls' patches are never restored by
-Triton either (the launch's own scope restores the originals at its end).
+hundred ``setattr``, 0.85 ms a call under cProfile, and memtrain's kernels make tens of thousands of such calls
+in a test (a float16 MAC model's forward and backward: 39,724, a third of that test's profiled time). Within one
+launch the second patch of the same modules sets the same behaviour again: builtins are wrapped once (a wrapper
+is no builtin, so it is not wrapped twice) and the rest are the same functions anew; Triton never restores the
+nested calls' patches either (the launch's own scope restores what it patched, at the launch's end).
 
 :func:`install` makes a nested call skip the patch when every ``triton.language`` module its function sees was
 patched already in the same launch (by the launch itself or by an earlier nested call); otherwise Triton's
