@@ -45,7 +45,7 @@ def install():
         return None
     grid_executor = getattr(ti, "GridExecutor", None)
     original_patch = getattr(ti, "_patch_lang", None)
-    if grid_executor is None or original_patch is None or not callable(getattr(grid_executor, "__call__", None)):
+    if grid_executor is None or original_patch is None:
         return None
     original_call = grid_executor.__call__
     launches: list = []  # per running launch: the ids of the language modules patched in it so far
