@@ -37,6 +37,7 @@ any-depth kernels).
     TRITON_INTERPRET=1 python benchmarks/titans_kernels.py --interpret   # CPU smoke run at tiny shapes
     python benchmarks/titans_kernels.py --static          # any machine: compiled for sm_90, nothing timed
     python benchmarks/titans_kernels.py --precompile DIR --shapes mac,layer   # any machine: into a Triton cache
+    python benchmarks/titans_kernels.py --cache-figures DIR   # any machine: the figures of the binaries in a cache
 
 ``--static`` needs no GPU: it compiles each shape's forward and backward kernels for an H100 / H200 (sm_90,
 Triton's own ptxas; :mod:`memtrain.kernels.titans.aot`) under each launch and prints their registers per
@@ -48,6 +49,8 @@ state's registers in local memory inside the loop over chunks, and the loops' fi
 (``local_kib_per_program``: what they move per chunk for the whole program, mostly to and from L2). On a GPU the
 timed records carry the same ``fwd_loops`` / ``bwd_loops`` of the kernels the device's own Triton compiled, so the
 timings sit beside the traffic (the static figures come from this machine's Triton, which may compile differently).
+``--static`` specialises the scan's arguments as a launch does (pointers 16-byte aligned, the widths divisible by 16),
+so its scan kernels are the launches' own binaries, byte for byte (tests/test_precompile.py).
 
 ``--precompile DIR`` needs no GPU either: it runs every launch the sweep would make at ``--shapes`` (forward and
 backward, the gates' backward too) through :func:`memtrain.kernels.precompile.compile_only`, which compiles each for
@@ -58,6 +61,12 @@ FILES`` adds, for each Titans recipe, one block's forward and backward as its tr
 the scan: coefficients, fused prologue, output stage, MAC's retrieval, RoPE). One JSON line per shape and variant and
 per recipe: the kernels it compiled and those the cache held. The timed records say the same of their first call
 (``triton_compiled``, ``triton_cached``).
+
+``--cache-figures DIR`` reads every binary in a Triton cache directory (``--precompile``'s, ``tools/gpu_check.py
+--prepare``'s ``.gpu/triton-cache``, or a GPU machine's own) and prints one JSON line per binary: its kernel, warps,
+shared memory, registers, stack frame and loops (:func:`memtrain.kernels.titans.aot.cache_figures`). These are exact for
+every kernel as its launch compiled it, the kernels around the scan too, whose lengths and strides ``--static`` leaves
+unspecialised. Run it with the Triton that compiled the cache first on the path (its ``nvdisasm`` and ``cuobjdump``).
 
 Not part of the test suite; the timings mean something on a GPU only.
 """
@@ -444,11 +453,26 @@ def main() -> int:
                     help="with --precompile: comma-separated Titans recipe files whose kernels around the scan (chunk "
                          "coefficients, fused prologue, output stage, retrieval, RoPE) to compile as their training "
                          "launches them")
+    ap.add_argument("--cache-figures", metavar="CACHE_DIR", default=None,
+                    help="no GPU needed: the figures (registers, shared memory, stack frame, loops) of every kernel "
+                         "binary in this Triton cache directory, one JSON line each")
     ap.add_argument("--target", default="cuda:90", help="with --precompile: the GPU (default cuda:90, H100 / H200)")
     ap.add_argument("--libtriton-from", metavar="WHEEL", default=None,
                     help="with --precompile: the GPU machine's Triton wheel (this Triton's version, for its Python): "
                          "the cache keys that build computes")
     args = ap.parse_args()
+    if args.cache_figures:
+        from memtrain.kernels.titans.aot import cache_figures
+
+        if not Path(args.cache_figures).is_dir():
+            ap.error(f"--cache-figures {args.cache_figures}: no such directory; pass a Triton cache directory such as "
+                     ".gpu/triton-cache (tools/gpu_check.py --prepare writes it)")
+        rows = cache_figures(args.cache_figures)
+        if not rows:
+            ap.error(f"--cache-figures {args.cache_figures}: no compiled kernel (<name>.cubin) in it")
+        for row in rows:
+            print(json.dumps(row))
+        return 0
     table = TINY if args.interpret or args.tiny else SHAPES
     names = args.shapes.split(",") if args.shapes else list(table)
     unknown = [n for n in names if n not in table]

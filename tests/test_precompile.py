@@ -34,11 +34,40 @@ def _precompile(cache: Path, *extra: str) -> list[dict]:
     return [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
 
 
+_AOT_TINY = r"""
+import json
+from memtrain.kernels.titans.aot import compile_kernel
+
+# the sweep's launches at the tiny layer shape (depth 2, head size 8, hidden 16, chunk 4), as _precompile makes them
+specs = [("fwd", 4, {}), ("bwd", 4, {}), ("bwd", 4, {"lean": True}), ("fwd", 8, {}), ("bwd", 8, {}),
+         ("coef_fwd", 4, {}), ("coef_bwd", 4, {}), ("fwd_advance", 4, {}), ("fwd_read", 4, {}),
+         ("bwd_recompute", 4, {}), ("bwd_local", 4, {}), ("bwd_carry", 4, {}), ("fwd", 4, {"any_depth": True}),
+         ("bwd", 4, {"any_depth": True})]
+out = [compile_kernel(k, 2, head_dim=8, hidden=16, chunk=4, num_warps=w, **kw) for k, w, kw in specs]
+print(json.dumps([[r["cubin_sha256"], r["kernel"], r["any_depth"], r["num_warps"],
+                   {k: r[k] for k in ("registers", "shared", "stack_frame", "loops", "program")}] for r in out]))
+"""
+
+
+def _aot_cubins() -> tuple[dict, dict]:
+    """``{sha256 of the cubin: (kernel function, num_warps)}`` of :func:`memtrain.kernels.titans.aot.compile_kernel`'s
+    14 binaries at the tiny layer shape, compiled in a fresh process without the interpreter, and ``{sha256: its
+    registers, shared memory, stack frame, loops and program}``."""
+    run = subprocess.run([sys.executable, "-c", _AOT_TINY], cwd=ROOT, env=_no_interpreter(), capture_output=True,
+                         text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads(run.stdout.strip().splitlines()[-1])
+    assert len(rows) == 14
+    return ({digest: (f"_{kernel}{'_deep' if deep else ''}_kernel", warps) for digest, kernel, deep, warps, _ in rows},
+            {digest: figures for digest, *_, figures in rows})
+
+
 def test_kernel_precompile_fills_a_triton_cache_that_a_second_machine_finds(tmp_path):
     """Every launch of the sweep's variants (shipped with 4 warps, the lean backward, the split forward and backward,
     8 warps, any-depth; forward and backward, the gates' backward too) compiles once for sm_90 without a GPU; a second process, and a
     copy installed elsewhere (the original deleted: Triton finds entries through the paths their group files
-    record), find them all."""
+    record), find them all. :func:`memtrain.kernels.titans.aot.compile_kernel` compiles the same 14 binaries, and
+    ``--cache-figures`` reads the cache's binaries to the figures compile_kernel gives them."""
     first = _precompile(tmp_path / "a")
     rows, summary = first[:-1], first[-1]
     assert [(r["num_warps"], r["backward"], r["any_depth"]) for r in rows] == [
@@ -60,6 +89,23 @@ def test_kernel_precompile_fills_a_triton_cache_that_a_second_machine_finds(tmp_
         assert meta["target"]["arch"] == 90 and meta["name"] == name
         assert sorted(p.suffix for p in (tmp_path / "a" / entry).iterdir()) == [".cubin", ".json", ".json", ".source"]
     assert json.loads((tmp_path / "a" / "precompiled.json").read_text()) == summary
+    # aot.compile_kernel (benchmarks/titans_kernels.py --static, the figures in docs/titans-kernels.md) compiles the
+    # very binaries these launches compiled, byte for byte: pointers 16-byte aligned and the widths specialised as
+    # Triton's JIT does (unspecialised, 10 of the 14 came out different binaries: all but the shipped pair under 8
+    # warps and the coefficients')
+    cubins = {hashlib.sha256(c.read_bytes()).hexdigest(): (c.stem, json.loads(c.with_suffix(".json").read_text())[
+        "num_warps"]) for c in (tmp_path / "a").glob("*/*.cubin")}
+    kernels_of, figures_of = _aot_cubins()
+    assert kernels_of == cubins
+    # --cache-figures reads every binary in the cache: the same figures compile_kernel gave for the same binary
+    run = subprocess.run([sys.executable, "benchmarks/titans_kernels.py", "--cache-figures", str(tmp_path / "a")],
+                         cwd=ROOT, env=_no_interpreter(), capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    read = [json.loads(line) for line in run.stdout.splitlines()]
+    assert sorted((r["kernel"], r["num_warps"]) for r in read) == sorted(cubins.values())
+    for r in read:
+        digest = hashlib.sha256(next((tmp_path / "a" / r["entry"]).glob("*.cubin")).read_bytes()).hexdigest()
+        assert {k: r[k] for k in figures_of[digest]} == figures_of[digest], r
 
     again = _precompile(tmp_path / "a")
     assert all(r["compiled"] == [] for r in again[:-1]) and again[-1]["compiled"] == 0 and again[-1]["cached"] == 14

@@ -1,6 +1,8 @@
 """The Titans kernels compiled ahead of time for a GPU architecture, on any machine (no GPU needed: Triton's own
 ``ptxas``): the shared memory, registers and spilled bytes of each kernel at a given shape and launch, as the
-GPU would run it. What :func:`compile_kernel` reports is what ``ptxas -v`` prints for the compiled PTX.
+GPU would run it. What :func:`compile_kernel` reports is what ``ptxas -v`` prints for the compiled PTX, with the
+arguments specialised as a launch specialises them (the scan's binaries are the launches' own, byte for byte);
+:func:`cache_figures` reads the same figures from the binaries in a Triton cache, which the launches compiled.
 
 Why. The scan kernels keep the memory's state (weights and momentum of each layer, float32) in registers for a
 whole call, one program per (sequence, head): at head size 64 and hidden width 128 that is 128 KB per program for
@@ -12,22 +14,23 @@ tests/test_titans_kernel.py checks the shared memory against an H100's limit and
     from memtrain.kernels.titans.aot import compile_kernel
     compile_kernel("bwd", depth=2, head_dim=64, hidden=128, chunk=16)
     # {'kernel': 'bwd', 'depth': 2, ..., 'num_warps': 8, 'shared': 61440, 'registers': 255, 'spill_stores': ...,
-    #  'loops': [{'instructions': 2299, 'local_loads': 446, 'local_stores': 222}, ...]}
+    #  'loops': [{'instructions': 1758, 'local_loads': 376, 'local_stores': 256, ...}, ...]}
 
 ptxas's spill figures count spill instructions once, wherever they are in the code. What a spill costs is how often
 it runs: ``loops`` reads the compiled code itself (SASS, disassembled with Triton's own ``nvdisasm``) and gives,
 for each innermost loop, its instructions and the local-memory loads and stores among them -- what every thread
 executes per iteration (for the scan kernels, per chunk). Spilled registers live in local memory, which the L1
-cache holds only in part: the depth-2 backward's stack frame is 3.9 KB per thread at the recipes' shapes (Triton
-3.8; 4.1 KB under 3.6), about 1 MB for its 256 threads, against an SM's 256 KB of L1 and shared memory together;
+cache holds only in part: the depth-2 backward's stack frame is 3.8 KB per thread at the recipes' shapes (Triton
+3.8; 3.9 KB under 3.6), about 1 MB for its 256 threads, against an SM's 256 KB of L1 and shared memory together;
 so ``local_kib_per_program`` (what one iteration's spills move for the whole program) is mostly traffic to L2, and
 to HBM where the frames of all running programs together exceed the L2 (50 MB on an H100 / H200): 64 programs of
-that backward keep 65 MiB live. :func:`cubin_frame` reads a kernel's frame.
+that backward keep 62 MiB live. :func:`cubin_frame` reads a kernel's frame.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import os
 import re
@@ -178,6 +181,72 @@ def cubin_frame(cubin: bytes, num_warps: int) -> dict:
     return {"stack_frame": frame, "frame_kib_per_program": round(frame * 32 * num_warps / 1024, 1)}
 
 
+_RES_REG = re.compile(r"\bREG:(\d+)")
+
+
+def cache_figures(cache_dir) -> list[dict]:
+    """The figures of every kernel binary in a Triton cache directory (entries of ``<name>.cubin`` beside
+    ``<name>.json``): the binaries the launches themselves compiled -- on a GPU, or ahead of time by
+    :mod:`memtrain.kernels.precompile` (``tools/gpu_check.py --prepare``, ``benchmarks/titans_kernels.py
+    --precompile``) -- so exact for every kernel as launched, where :func:`compile_kernel` leaves the lengths and
+    strides of the kernels around the scan unspecialised. Per binary, sorted by kernel, warps and entry: ``entry``,
+    ``kernel`` (the function's name), ``num_warps``, ``shared``, ``registers`` (``cuobjdump -res-usage``),
+    ``stack_frame`` and ``frame_kib_per_program`` (:func:`cubin_frame`), ``loops`` and ``program``
+    (:func:`cubin_loops`); without Triton's CUDA tools, the figures they give are absent or None."""
+    import json
+    from pathlib import Path
+
+    rows = []
+    for cubin in sorted(Path(cache_dir).glob("*/*.cubin")):
+        meta = json.loads(cubin.with_suffix(".json").read_text())
+        binary = cubin.read_bytes()
+        warps = meta["num_warps"]
+        reg = _RES_REG.search(_res_usage(binary) or "")
+        loops, program = cubin_loops(binary, warps, whole=True)
+        rows.append({"entry": cubin.parent.name, "kernel": meta["name"], "num_warps": warps, "shared": meta["shared"],
+                     "registers": int(reg.group(1)) if reg else None, **cubin_frame(binary, warps), "loops": loops,
+                     "program": program})
+    return sorted(rows, key=lambda r: (r["kernel"], r["num_warps"], r["entry"]))
+
+
+_TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def _launch_specialization(fn, sig: dict, consts: dict, ints: dict, target) -> dict:
+    """Specialise ``sig`` as Triton's JIT specialises a launch's arguments, with Triton's own function for it
+    (``native_specialize_impl``, what every launch calls): a pointer is 16-byte aligned (every launch's tensors
+    are: a fresh allocation, or a view at such an offset -- the launches' caches show every pointer aligned), an
+    integer whose value ``ints`` gives is divisible by 16 or equal to 1 (then a constant) as the JIT finds it,
+    unless the kernel leaves it unspecialised (``do_not_specialize``). Integers ``ints`` does not give stay
+    unspecialised. Updates ``sig`` and ``consts`` in place (an integer equal to 1 becomes a constexpr) and returns
+    the attributes for :class:`triton.compiler.ASTSource`. Without this, :func:`compile_kernel` compiled every
+    pointer as unaligned and every integer as unknown: scalar instead of 128-bit loads, and (the split backward's
+    carried loop at the recipes' shapes, Triton 3.6) 5,539 instructions per chunk against the launch's 3,801."""
+    import torch
+    from triton.compiler.compiler import make_backend
+    from triton.runtime.jit import native_specialize_impl
+
+    backend = make_backend(target)
+    attrs = {}
+    for i, param in enumerate(fn.params):
+        name, ty = param.name, sig[param.name]
+        if ty == "constexpr":
+            continue
+        if ty.startswith("*"):
+            value = torch.empty(1, dtype=getattr(torch, _TORCH_DTYPES[ty[1:]]))
+        elif name in ints:
+            value = ints[name]
+        else:
+            continue
+        kind, spec = native_specialize_impl(backend, value, False, not param.do_not_specialize,
+                                            not param.do_not_specialize_on_alignment)
+        if kind == "constexpr":
+            sig[name], consts[name] = "constexpr", spec
+        elif spec:
+            attrs[(i,)] = backend.parse_attr(spec)
+    return attrs
+
+
 def compile_kernel(kernel: str, depth: int = 2, head_dim: int = 64, hidden: int = 128, chunk: int = 16, *,
                    num_warps: Optional[int] = None, arch: int = 90, half: str = "bf16",
                    any_depth: Optional[bool] = None, lean: bool = False, num_ctas: int = 1) -> dict:
@@ -202,7 +271,14 @@ def compile_kernel(kernel: str, depth: int = 2, head_dim: int = 64, hidden: int 
     loop's instructions, local-memory loads and stores and their bytes, shared-memory accesses, barriers and
     tensor-core instructions per iteration and thread, :func:`sass_loops`, and ``local_kib_per_program``: the
     local bytes times the program's threads; None without ``nvdisasm``) and ``program`` (the same figures for the
-    whole kernel, each instruction once: what one program of a kernel without loops runs)."""
+    whole kernel, each instruction once: what one program of a kernel without loops runs) and ``cubin_sha256``.
+
+    The arguments are specialised as a launch's (:func:`_launch_specialization`): pointers 16-byte aligned and the
+    integers the memory's widths fix (the scan's and the coefficients' ``C``, ``D``, ``H1``; the read's ``D``,
+    ``H1``; the prologue's and output stage's ``HD``; RoPE's ``HALF``) divisible by 16 where they are, so the scan
+    and coefficient kernels compile to the launch's own binary, byte for byte (tests/test_precompile.py compares
+    them). The other kernels' lengths and strides vary by call and stay unspecialised here, where a launch makes a
+    unit stride a constant: their figures are for a more general binary than the one a GPU runs."""
     import triton
     from triton import knobs
     from triton.backends.compiler import GPUTarget
@@ -212,6 +288,7 @@ def compile_kernel(kernel: str, depth: int = 2, head_dim: int = 64, hidden: int 
 
     if kernel not in KERNELS:
         raise ValueError(f"unknown kernel {kernel!r}; expected one of {', '.join(KERNELS)}")
+    ints: dict = {}  # the integer arguments a model's widths fix (lengths and strides vary by call)
     if kernel.startswith("rope"):  # memtrain.kernels.rope (every model's RoPE; MAC's retrieved keys): float32 tables
         from memtrain.kernels import rope
         from memtrain.kernels.launch import block
@@ -219,6 +296,7 @@ def compile_kernel(kernel: str, depth: int = 2, head_dim: int = 64, hidden: int 
         fn = rope._rope_kernel
         ptr = {"fp32": "*fp32", "bf16": "*bf16", "fp16": "*fp16"}[half]
         consts = dict(INVERSE=kernel == "rope_bwd", BT=rope.BLOCK_T, BD=block(head_dim // 2))
+        ints = {"HALF": head_dim // 2}
         typed = {"X": ptr, "Y": ptr, "COS": "*fp32", "SIN": "*fp32"}
         launch = {"num_warps": num_warps or 4, "num_stages": 3}  # Triton's defaults, as the kernel launches
         sig = {n: "constexpr" if n in consts else typed.get(n, "i32") for n in fn.arg_names}
@@ -229,6 +307,7 @@ def compile_kernel(kernel: str, depth: int = 2, head_dim: int = 64, hidden: int 
         fn = getattr(output, f"_{kernel}_kernel")
         ptr = {"fp32": "*fp32", "bf16": "*bf16", "fp16": "*fp16"}[half]
         consts = dict(BT=prologue.BLOCK_T, BD=prologue._block(head_dim))
+        ints = {"HD": head_dim}
         typed = {"Y": "*fp32", "DY": "*fp32", "W": ptr, "G": ptr, "Z": ptr, "DZ": ptr, "DG": ptr, "DW": "*fp32",
                  "eps": "fp32"}
         launch = {"num_warps": num_warps or 4, "num_stages": 3}  # Triton's defaults, as the kernels launch
@@ -253,6 +332,7 @@ def compile_kernel(kernel: str, depth: int = 2, head_dim: int = 64, hidden: int 
             typed = {n: ptr for n in ("X", "DX", "CACHE", "DCACHE", "W", "BIAS", "NEWC", "DNEWC")}
             typed.update({n: "*fp32" if queries else ptr for n in ("Q", "K", "V", "DQ", "DK", "DV")})
             typed["PW"] = "*fp32"
+            ints = {"HD": head_dim}
         else:
             consts = dict(BT=prologue.BLOCK_T, BG=prologue._block(3 * 12))
             typed = {"G": ptr, "DG": ptr, "max_lr": "fp32", "log_max_momentum": "fp32",
@@ -268,6 +348,7 @@ def compile_kernel(kernel: str, depth: int = 2, head_dim: int = 64, hidden: int 
         consts = dict(DEPTH=depth, DOT={"fp32": 0, "bf16": 1, "fp16": 2}[half], BT=read.BLOCK_T,
                       BD=read._block(head_dim), BH=read._block(hidden))
         launch = {"num_warps": num_warps or (read.BWD_WARPS if kernel == "read_bwd" else 4), "num_stages": 3}
+        ints = {"D": head_dim, "H1": hidden}
         ptrs = {"Q", "W1", "W2", "Y", "DY", "DQ", "DW1", "DW2"}
         sig = {n: "constexpr" if n in consts else "*fp32" if n in ptrs else "i32" for n in fn.arg_names}
         scan = False
@@ -277,6 +358,7 @@ def compile_kernel(kernel: str, depth: int = 2, head_dim: int = 64, hidden: int 
         shipped = consts.pop("num_warps")
         launch = {"num_warps": num_warps or shipped, "num_stages": 3}  # Triton's default stages
         sig = {n: "constexpr" if n in consts else "i32" if n == "C" else "*fp32" for n in fn.arg_names}
+        ints = {"C": chunk}
         scan = False
     else:
         deep = depth >= DEEP_KERNEL_MIN_DEPTH if any_depth is None else any_depth
@@ -298,24 +380,29 @@ def compile_kernel(kernel: str, depth: int = 2, head_dim: int = 64, hidden: int 
         ptr = {"fp32": "*fp32", "bf16": "*bf16", "fp16": "*fp16"}[half]
         sig = {n: "constexpr" if n in consts else "i32" if n in _INTS else ptr if n in _HALF else "*fp32"
                for n in fn.arg_names}
+        ints = {"C": chunk, "D": head_dim, "H1": hidden}
         scan = True
     if num_ctas != 1:  # Triton's default otherwise, and the records keep their keys
         launch["num_ctas"] = num_ctas
-    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+    target = GPUTarget("cuda", arch, 32)
+    attrs = _launch_specialization(fn, sig, consts, ints, target)
+    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()}, attrs=attrs)
     log = io.StringIO()
     saved = knobs.nvidia.dump_ptxas_log, knobs.compilation.always_compile
     knobs.nvidia.dump_ptxas_log, knobs.compilation.always_compile = True, True  # a cached binary prints no log
     try:
         with contextlib.redirect_stdout(log):
-            compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=launch)
+            compiled = triton.compile(src, target=target, options=launch)
     finally:
         knobs.nvidia.dump_ptxas_log, knobs.compilation.always_compile = saved
     loops, program = cubin_loops(compiled.asm["cubin"], launch["num_warps"], whole=True)
     return {"kernel": kernel, "depth": depth if scan else None, "any_depth": deep if scan else None,
             "head_dim": head_dim, "hidden": hidden, "chunk": chunk, "half": half, "capability": arch, **launch,
             **({"num_ctas": compiled.metadata.num_ctas} if num_ctas != 1 else {}),  # what was compiled
-            "shared": compiled.metadata.shared, **_ptxas_figures(log.getvalue()),
+            "cubin_sha256": hashlib.sha256(compiled.asm["cubin"]).hexdigest(), "shared": compiled.metadata.shared,
+            **_ptxas_figures(log.getvalue()),
             **cubin_frame(compiled.asm["cubin"], launch["num_warps"]), "loops": loops, "program": program}
 
 
-__all__ = ["KERNELS", "compile_kernel", "cubin_frame", "cubin_loops", "sass_loops", "sass_program", "stack_frame"]
+__all__ = ["KERNELS", "cache_figures", "compile_kernel", "cubin_frame", "cubin_loops", "sass_loops", "sass_program",
+           "stack_frame"]
