@@ -67,6 +67,7 @@ per recipe: the kernels it compiled and those the cache held. The timed records 
 shared memory, registers, stack frame and loops (:func:`memtrain.kernels.titans.aot.cache_figures`). These are exact for
 every kernel as its launch compiled it, the kernels around the scan too, whose lengths and strides ``--static`` leaves
 unspecialised. Run it with the Triton that compiled the cache first on the path (its ``nvdisasm`` and ``cuobjdump``).
+A missing or empty directory, or an entry it cannot read, is one error line naming it (exit 2).
 
 Not part of the test suite; the timings mean something on a GPU only.
 """
@@ -467,7 +468,10 @@ def main() -> int:
         if not Path(args.cache_figures).is_dir():
             ap.error(f"--cache-figures {args.cache_figures}: no such directory; pass a Triton cache directory such as "
                      ".gpu/triton-cache (tools/gpu_check.py --prepare writes it)")
-        rows = cache_figures(args.cache_figures)
+        try:
+            rows = cache_figures(args.cache_figures)
+        except ValueError as e:
+            ap.error(f"--cache-figures: {e}")
         if not rows:
             ap.error(f"--cache-figures {args.cache_figures}: no compiled kernel (<name>.cubin) in it")
         for row in rows:

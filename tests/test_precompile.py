@@ -106,6 +106,15 @@ def test_kernel_precompile_fills_a_triton_cache_that_a_second_machine_finds(tmp_
     for r in read:
         digest = hashlib.sha256(next((tmp_path / "a" / r["entry"]).glob("*.cubin")).read_bytes()).hexdigest()
         assert {k: r[k] for k in figures_of[digest]} == figures_of[digest], r
+    # a corrupted entry (its metadata cut short): one line naming it, exit 2
+    shutil.copytree(tmp_path / "a", tmp_path / "bad")
+    entry = read[0]["entry"]
+    (tmp_path / "bad" / entry / f"{read[0]['kernel']}.json").write_text('{"num_w')
+    run = subprocess.run([sys.executable, "benchmarks/titans_kernels.py", "--cache-figures", str(tmp_path / "bad")],
+                         cwd=ROOT, env=_no_interpreter(), capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and run.stdout == "", run.stdout[-2000:]
+    assert f"{entry}: not a readable Triton cache entry" in run.stderr.splitlines()[-1], run.stderr[-2000:]
+    shutil.rmtree(tmp_path / "bad")
 
     again = _precompile(tmp_path / "a")
     assert all(r["compiled"] == [] for r in again[:-1]) and again[-1]["compiled"] == 0 and again[-1]["cached"] == 14

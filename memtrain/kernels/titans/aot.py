@@ -185,27 +185,35 @@ _RES_REG = re.compile(r"\bREG:(\d+)")
 
 
 def cache_figures(cache_dir) -> list[dict]:
-    """The figures of every kernel binary in a Triton cache directory (entries of ``<name>.cubin`` beside
-    ``<name>.json``): the binaries the launches themselves compiled -- on a GPU, or ahead of time by
-    :mod:`memtrain.kernels.precompile` (``tools/gpu_check.py --prepare``, ``benchmarks/titans_kernels.py
-    --precompile``) -- so exact for every kernel as launched, where :func:`compile_kernel` leaves the lengths and
-    strides of the kernels around the scan unspecialised. Per binary, sorted by kernel, warps and entry: ``entry``,
-    ``kernel`` (the function's name), ``num_warps``, ``shared``, ``registers`` (``cuobjdump -res-usage``),
-    ``stack_frame`` and ``frame_kib_per_program`` (:func:`cubin_frame`), ``loops`` and ``program``
+    """The figures of every kernel binary in a Triton cache directory (its entries as
+    :func:`memtrain.kernels.precompile.cache_kernels` lists them, with a ``<name>.cubin``): the binaries the
+    launches themselves compiled -- on a GPU, or ahead of time by :mod:`memtrain.kernels.precompile`
+    (``tools/gpu_check.py --prepare``, ``benchmarks/titans_kernels.py --precompile``) -- so exact for every kernel
+    as launched, where :func:`compile_kernel` leaves the lengths and strides of the kernels around the scan
+    unspecialised. A corrupted entry raises one ValueError naming it. Per binary, sorted by kernel, warps and entry:
+    ``entry``, ``kernel`` (the function's name), ``num_warps``, ``shared``, ``registers`` (``cuobjdump
+    -res-usage``), ``stack_frame`` and ``frame_kib_per_program`` (:func:`cubin_frame`), ``loops`` and ``program``
     (:func:`cubin_loops`); without Triton's CUDA tools, the figures they give are absent or None."""
     import json
     from pathlib import Path
 
+    from memtrain.kernels.precompile import cache_kernels
+
     rows = []
-    for cubin in sorted(Path(cache_dir).glob("*/*.cubin")):
-        meta = json.loads(cubin.with_suffix(".json").read_text())
-        binary = cubin.read_bytes()
-        warps = meta["num_warps"]
-        reg = _RES_REG.search(_res_usage(binary) or "")
-        loops, program = cubin_loops(binary, warps, whole=True)
-        rows.append({"entry": cubin.parent.name, "kernel": meta["name"], "num_warps": warps, "shared": meta["shared"],
-                     "registers": int(reg.group(1)) if reg else None, **cubin_frame(binary, warps), "loops": loops,
-                     "program": program})
+    for entry, name in cache_kernels(cache_dir).items():
+        cubin = Path(cache_dir) / entry / f"{name}.cubin"
+        try:
+            meta = json.loads(cubin.with_suffix(".json").read_text())
+            binary = cubin.read_bytes()
+            warps = meta["num_warps"]
+            reg = _RES_REG.search(_res_usage(binary) or "")
+            loops, program = cubin_loops(binary, warps, whole=True)
+            frame = cubin_frame(binary, warps)
+        except (OSError, ValueError, KeyError, subprocess.CalledProcessError) as e:
+            raise ValueError(f"{cubin.parent}: not a readable Triton cache entry for {name} ({type(e).__name__}); "
+                             "delete it, or compile it again (benchmarks/titans_kernels.py --precompile)") from None
+        rows.append({"entry": entry, "kernel": meta["name"], "num_warps": warps, "shared": meta["shared"],
+                     "registers": int(reg.group(1)) if reg else None, **frame, "loops": loops, "program": program})
     return sorted(rows, key=lambda r: (r["kernel"], r["num_warps"], r["entry"]))
 
 
