@@ -11,10 +11,10 @@ output and input gradient against the PyTorch form on the first 1024 tokens, wit
 ``torch_nonfinite`` counting their non-finite elements; ``kernel_impl`` names the kernel
 pair: ``triton_kernels`` for depth 1-2, ``triton_deep`` for depth 3+; at depth 1-2 the ``kernel_any_depth_*``
 columns time ``triton_deep`` as well, to show what holding the state in registers buys, unless
-``--no-any-depth``, and ``kernel_forward`` / ``kernel_backward`` name the scan kernels' forms those columns ran while
-each other form of ``--forms`` (default ``shipped,split``: the split form splits forward and backward) gets its own
-``kernel_<form>_*`` columns; ``--profile K`` adds one profiled forward+backward of the kernels,
-``kernel_profile_*``: device-busy fraction and the top K ops); and
+``--no-any-depth``, and ``kernel_forward`` / ``kernel_backward`` / ``kernel_stages`` name the scan kernels' forms
+those columns ran while each other form of ``--forms`` (default ``shipped,split``: the split form splits forward and
+backward; ``pipelined`` also pipelines its loops) gets its own ``kernel_<form>_*`` columns; ``--profile K`` adds one
+profiled forward+backward of the kernels, ``kernel_profile_*``: device-busy fraction and the top K ops); and
 ``titans_pytorch`` (tokens/s of titans-pytorch's layer at the closest settings, or
 ``"not installed"``). The layer is built with the Titans recipes' memory settings (:func:`make_memory`), not
 ``NeuralMemory``'s paper defaults, which diverge at these sizes. Each timing is the median over repeats after a
@@ -183,15 +183,16 @@ def kernel_columns(mem: NeuralMemory, x: torch.Tensor, warm: torch.Tensor, repea
     (Triton compiles the two kernels), and the largest relative error of the output and the input gradient
     against the PyTorch chunked form under the same autocast (which runs the inner loop in fp32), i.e. the
     bf16 rounding of the kernels' dot products. float32 inputs are not timed: ``auto`` keeps them in PyTorch
-    (module docstring of memtrain.kernels.titans). At depth 1-2 ``kernel_forward`` and ``kernel_backward`` name the
-    forms those columns ran (the defaults, or ``MEMTRAIN_TITANS_FORWARD`` / ``_BACKWARD``), and each other form of
-    ``forms`` (``shipped``, ``lean``, ``split``: :data:`memtrain.kernels.titans.FORMS`) gets the same columns,
-    ``kernel_<form>_*``, through those variables. ``profile`` > 0: one more forward+backward of the default kernels
-    profiled (``kernel_profile_*``: wall time, device-busy fraction, the top ``profile`` ops:
-    :func:`profiling.profile_call`). ``kernel_<bf16>_weights_*``: the layer as memtrain's own bf16 training runs it
-    (DeepSpeed bf16, no autocast): its weights and input in ``weights_dtype``, so the fused output stage runs too (under
-    autocast the input, and so the output stage's dtype, stays float32 while the gate is bf16, and the stage runs in
-    PyTorch); its error is against the float32 layer's PyTorch form without autocast."""
+    (module docstring of memtrain.kernels.titans). At depth 1-2 ``kernel_forward``, ``kernel_backward`` and
+    ``kernel_stages`` name the forms those columns ran (the defaults, or ``MEMTRAIN_TITANS_FORWARD`` / ``_BACKWARD`` /
+    ``_STAGES``), and each other form of ``forms`` (``shipped``, ``lean``, ``split``, ``pipelined``:
+    :data:`memtrain.kernels.titans.FORMS`) gets the same columns, ``kernel_<form>_*``, through those variables.
+    ``profile`` > 0: one more forward+backward of the default kernels profiled (``kernel_profile_*``: wall time,
+    device-busy fraction, the top ``profile`` ops: :func:`profiling.profile_call`). ``kernel_<bf16>_weights_*``: the
+    layer as memtrain's own bf16 training runs it (DeepSpeed bf16, no autocast): its weights and input in
+    ``weights_dtype``, so the fused output stage runs too (under autocast the input, and so the output stage's dtype,
+    stays float32 while the gate is bf16, and the stage runs in PyTorch); its error is against the float32 layer's
+    PyTorch form without autocast."""
     B, T = x.shape[:2]
     out = {}
 
@@ -257,8 +258,10 @@ def kernel_columns(mem: NeuralMemory, x: torch.Tensor, warm: torch.Tensor, repea
         from memtrain.kernels.titans.triton_kernels import backward_form, forward_form
 
         ran = {titans_kernels.FORWARD_ENV: forward_form(mem.chunk_size),
-               titans_kernels.BACKWARD_ENV: backward_form()}
-        out["kernel_forward"], out["kernel_backward"] = ran.values()  # what the "kernel" columns ran
+               titans_kernels.BACKWARD_ENV: backward_form(),
+               titans_kernels.STAGES_ENV: str(titans_kernels.requested_stages())}
+        out["kernel_forward"], out["kernel_backward"], out["kernel_stages"] = (  # what the "kernel" columns ran
+            ran[titans_kernels.FORWARD_ENV], ran[titans_kernels.BACKWARD_ENV], int(ran[titans_kernels.STAGES_ENV]))
         for form in forms:
             if titans_kernels.form_env(form) == ran:
                 continue
@@ -288,8 +291,8 @@ def main() -> None:
                     help="at depth 1-2, skip the any-depth kernels' columns (two more kernels to compile)")
     ap.add_argument("--forms", default="shipped,split",
                     help="at depth 1-2, the scan kernels' forms to time (comma-separated: shipped, lean -- the "
-                         "backward's --, split -- forward and backward; MEMTRAIN_TITANS_FORWARD / _BACKWARD); "
-                         "default shipped,split")
+                         "backward's --, split -- forward and backward --, pipelined -- split, its loops in 2 "
+                         "stages; MEMTRAIN_TITANS_FORWARD / _BACKWARD / _STAGES); default shipped,split")
     ap.add_argument("--profile", type=int, default=0, metavar="K",
                     help="on CUDA, profile one more forward+backward of the kernels: device-busy fraction, top K ops")
     args = ap.parse_args()

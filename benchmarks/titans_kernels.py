@@ -19,7 +19,11 @@ the same computation ordered so that fewer state tiles ride through its loops, w
 one Triton's compiler and more under another) and ``split`` (:data:`~memtrain.kernels.titans.triton_kernels.
 SPLIT_BACKWARD`: the chunks' own part of the backward in parallel, one program per chunk, and only the carried part
 in the loop over chunks; with :data:`~memtrain.kernels.titans.triton_kernels.SPLIT_FORWARD`, ``forward: split``:
-the forward's reads in parallel and only the recurrence in the loop). ``--waves 16,32`` times the shipped launch
+the forward's reads in parallel and only the recurrence in the loop), and ``pipelined``: the split forward and backward
+with their loops over chunks software-pipelined in 2 stages (``MEMTRAIN_TITANS_STAGES=2``, ``stages``: the loads of the
+next chunk's tiles issued while the current one computes; :func:`~memtrain.kernels.titans.triton_kernels.loop_stages`).
+``--forms split,pipelined`` times only those forms at the default launch (no other warps, waves or any-depth
+kernels): the GPU check's quick comparison. ``--waves 16,32`` times the shipped launch
 with its one-program-per-sequence kernels in waves of that many programs (``MEMTRAIN_TITANS_WAVE``, ``wave``:
 programs per launch, ``launches``): the same binary and result, fewer stack frames live at once. On an H200 every
 wave ran about as long as the whole launch, so the time grew with the number of waves (docs/titans-kernels.md,
@@ -197,18 +201,21 @@ def variant(shape, warps, any_depth: bool = False, form: str = "shipped", wave: 
         titans_kernels.DEEP_KERNEL_MIN_DEPTH = deep_from
 
 
-FORMS = titans_kernels.FORMS  # the depth-1/2 kernels' forms (MEMTRAIN_TITANS_FORWARD / _BACKWARD)
+FORMS = titans_kernels.FORMS  # the depth-1/2 kernels' forms (MEMTRAIN_TITANS_FORWARD / _BACKWARD / _STAGES)
 
 
-def variants(name: str, warps: list[int], table: dict = SHAPES, waves: tuple[int, ...] = ()) -> list[tuple]:
+def variants(name: str, warps: list[int], table: dict = SHAPES, waves: tuple[int, ...] = (),
+             forms: Optional[tuple[str, ...]] = None) -> list[tuple]:
     """``(num_warps, any_depth, form, wave)`` of each launch the sweep times at shape ``name``, in order: the shipped
-    one, the lean and split backwards, the shipped one in ``waves`` of programs (those below the shape's programs),
-    the other ``warps``, the any-depth kernels (all but ``warps`` and ``waves`` at depth 1-2 only). ``wave`` 0: one
-    launch."""
+    one, the lean, split and pipelined forms, the shipped one in ``waves`` of programs (those below the shape's
+    programs), the other ``warps``, the any-depth kernels (all but ``warps`` and ``waves`` at depth 1-2 only). ``wave``
+    0: one launch. ``forms``: only those forms at the default launch, in that order (at depth 1-2)."""
     shallow = table[name][4] < titans_kernels.DEEP_KERNEL_MIN_DEPTH
+    if forms is not None:
+        return [(None, False, form, 0) for form in forms] if shallow else []
     out = [(None, False, "shipped", 0)]
     if shallow:  # the backward's other forms next, then the shipped one in waves
-        out += [(None, False, "lean", 0), (None, False, "split", 0)]
+        out += [(None, False, "lean", 0), (None, False, "split", 0), (None, False, "pipelined", 0)]
         out += [(None, False, "shipped", wave) for wave in waves if wave < table[name][0]]
     out += [(w, False, "shipped", 0) for w in warps if w != default_warps(table[name])]
     if shallow:  # the any-depth kernels, default launch
@@ -220,7 +227,7 @@ def _scan_kernels(mod, form: str) -> dict:
     """The forward's and backward's kernels in ``mod`` under ``form``, by the names their records use."""
     if mod is triton_deep:
         return {"fwd": mod._fwd_deep_kernel, "bwd": mod._bwd_deep_kernel}
-    if form == "split":
+    if form in ("split", "pipelined"):
         return {**{f"fwd_{part}": getattr(mod, f"_fwd_{part}_kernel") for part in ("advance", "read")},
                 **{f"bwd_{part}": getattr(mod, f"_bwd_{part}_kernel") for part in ("recompute", "local", "carry")}}
     return {"fwd": mod._fwd_kernel, "bwd": mod._bwd_kernel}
@@ -262,13 +269,14 @@ def measure(shape, warps, device, repeats_ms: int, any_depth: bool = False, form
             t0 = time.perf_counter()
             fwd_bwd()
             fwd_bwd_ms = (time.perf_counter() - t0) * 1e3
+        stages = titans_kernels.requested_stages()
         info = {}
         for part, fn in _scan_kernels(mod, form).items():
             info.update({f"{part}_{k}": x for k, x in _compiled_info(fn).items()})
     shipped = mod is _module(depth)
     rec = {"N": N, "T": T, "head_dim": D, "hidden": hidden, "depth": depth, "chunk": C,
            "kernels": mod.__name__.rsplit(".", 1)[-1], "num_warps": warps or default, "backward": form,
-           "forward": "split" if form == "split" else "shipped",
+           "forward": "split" if form in ("split", "pipelined") else "shipped", "stages": stages,
            "wave": wave or N, "launches": -(-N // (wave or N)),
            "default": shipped and (warps is None or warps == default) and form == "shipped" and not wave,
            "first_call_s": round(first_s, 2),
@@ -367,7 +375,8 @@ def _compile(spec: tuple) -> dict:
     kernel, shape, warps, any_depth, form = spec
     N, T, D, hidden, depth, C = shape
     try:
-        return compile_kernel(kernel, depth, D, hidden, C, num_warps=warps, any_depth=any_depth, lean=form == "lean")
+        return compile_kernel(kernel, depth, D, hidden, C, num_warps=warps, any_depth=any_depth, lean=form == "lean",
+                              stages=int(titans_kernels.form_env(form)[titans_kernels.STAGES_ENV]))
     except Exception as e:  # one launch that fails to compile must not end the table
         return {"kernel": kernel, "error": f"{type(e).__name__}: {e}"[:500]}
 
@@ -375,7 +384,7 @@ def _compile(spec: tuple) -> dict:
 def static(warps: list[int], names: list[str], table: dict = SHAPES) -> int:
     """``--static``: each shape's kernels compiled for sm_90 under each launch, one JSON line per shape, kernels
     (register-resident or any-depth), ``num_warps`` and form (``backward``, ``forward``), with the forward's and
-    backward's (the split form's five: ``fwd_advance``, ``fwd_read``, ``bwd_recompute``, ``bwd_local``,
+    backward's (the split and pipelined forms' five: ``fwd_advance``, ``fwd_read``, ``bwd_recompute``, ``bwd_local``,
     ``bwd_carry``) registers, spills, shared memory, stack frames, innermost loops (instructions and local-memory
     loads, stores and bytes per iteration and thread: the spills that run per chunk;
     :func:`memtrain.kernels.titans.aot.sass_loops`) and whole-kernel figures (``program``: what the split form's
@@ -389,17 +398,19 @@ def static(warps: list[int], names: list[str], table: dict = SHAPES) -> int:
         variants = [(depth >= titans_kernels.DEEP_KERNEL_MIN_DEPTH, w, "shipped")
                     for w in dict.fromkeys([default_warps(shape), *warps])]
         if depth < titans_kernels.DEEP_KERNEL_MIN_DEPTH:  # the other backwards, the any-depth kernels: default warps
-            variants += [(False, None, "lean"), (False, None, "split"), (True, None, "shipped")]
+            variants += [(False, None, "lean"), (False, None, "split"), (False, None, "pipelined"),
+                         (True, None, "shipped")]
         rows += [(name, shape, any_depth, w, form) for any_depth, w, form in variants]
 
     def kernels(form):
-        return (("fwd_advance", "fwd_read", "bwd_recompute", "bwd_local", "bwd_carry") if form == "split" else
-                ("fwd", "bwd"))
+        split = form in ("split", "pipelined")
+        return ("fwd_advance", "fwd_read", "bwd_recompute", "bwd_local", "bwd_carry") if split else ("fwd", "bwd")
 
     # a compiled kernel depends on the widths, depth and chunk, not on N or T (mac and mag share theirs); the
-    # forward has one form
+    # forward has one form, and the pipelined form differs from the split one in its loops only
     def key(kernel, shape, any_depth, w, form):
-        return kernel, shape[2:], w, any_depth, form if kernel == "bwd" else "shipped"
+        own = kernel == "bwd" or (form == "pipelined" and kernel in triton_kernels.PIPELINED_KERNELS)
+        return kernel, shape[2:], w, any_depth, form if own else "shipped"
 
     specs = {}
     for _, shape, any_depth, w, form in rows:
@@ -414,16 +425,16 @@ def static(warps: list[int], names: list[str], table: dict = SHAPES) -> int:
         rec = {"shape": name, "device": "sm_90 (compiled ahead of time, not run)", "N": shape[0], "T": shape[1],
                "head_dim": shape[2], "hidden": shape[3], "depth": shape[4], "chunk": shape[5],
                "kernels": "triton_deep" if any_depth else "triton_kernels", "backward": form,
-               "forward": "split" if form == "split" else "shipped"}
+               "forward": "split" if form in ("split", "pipelined") else "shipped"}
         for r in (compiled[key(kernel, shape, any_depth, w, form)] for kernel in kernels(form)):
             if "error" in r:
                 rec[f"{r['kernel']}_error"] = r["error"]
                 failed += 1
                 continue
             rec["num_warps"] = r["num_warps"]
-            rec.update({f"{r['kernel']}_{k}": r.get(k) for k in ("registers", "spill_stores", "spill_loads", "shared",
-                                                                 "stack_frame", "frame_kib_per_program", "loops",
-                                                                 "program")})
+            rec.update({f"{r['kernel']}_{k}": r.get(k) for k in ("num_stages", "registers", "spill_stores",
+                                                                 "spill_loads", "shared", "stack_frame",
+                                                                 "frame_kib_per_program", "loops", "program")})
         mod = triton_deep if any_depth else triton_kernels
         shipped = any_depth == (shape[4] >= titans_kernels.DEEP_KERNEL_MIN_DEPTH) and form == "shipped"
         rec["default"] = shipped and (w is None or w == mod._launch_shape(shape[2], shape[3], shape[5])["num_warps"])
@@ -442,6 +453,9 @@ def main() -> int:
     ap.add_argument("--waves", default="",
                     help="programs per launch to time the shipped kernels in (MEMTRAIN_TITANS_WAVE; comma-separated "
                          "multiples of 8, those below a shape's programs, e.g. 16,32; default: none)")
+    ap.add_argument("--forms", default=None,
+                    help="comma-separated forms of " + ", ".join(FORMS) + " to time alone, at the default launch "
+                         "(default: the whole sweep)")
     ap.add_argument("--rep-ms", type=int, default=200, help="do_bench's repetition time per measurement")
     ap.add_argument("--interpret", action="store_true", help="CPU smoke run at tiny shapes (TRITON_INTERPRET=1)")
     ap.add_argument("--static", action="store_true",
@@ -483,6 +497,9 @@ def main() -> int:
     if unknown:
         ap.error(f"unknown shape(s) {', '.join(unknown)}; choose from {', '.join(table)}")
     warps = [int(x) for x in args.warps.split(",") if x.strip()]
+    forms = None if args.forms is None else tuple(f.strip() for f in args.forms.split(",") if f.strip())
+    if forms is not None and (not forms or any(f not in FORMS for f in forms)):
+        ap.error(f"--forms {args.forms!r}: expected forms of {', '.join(FORMS)}, comma-separated")
     try:
         waves = tuple(int(x) for x in args.waves.split(",") if x.strip())
     except ValueError:
@@ -524,7 +541,7 @@ def main() -> int:
         device = torch.device("cuda")
     for name in names:
         ref = None
-        for warp, any_depth, form, wave in variants(name, warps, table, waves):
+        for warp, any_depth, form, wave in variants(name, warps, table, waves, forms):
             try:
                 rec, outs = measure(table[name], warp, device, args.rep_ms, any_depth, form, wave)
             except Exception as e:  # one variant that fails to compile or launch must not end the sweep

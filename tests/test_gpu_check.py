@@ -246,11 +246,20 @@ def test_the_real_plan_names_existing_files_and_loadable_recipes(capsys):
             assert max(idx) < len(bench.FULL)
     assert gc.select(gc.PLAN, "recipe_")[0].name == "recipe_170m_mac"
     # 15 device minutes: the guards (the fused kernels, which every recipe runs; MAC's fused retrieval and grouped
-    # weight gradients), the two recipes with a throughput target as they ship, MAC's old backward beside them, the
-    # layer target, the other two recipes
-    assert names[:12] == ["env", "fused_kernels", "fused_conv", "fused_read", "grouped_wgrad", "recipe_170m_mac",
-                          "recipe_400m_mag", "recipe_170m_mac_shipped", "titans_layer", "recipe_340m_mac",
-                          "recipe_760m_mal", "recipe_170m_mac_compiled"]
+    # weight gradients), the two recipes with a throughput target as they ship, the split loops pipelined against
+    # unpipelined (the scan kernels alone, from the cache: cheap), MAC's old backward beside them, the layer target,
+    # the other two recipes, MAC with its loops pipelined
+    assert names[:14] == ["env", "fused_kernels", "fused_conv", "fused_read", "grouped_wgrad", "recipe_170m_mac",
+                          "recipe_400m_mag", "titans_kernel_pipelined", "recipe_170m_mac_shipped", "titans_layer",
+                          "recipe_340m_mac", "recipe_760m_mal", "recipe_170m_mac_pipelined", "recipe_170m_mac_compiled"]
+    from memtrain.kernels.titans import STAGES_ENV
+    from memtrain.kernels.titans import triton_kernels as tk
+
+    quick = gc.select(gc.PLAN, "titans_kernel_pipelined")[0]
+    assert quick.argv[-2:] == ["--forms", "split,pipelined"] and not quick.env
+    assert gc.select(gc.PLAN, "recipe_170m_mac_pipelined")[0].env == {STAGES_ENV: "2"}
+    # the recipes' chunk of 16: both pipelined loops of the split backward take the 2 stages
+    assert [tk.loop_stages(k, 64, 128, 16, 2) for k in ("bwd_recompute", "bwd_carry")] == [2, 2]
     from memtrain.kernels.titans import form_env
 
     old, new = gc.select(gc.PLAN, "recipe_170m_mac_shipped")[0], gc.select(gc.PLAN, "recipe_170m_mac")[0]
@@ -316,7 +325,8 @@ def test_env_phase_prints_one_json_line():
 
 def test_kernel_launch_sweep_benchmark_under_the_interpreter():
     """benchmarks/titans_kernels.py (the plan's titans_kernel_tune) at its tiny CPU shape: one JSON line per
-    num_warps variant, for the lean and split forms of the backward (``backward``), for the shipped launch in waves
+    num_warps variant, for the lean, split and pipelined forms of the backward (``backward``; ``stages``: the split
+    loops' pipelining, 2 in the pipelined form), for the shipped launch in waves
     of 8 of its 9 programs (``wave``: the same result bit for bit) and for the any-depth kernels at that depth, the
     default marked, every variant computing what the default does. ``--static`` (compiled for sm_90, not run): the
     same rows but the waves (no binary of their own) with ptxas's registers, spills and shared memory."""
@@ -331,20 +341,30 @@ def test_kernel_launch_sweep_benchmark_under_the_interpreter():
     rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     assert [(row["kernels"], row["num_warps"], row["backward"], row["wave"], row["default"]) for row in rows] == [
         ("triton_kernels", 4, "shipped", 9, True), ("triton_kernels", 4, "lean", 9, False),
-        ("triton_kernels", 4, "split", 9, False), ("triton_kernels", 4, "shipped", 8, False),
-        ("triton_kernels", 8, "shipped", 9, False), ("triton_deep", 4, "shipped", 9, False)]
-    assert [row["launches"] for row in rows] == [1, 1, 1, 2, 1, 1]
-    assert rows[3]["max_rel_err_vs_default"] == 0.0  # the same programs in two launches
-    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "titans_kernels.py"), "--interpret", "--waves",
-                          "12"], capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
-    assert bad.returncode == 2 and "--waves '12': expected positive multiples of 8" in bad.stderr, bad.stderr
+        ("triton_kernels", 4, "split", 9, False), ("triton_kernels", 4, "pipelined", 9, False),
+        ("triton_kernels", 4, "shipped", 8, False), ("triton_kernels", 8, "shipped", 9, False),
+        ("triton_deep", 4, "shipped", 9, False)]
+    assert [row["launches"] for row in rows] == [1, 1, 1, 1, 2, 1, 1]
+    assert [row["stages"] for row in rows] == [1, 1, 1, 2, 1, 1, 1]
+    assert [row["forward"] for row in rows[:4]] == ["shipped", "shipped", "split", "split"]
+    assert rows[4]["max_rel_err_vs_default"] == 0.0  # the same programs in two launches
+    for args, why in ((["--waves", "12"], "--waves '12': expected positive multiples of 8"),
+                      (["--forms", "split,fast"], "--forms 'split,fast': expected forms of shipped, lean, split, "
+                                                  "pipelined")):
+        bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "titans_kernels.py"), "--interpret", *args],
+                             capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+        assert bad.returncode == 2 and why in bad.stderr.splitlines()[-1], bad.stderr
+    bench = _load("titans_kernels_forms", ROOT / "benchmarks" / "titans_kernels.py")  # --forms: those alone
+    assert bench.variants("layer", [4, 8], bench.TINY, (8,), ("split", "pipelined")) == [
+        (None, False, "split", 0), (None, False, "pipelined", 0)]
+    assert bench.variants("deep", [8], bench.TINY, (), ("split",)) == []
     # --static: the shipped launch and the any-depth kernels (--warps 4 is the tiny shape's default: no third row)
     for row in rows:
         # the split backward forms the chain through the per-token gradients in two parts (the chunk's own and the
         # carried), each rounded to bf16 for the tensor cores, where the others round their sum once: it differs
         # from them by bf16 rounding (2^-8 per operand), not float32's (in float32 all three equal float64's
         # scan below 1e-4: tests/test_titans_kernel.py)
-        tol = 4e-3 if row["backward"] == "split" else 1e-6
+        tol = 4e-3 if row["backward"] in ("split", "pipelined") else 1e-6
         assert row["shape"] == "layer" and row["fwd_bwd_ms"] > 0 and row["max_rel_err_vs_default"] < tol, row
         # per chunk of every program: the tiny shape's 7 tokens are 2 chunks of 4
         assert abs(row["fwd_us_per_chunk"] * 2 - row["fwd_ms"] * 1e3) < 1, row
@@ -357,9 +377,15 @@ def test_kernel_launch_sweep_benchmark_under_the_interpreter():
     rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     assert [(row["kernels"], row["num_warps"], row["backward"], row["default"]) for row in rows] == [
         ("triton_kernels", 4, "shipped", True), ("triton_kernels", 4, "lean", False),
-        ("triton_kernels", 4, "split", False), ("triton_deep", 4, "shipped", False)]
+        ("triton_kernels", 4, "split", False), ("triton_kernels", 4, "pipelined", False),
+        ("triton_deep", 4, "shipped", False)]
+    # the pipelined form's loops compiled in 2 stages, its per-chunk kernels as the split form's
+    assert [rows[3][f"{k}_num_stages"] for k in ("fwd_advance", "fwd_read", "bwd_recompute", "bwd_local",
+                                                  "bwd_carry")] == [2, 1, 2, 1, 2], rows[3]
+    assert [rows[2][f"{k}_num_stages"] for k in ("fwd_advance", "bwd_recompute", "bwd_carry")] == [1, 1, 1], rows[2]
+    assert rows[3]["bwd_carry_shared"] > rows[2]["bwd_carry_shared"], (rows[2], rows[3])
     for row in rows:
-        split = row["backward"] == "split"
+        split = row["backward"] in ("split", "pipelined")
         assert row["forward"] == ("split" if split else "shipped"), row
         for kernel in (("fwd_advance", "fwd_read", "bwd_recompute", "bwd_local", "bwd_carry") if split else
                        ("fwd", "bwd")):

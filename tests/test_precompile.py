@@ -41,9 +41,10 @@ from memtrain.kernels.titans.aot import compile_kernel
 # the sweep's launches at the tiny layer shape (depth 2, head size 8, hidden 16, chunk 4), as _precompile makes them
 specs = [("fwd", 4, {}), ("bwd", 4, {}), ("bwd", 4, {"lean": True}), ("fwd", 8, {}), ("bwd", 8, {}),
          ("coef_fwd", 4, {}), ("coef_bwd", 4, {}), ("fwd_advance", 4, {}), ("fwd_read", 4, {}),
-         ("bwd_recompute", 4, {}), ("bwd_local", 4, {}), ("bwd_carry", 4, {}), ("fwd", 4, {"any_depth": True}),
+         ("bwd_recompute", 4, {}), ("bwd_local", 4, {}), ("bwd_carry", 4, {}), ("fwd_advance", 4, {"stages": 2}),
+         ("bwd_recompute", 4, {"stages": 2}), ("bwd_carry", 4, {"stages": 2}), ("fwd", 4, {"any_depth": True}),
          ("bwd", 4, {"any_depth": True})]
-out = [compile_kernel(k, 2, head_dim=8, hidden=16, chunk=4, num_warps=w, **kw) for k, w, kw in specs]
+out = [compile_kernel(k, 2, head_dim=8, hidden=16, chunk=4, num_warps=w, **{"stages": 1, **kw}) for k, w, kw in specs]
 print(json.dumps([[r["cubin_sha256"], r["kernel"], r["any_depth"], r["num_warps"],
                    {k: r[k] for k in ("registers", "shared", "stack_frame", "loops", "program")}] for r in out]))
 """
@@ -51,39 +52,43 @@ print(json.dumps([[r["cubin_sha256"], r["kernel"], r["any_depth"], r["num_warps"
 
 def _aot_cubins() -> tuple[dict, dict]:
     """``{sha256 of the cubin: (kernel function, num_warps)}`` of :func:`memtrain.kernels.titans.aot.compile_kernel`'s
-    14 binaries at the tiny layer shape, compiled in a fresh process without the interpreter, and ``{sha256: its
+    17 binaries at the tiny layer shape, compiled in a fresh process without the interpreter, and ``{sha256: its
     registers, shared memory, stack frame, loops and program}``."""
     run = subprocess.run([sys.executable, "-c", _AOT_TINY], cwd=ROOT, env=_no_interpreter(), capture_output=True,
                          text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(rows) == 14
+    assert len(rows) == 17
     return ({digest: (f"_{kernel}{'_deep' if deep else ''}_kernel", warps) for digest, kernel, deep, warps, _ in rows},
             {digest: figures for digest, *_, figures in rows})
 
 
 def test_kernel_precompile_fills_a_triton_cache_that_a_second_machine_finds(tmp_path):
     """Every launch of the sweep's variants (shipped with 4 warps, the lean backward, the split forward and backward,
-    8 warps, any-depth; forward and backward, the gates' backward too) compiles once for sm_90 without a GPU; a second process, and a
-    copy installed elsewhere (the original deleted: Triton finds entries through the paths their group files
-    record), find them all. :func:`memtrain.kernels.titans.aot.compile_kernel` compiles the same 14 binaries, and
+    the same pipelined, 8 warps, any-depth; forward and backward, the gates' backward too) compiles once for sm_90
+    without a GPU; a second process, and a copy installed elsewhere (the original deleted: Triton finds entries
+    through the paths their group files record), find them all. :func:`memtrain.kernels.titans.aot.compile_kernel`
+    compiles the same 17 binaries (the pipelined loops' three with ``stages=2``, as the launches' environment gave), and
     ``--cache-figures`` reads the cache's binaries to the figures compile_kernel gives them."""
     first = _precompile(tmp_path / "a")
     rows, summary = first[:-1], first[-1]
     assert [(r["num_warps"], r["backward"], r["any_depth"]) for r in rows] == [
-        (4, "shipped", False), (4, "lean", False), (4, "split", False), (8, "shipped", False), (4, "shipped", True)]
+        (4, "shipped", False), (4, "lean", False), (4, "split", False), (4, "pipelined", False), (8, "shipped", False),
+        (4, "shipped", True)]
     split = ["_fwd_advance_kernel", "_fwd_read_kernel", "_bwd_recompute_kernel", "_bwd_local_kernel",
              "_bwd_carry_kernel"]
     assert rows[0]["compiled"] == ["_coef_fwd_kernel", "_fwd_kernel", "_bwd_kernel", "_coef_bwd_kernel"]
     assert rows[1]["compiled"] == ["_bwd_kernel"] and rows[1]["cached"] == []  # the rest reused in memory
     assert rows[2]["compiled"] == split and rows[2]["cached"] == []
-    assert rows[3]["compiled"] == ["_fwd_kernel", "_bwd_kernel"]
-    assert rows[4]["compiled"] == ["_fwd_deep_kernel", "_bwd_deep_kernel"]
-    assert summary["compiled"] == 14 and summary["kernels_in_cache"] == 14 and summary["target"] == "cuda:90"
+    pipelined = ["_fwd_advance_kernel", "_bwd_recompute_kernel", "_bwd_carry_kernel"]  # the loops; the rest reused
+    assert rows[3]["compiled"] == pipelined and rows[3]["cached"] == []
+    assert rows[4]["compiled"] == ["_fwd_kernel", "_bwd_kernel"]
+    assert rows[5]["compiled"] == ["_fwd_deep_kernel", "_bwd_deep_kernel"]
+    assert summary["compiled"] == 17 and summary["kernels_in_cache"] == 17 and summary["target"] == "cuda:90"
     kernels = precompile.cache_kernels(tmp_path / "a")
     assert sorted(kernels.values()) == sorted(["_coef_fwd_kernel", "_fwd_kernel", "_bwd_kernel", "_coef_bwd_kernel",
-                                               "_bwd_kernel", *split, "_fwd_kernel", "_bwd_kernel", "_fwd_deep_kernel",
-                                               "_bwd_deep_kernel"])
+                                               "_bwd_kernel", *split, *pipelined, "_fwd_kernel", "_bwd_kernel",
+                                               "_fwd_deep_kernel", "_bwd_deep_kernel"])
     for entry, name in kernels.items():  # binaries for sm_90; the PTX and the compiler's IRs are not kept
         meta = json.loads((tmp_path / "a" / entry / f"{name}.json").read_text())
         assert meta["target"]["arch"] == 90 and meta["name"] == name
@@ -91,8 +96,8 @@ def test_kernel_precompile_fills_a_triton_cache_that_a_second_machine_finds(tmp_
     assert json.loads((tmp_path / "a" / "precompiled.json").read_text()) == summary
     # aot.compile_kernel (benchmarks/titans_kernels.py --static, the figures in docs/titans-kernels.md) compiles the
     # very binaries these launches compiled, byte for byte: pointers 16-byte aligned and the widths specialised as
-    # Triton's JIT does (unspecialised, 10 of the 14 came out different binaries: all but the shipped pair under 8
-    # warps and the coefficients')
+    # Triton's JIT does (unspecialised, 10 of the then 14 came out different binaries: all but the shipped pair under
+    # 8 warps and the coefficients'), and the split loops pipelined as the launches' MEMTRAIN_TITANS_STAGES=2 gave
     cubins = {hashlib.sha256(c.read_bytes()).hexdigest(): (c.stem, json.loads(c.with_suffix(".json").read_text())[
         "num_warps"]) for c in (tmp_path / "a").glob("*/*.cubin")}
     kernels_of, figures_of = _aot_cubins()
@@ -117,13 +122,13 @@ def test_kernel_precompile_fills_a_triton_cache_that_a_second_machine_finds(tmp_
     shutil.rmtree(tmp_path / "bad")
 
     again = _precompile(tmp_path / "a")
-    assert all(r["compiled"] == [] for r in again[:-1]) and again[-1]["compiled"] == 0 and again[-1]["cached"] == 14
+    assert all(r["compiled"] == [] for r in again[:-1]) and again[-1]["compiled"] == 0 and again[-1]["cached"] == 17
 
     installed = precompile.install_cache(tmp_path / "a", tmp_path / "b")
     assert installed == kernels
     shutil.rmtree(tmp_path / "a")
     moved = _precompile(tmp_path / "b")
-    assert moved[-1]["compiled"] == 0 and moved[-1]["cached"] == 14
+    assert moved[-1]["compiled"] == 0 and moved[-1]["cached"] == 17
 
 
 def test_kernel_precompile_compiles_a_recipes_kernels_around_the_scan_as_its_training_launches_them(tmp_path):

@@ -323,6 +323,69 @@ def test_kernel_wave_from_the_environment(monkeypatch):
         triton_kernels._launch_per_sequence(None, 9, torch.zeros(9, 2), 3, torch.zeros(4, 3))
 
 
+def test_kernel_pipelined_stages_from_the_environment_reach_the_split_loops(monkeypatch):
+    """``MEMTRAIN_TITANS_STAGES`` is 1 (no software pipelining, as shipped) where unset, else 1 to 3; another value
+    is one error naming the variable and what it takes, raised when a memory that may run the kernels is built. It
+    reaches the split kernels' loops over chunks only (the forward's recurrence, the backward's recompute and carried
+    loops), the carried one in at most 2 stages and at chunks of up to 16 tokens, and only at tiles up to the
+    recipes' (head size 64 x hidden 128), where their shared memory was compiled and fits; every other kernel stays
+    unpipelined. The ``pipelined`` form sets it to 2 with the split forward and backward. The interpreter ignores the
+    stages, so the launches are what is checked here (the compiled kernels against float64 are in the GPU tier:
+    ``test_kernel_at_recipe_shapes_on_gpu``; their shared memory in ``test_kernel_compiles_for_an_h100_...``)."""
+    env = titans_kernels.STAGES_ENV
+    monkeypatch.delenv(env, raising=False)
+    assert titans_kernels.requested_stages() == 1
+    for raw, stages in (("1", 1), ("2", 2), (" 3 ", 3)):
+        monkeypatch.setenv(env, raw)
+        assert titans_kernels.requested_stages() == stages
+    for raw in ("0", "4", "x", "2.0", "-1"):
+        monkeypatch.setenv(env, raw)
+        with pytest.raises(SettingError, match=rf"^MEMTRAIN_TITANS_STAGES='{re.escape(raw)}': expected the split "
+                                               r"kernels' pipelining stages, 1 to 3 \(or unset it for 1\)$"):
+            NeuralMemory(16, heads=2, kernel="auto")
+        NeuralMemory(16, heads=2, kernel="torch")  # never runs the kernels
+    stages = triton_kernels.loop_stages
+    kernels = ("fwd_advance", "bwd_recompute", "bwd_carry", "bwd_local", "fwd_read", "fwd", "bwd")
+    assert [stages(k, 64, 128, 16, 3) for k in kernels] == [3, 3, 2, 1, 1, 1, 1]
+    assert [stages(k, 64, 128, 64, 2) for k in kernels] == [2, 2, 1, 1, 1, 1, 1]  # the carried loop: 254 KB
+    assert stages("bwd_carry", 64, 128, 32, 2) == 1 and stages("bwd_carry", 64, 64, 8, 2) == 2
+    assert [stages(k, 128, 128, 16, 2) for k in kernels[:3]] == [1, 1, 1]  # tiles above the recipes'
+    assert [stages(k, 64, 128, 16, 1) for k in kernels[:3]] == [1, 1, 1]
+    monkeypatch.setenv(env, "3")
+    assert stages("bwd_recompute", 64, 128, 16) == 3  # the environment's by default
+    with titans_kernels.kernel_form("pipelined"):  # how the benchmarks set it, restored after
+        assert titans_kernels.requested_stages() == 2 and triton_kernels.backward_form() == "split"
+        assert triton_kernels.forward_form(16) == "split"
+    with titans_kernels.kernel_form("split"):
+        assert titans_kernels.requested_stages() == 1
+    assert titans_kernels.requested_stages() == 3
+
+    names = ("_fwd_advance_kernel", "_fwd_read_kernel", "_bwd_recompute_kernel", "_bwd_local_kernel",
+             "_bwd_carry_kernel")
+    spies = {name: _LaunchSpy(getattr(triton_kernels, name), ("num_stages",)) for name in names}
+    for name, spy in spies.items():
+        monkeypatch.setattr(triton_kernels, name, spy)
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    for form, want in (("pipelined", (2, 1, 2, 1, 2)), ("split", (1, 1, 1, 1, 1))):
+        for spy in spies.values():
+            spy.forms.clear()
+        with titans_kernels.kernel_form(form):
+            ins, ref, out = _both(gen, 2, 11, 5, 9, 2, 4)
+            g_ref = torch.autograd.grad(sum(r.square().sum() for r in ref), ins)
+            g_out = torch.autograd.grad(sum(o.double().square().sum() for o in out), ins)
+        assert tuple(set(spies[name].forms) for name in names) == tuple({(x,)} for x in want), form
+        for a, b in zip([*out, *g_out], [*ref, *g_ref]):
+            assert _rel(a, b) < 1e-4, form
+    for var, value in titans_kernels.form_env("split").items():  # the split forms with 3 stages asked for
+        monkeypatch.setenv(var, value)
+    monkeypatch.setenv(env, "3")
+    for spy in spies.values():
+        spy.forms.clear()
+    ins, ref, out = _both(gen, 1, 7, 5, 9, 2, 4)
+    torch.autograd.grad(sum(o.double().sum() for o in out), ins)
+    assert tuple(set(spies[name].forms) for name in names) == ({(3,)}, {(1,)}, {(3,)}, {(1,)}, {(2,)})
+
+
 @pytest.mark.parametrize("N,T,D,hidden,depth,chunk", [(3, 11, 5, 9, 2, 4), (2, 13, 5, 5, 1, 3), (1, 40, 4, 6, 2, 2),
                                                      (3, 9, 17, 19, 2, 3), (1, 3, 7, 5, 2, 5)])
 def test_kernel_split_forward_matches_reference(monkeypatch, N, T, D, hidden, depth, chunk):
@@ -1192,16 +1255,17 @@ def test_kernel_recipe_key_forcing_triton_where_it_cannot_run_is_one_recipe_erro
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("chunk,depth,form", [(16, 2, "shipped"), (16, 3, "shipped"), (16, 2, "split")])
+@pytest.mark.parametrize("chunk,depth,form", [(16, 2, "shipped"), (16, 3, "shipped"), (16, 2, "split"),
+                                              (16, 2, "pipelined")])
 def test_kernel_at_recipe_shapes_on_gpu(monkeypatch, chunk, depth, form):
     """Compiled at the recipes' shapes (head size 64, hidden 128, depth 2, and depth 3 for the any-depth kernels,
     1000 tokens: a partial last chunk; at depth 2 also the split forward and backward, whose kernels hand their
-    results to each other through memory):
+    results to each other through memory, and the same with their loops software-pipelined, ``pipelined``):
     float32 inputs against float64 within 1e-4 (outputs, state, input gradients), and bf16 inputs (bf16 dot
     products) against float32 within bf16 rounding. Chunk 16 only: the IEEE float32 backward at chunk 64 takes
     over ten minutes to compile (bf16 at chunk 64 is covered by the benchmark's error column)."""
-    monkeypatch.setenv(titans_kernels.BACKWARD_ENV, form)
-    monkeypatch.setenv(titans_kernels.FORWARD_ENV, "split" if form == "split" else "shipped")
+    for var, value in titans_kernels.form_env(form).items():
+        monkeypatch.setenv(var, value)
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     ins = _inputs(gen, 3, 1000, 64, 128, depth)
     ins[3] = ins[3] * 0.1  # theta ~ 0.005, as the recipes' initialisation
@@ -1255,17 +1319,20 @@ from memtrain.kernels.titans.aot import compile_kernel
 
 
 def compile_one(spec):
-    kernel, depth, C = spec
-    return compile_kernel(kernel, depth, head_dim=64, hidden=128, chunk=C)
+    kernel, depth, C, *stages = spec
+    return compile_kernel(kernel, depth, head_dim=64, hidden=128, chunk=C, stages=stages[0] if stages else 1)
 
 
 # The backward kernels first (ptxas takes 10-30 s each, the forwards a few): two at a time on two cores. The scans at
 # chunk 64 only: a kernel's tiles grow with the chunk, and so does its shared memory (docs/titans-kernels.md: 61 / 139
 # KB for the depth-2 backward at chunk 16 / 64, 2.1 / 33 KB and 3.1 / 49 KB for the coefficients'); the coefficients (a
-# second each) also at the recipes' 16; the split backward's three kernels (SPLIT_BACKWARD) last.
+# second each) also at the recipes' 16; the split backward's three kernels (SPLIT_BACKWARD) and the split forward's
+# two next; last the split loops pipelined as MEMTRAIN_TITANS_STAGES=3 gives them where they fit (the carried loop in
+# 2 stages at chunk 16, the recompute loop in 3 at chunk 64).
 specs = [("bwd", 2, 64), ("bwd", 4, 64), ("fwd", 2, 64), ("fwd", 4, 64), ("coef_bwd", 0, 64), ("coef_fwd", 0, 64),
          ("coef_bwd", 0, 16), ("coef_fwd", 0, 16), ("bwd_local", 2, 64), ("bwd_carry", 2, 64),
-         ("bwd_recompute", 2, 64), ("fwd_advance", 2, 64), ("fwd_read", 2, 64)]
+         ("bwd_recompute", 2, 64), ("fwd_advance", 2, 64), ("fwd_read", 2, 64), ("bwd_carry", 2, 16, 3),
+         ("bwd_recompute", 2, 64, 3)]
 with multiprocessing.get_context("fork").Pool(2) as pool:
     print(json.dumps(pool.map(compile_one, specs, chunksize=1)))
 """
@@ -1276,7 +1343,8 @@ def test_kernel_compiles_for_an_h100_within_its_shared_memory():
     (head size 64, hidden 128, bf16, chunk 64, the largest; depth 2 -- the split backward's three kernels and the
     split forward's two too --, and depth 4 for the any-depth kernels, and the coefficients') fit an H100's 227 KB
     of shared memory per block. With Triton's default software pipelining
-    the depth-2 backward needed 337-438 KB and would not launch. :func:`memtrain.kernels.titans.aot.compile_kernel`
+    the depth-2 backward needed 337-438 KB and would not launch; the split loops pipelined where
+    ``MEMTRAIN_TITANS_STAGES`` asks for it fit an A100's 163 KiB. :func:`memtrain.kernels.titans.aot.compile_kernel`
     also reads ptxas's registers and spills (``benchmarks/titans_kernels.py --static`` tabulates them): the
     coefficients' kernels spill nothing."""
     import json
@@ -1291,7 +1359,9 @@ def test_kernel_compiles_for_an_h100_within_its_shared_memory():
     assert [(r["kernel"], r["any_depth"], r["chunk"]) for r in compiled] == [
         ("bwd", False, 64), ("bwd", True, 64), ("fwd", False, 64), ("fwd", True, 64), ("coef_bwd", None, 64),
         ("coef_fwd", None, 64), ("coef_bwd", None, 16), ("coef_fwd", None, 16), ("bwd_local", False, 64),
-        ("bwd_carry", False, 64), ("bwd_recompute", False, 64), ("fwd_advance", False, 64), ("fwd_read", False, 64)]
+        ("bwd_carry", False, 64), ("bwd_recompute", False, 64), ("fwd_advance", False, 64), ("fwd_read", False, 64),
+        ("bwd_carry", False, 16), ("bwd_recompute", False, 64)]
+    compiled, pipelined = compiled[:13], compiled[13:]
     for r in compiled:
         assert r["shared"] <= 232448, r
         assert 0 < r["registers"] <= 255 and r["spill_stores"] >= 0 and r["spill_loads"] >= 0, r
@@ -1325,6 +1395,14 @@ def test_kernel_compiles_for_an_h100_within_its_shared_memory():
     assert len(carry["loops"]) == 1 and len(recompute["loops"]) == 1, (carry["loops"], recompute["loops"])
     # the split forward: the recurrence loops over a group's chunks, the reads (one chunk per program) do not
     assert len(advance["loops"]) == 1 and read["loops"] == [] and read["program"]["mma"] > 0, (advance, read)
+    # pipelined (MEMTRAIN_TITANS_STAGES=3, triton_kernels.loop_stages): the carried loop in 2 stages at chunk 16 and
+    # the recompute loop in 3 at chunk 64, each within an A100's 163 KiB per block (and so an H100's), with more shared
+    # memory than unpipelined (the next chunk's tiles' buffers: 66 against 32 KiB for the recompute loop)
+    assert [r["num_stages"] for r in compiled[:4] + compiled[8:]] == [1] * 9, compiled  # the scan kernels
+    assert [r["num_stages"] for r in pipelined] == [2, 3], pipelined
+    for r in pipelined:
+        assert r["shared"] <= 166912 and len(r["loops"]) == 1 and r["loops"][0]["mma"] > 0, r
+    assert pipelined[1]["shared"] > 2 * recompute["shared"], (pipelined[1], recompute)
 
 
 _SASS = """

@@ -136,9 +136,10 @@ def _recipe_phase(recipe: str, timeout_s: float, steps: int = 20, why: str = "",
 
 def _form_phase(recipe: str, form: str, timeout_s: float, why: str) -> Phase:
     """``recipe``'s phase with the scan kernels' ``form`` (:func:`memtrain.kernels.titans.form_env`: ``shipped`` the
-    one-program-per-sequence forward and backward, ``split`` both split), beside the default's phase."""
+    one-program-per-sequence forward and backward, ``split`` both split; unpipelined), beside the default's phase."""
     name = recipe.removeprefix('titans-').replace('-', '_')
-    env = {"MEMTRAIN_TITANS_FORWARD": "split" if form == "split" else "shipped", "MEMTRAIN_TITANS_BACKWARD": form}
+    env = {"MEMTRAIN_TITANS_FORWARD": "split" if form == "split" else "shipped", "MEMTRAIN_TITANS_BACKWARD": form,
+           "MEMTRAIN_TITANS_STAGES": "1"}
     return Phase(f"recipe_{name}_{form}",
                  _throughput(recipe, "train.schedule.warmup=2", steps=20, extra=("--profile", "25")), timeout_s,
                  capped=True, env=env, about=f"{recipe} with {', '.join(f'{k}={v}' for k, v in env.items())}, beside "
@@ -200,6 +201,14 @@ PLAN: list[Phase] = [
     # 33,872 tokens/s and 8.1% MFU at micro-batch 8 on the H200 (shipped backward); with both split at
     # micro-batch 4, 25,030 against the shipped kernels' 22,562
     _recipe_phase("titans-400m-mag", 120, why="; as it ships: micro-batch 8, the split backward"),
+    # The split loops pipelined (MEMTRAIN_TITANS_STAGES=2, 2026-11-29, not yet run on a GPU): the split forward and
+    # backward with and without, the scan kernels alone at the recipes' shapes and the layer target's, from the cache
+    Phase("titans_kernel_pipelined", [PY, "benchmarks/titans_kernels.py", "--shapes", TUNE_SHAPES, "--forms",
+                                      "split,pipelined"], 90,
+          about="the split forward and backward against the same with their loops over chunks software-pipelined in "
+                "2 stages (MEMTRAIN_TITANS_STAGES=2: the next chunk's loads issued while the current one computes; "
+                "the carried loop at chunk 16 only), the scan kernels alone at the mac, mag and layer shapes: time per "
+                "chunk forward and backward, loops and frames, error against the unpipelined form"),
     # The split backward was chosen from the kernels alone at MAC's shape (29% less time per chunk) and from
     # 400m-mag; this is MAC's recipe-level check, on the same machine as recipe_170m_mac
     _form_phase("titans-170m-mac", "shipped", 110, "what the split backward gains where the host's dispatch "
@@ -224,6 +233,13 @@ PLAN: list[Phase] = [
                       "wave, an estimated 53.5 GiB (fits an 80 GB H100 if the peak is within 50% of it)"),
     _recipe_phase("titans-760m-mal", 110, why="; 52 finite steps on an H200 (17,885 tokens/s, 8.0% MFU, shipped "
                   "backward, fused kernels off): the recipe nearest 10% MFU"),
+    # the pipelined loops in a recipe as it ships otherwise (chunk 16: the shipped forward, the split backward, whose
+    # recompute and carried loops take 2 stages), beside recipe_170m_mac
+    Phase("recipe_170m_mac_pipelined",
+          _throughput("titans-170m-mac", "train.schedule.warmup=2", steps=20, extra=("--profile", "25")), 110,
+          capped=True, env={"MEMTRAIN_TITANS_STAGES": "2"},
+          about="titans-170m-mac with MEMTRAIN_TITANS_STAGES=2 (the split backward's recompute and carried loops "
+                "software-pipelined in 2 stages), beside recipe_170m_mac: whether the recipes should take it"),
     Phase("recipe_170m_mac_compiled",
           _throughput("titans-170m-mac", "train.schedule.warmup=2", "model.compile=true", steps=20), 180,
           capped=True,

@@ -133,16 +133,46 @@ def requested_wave() -> int:
     return wave
 
 
+# MEMTRAIN_TITANS_STAGES=S (1, 2 or 3): Triton's software pipelining (``num_stages``) of the split kernels' loops over
+# chunks, which the kernels otherwise compile without (1; :func:`.triton_kernels._launch_shape` says why): the loads of
+# the next chunk's tiles (its keys, coefficients, chunk-start state and per-token factors) are issued asynchronously
+# into shared memory while the current chunk computes, instead of each chunk waiting on its own loads. Those loops run
+# one program per sequence and head, and on the H200 each program's own chain of dependent loads and products bounded
+# them (docs/titans-kernels.md, "Measured: the forms and waves"). The split backward's recompute loop and the split
+# forward's recurrence take S; the split backward's carried loop takes at most 2 and only at chunks of up to 16 tokens,
+# where its double-buffered tiles fit an A100's shared memory (:func:`.triton_kernels.loop_stages`). Unset: 1, as
+# shipped; another value stops the run where a bad MEMTRAIN_TITANS_BACKWARD does. The result is the same: only the
+# order in which the loads are issued changes.
+STAGES_ENV = "MEMTRAIN_TITANS_STAGES"
+MAX_STAGES = 3
+
+
+def requested_stages() -> int:
+    """The pipelining stages :data:`STAGES_ENV` asks for, 1 (none) where it is unset; ValueError (one line) for a value
+    other than 1 to :data:`MAX_STAGES`, checked where :func:`requested_backward` is."""
+    raw = os.environ.get(STAGES_ENV, "").strip()
+    if not raw:
+        return 1
+    if raw not in {str(i) for i in range(1, MAX_STAGES + 1)}:
+        raise ValueError(f"{STAGES_ENV}={raw!r}: expected the split kernels' pipelining stages, 1 to {MAX_STAGES} "
+                         f"(or unset it for 1)")
+    return int(raw)
+
+
 # The depth-1/2 kernels' forms, as the benchmarks and the GPU check compare them: the backward's three, the split one
-# with the forward split too. Each is a setting of the two variables above.
-FORMS = ("shipped", "lean", "split")
+# with the forward split too, and ``pipelined``: the split forward and backward with their loops over chunks
+# pipelined in 2 stages. Each is a setting of the three variables above.
+FORMS = ("shipped", "lean", "split", "pipelined")
 
 
 def form_env(form: str) -> dict[str, str]:
-    """The settings of :data:`FORWARD_ENV` and :data:`BACKWARD_ENV` that pick ``form``, one of :data:`FORMS`."""
+    """The settings of :data:`FORWARD_ENV`, :data:`BACKWARD_ENV` and :data:`STAGES_ENV` that pick ``form``, one of
+    :data:`FORMS`."""
     if form not in FORMS:
         raise ValueError(f"unknown kernel form {form!r}; expected one of {', '.join(FORMS)}")
-    return {FORWARD_ENV: "split" if form == "split" else "shipped", BACKWARD_ENV: form}
+    split = form in ("split", "pipelined")
+    return {FORWARD_ENV: "split" if split else "shipped", BACKWARD_ENV: "split" if split else form,
+            STAGES_ENV: "2" if form == "pipelined" else "1"}
 
 
 @contextlib.contextmanager

@@ -257,7 +257,8 @@ def _launch_specialization(fn, sig: dict, consts: dict, ints: dict, target) -> d
 
 def compile_kernel(kernel: str, depth: int = 2, head_dim: int = 64, hidden: int = 128, chunk: int = 16, *,
                    num_warps: Optional[int] = None, arch: int = 90, half: str = "bf16",
-                   any_depth: Optional[bool] = None, lean: bool = False, num_ctas: int = 1) -> dict:
+                   any_depth: Optional[bool] = None, lean: bool = False, num_ctas: int = 1,
+                   stages: Optional[int] = None) -> dict:
     """Compile one Titans kernel for ``sm_<arch>`` and report it: ``kernel`` one of :data:`KERNELS` (the scan's
     forward / backward at ``depth`` -- the register-resident pair at depth 1-2, the any-depth pair at 3+ or where
     ``any_depth`` -- the split backward's three kernels at depth 1-2 (``bwd_recompute``, ``bwd_local``,
@@ -271,7 +272,9 @@ def compile_kernel(kernel: str, depth: int = 2, head_dim: int = 64, hidden: int 
     ``half`` the dtype of q / k / v (``bf16``, ``fp16`` or ``fp32``), ``lean`` the depth-1/2 backward's lean form
     (:data:`memtrain.kernels.titans.triton_kernels.LEAN_BACKWARD`, compiled without the chunk weights' gradient),
     ``num_ctas`` Triton's Hopper cluster option (each program's tiles spread over that many SMs; no kernel launches
-    with more than 1 -- docs/titans-kernels.md, "One program's state over several SMs").
+    with more than 1 -- docs/titans-kernels.md, "One program's state over several SMs"), ``stages`` the split loops'
+    pipelining stages as ``MEMTRAIN_TITANS_STAGES`` sets them (default: the environment's, as a launch reads it; the
+    kernel's ``num_stages`` is :func:`memtrain.kernels.titans.triton_kernels.loop_stages`).
     Returns the arguments with ``shared`` (bytes per program), ``registers`` (per thread), ``spill_stores`` and
     ``spill_loads`` (bytes of spill instructions in the compiled code, per thread), ``stack_frame`` and
     ``frame_kib_per_program`` (the local memory the spills live in, per thread and per program,
@@ -379,6 +382,8 @@ def compile_kernel(kernel: str, depth: int = 2, head_dim: int = 64, hidden: int 
         launch = {k: consts.pop(k) for k in ("num_warps", "num_stages")}
         if num_warps:
             launch["num_warps"] = num_warps
+        if not deep:  # the split loops, pipelined where MEMTRAIN_TITANS_STAGES asks for it and they fit
+            launch["num_stages"] = tk.loop_stages(kernel, head_dim, hidden, chunk, stages)
         dot = {"fp32": 0, "bf16": 1, "fp16": 2}[half]
         consts.update(DOT=dot, DEPTH=depth)
         if "LEAN" in fn.arg_names:  # the depth-1/2 backward's form (triton_kernels.LEAN_BACKWARD); the lean one as

@@ -49,7 +49,7 @@ import triton.language as tl
 
 from memtrain.kernels.launch import block as _block
 from memtrain.kernels.op import kernel_op
-from memtrain.kernels.titans import requested_backward, requested_forward, requested_wave
+from memtrain.kernels.titans import requested_backward, requested_forward, requested_stages, requested_wave
 
 
 # The kernels' integer arguments that vary with a call's length (chunks, padded length, the last chunk's tokens,
@@ -917,9 +917,40 @@ def _launch_shape(D: int, H1: int, C: int) -> dict:
     pipelined; with the default (3) the pipeliner double-buffers the state tiles the backward reloads per chunk
     and the backward needs 337 KB (chunk 16) / 438 KB (chunk 64) of shared memory at head size 64, hidden 128,
     above an H100's 227 KB; with 1 it needs 61 KB / 139 KB (the forward 65 KB at chunk 64), measured by compiling
-    for sm_90a ahead of time (``triton.compile`` with a ``GPUTarget``, no GPU needed)."""
+    for sm_90a ahead of time (``triton.compile`` with a ``GPUTarget``, no GPU needed). The split kernels' loops are
+    pipelined where ``MEMTRAIN_TITANS_STAGES`` asks for it and they fit (:func:`loop_stages`)."""
     BC, BD, BH = _block(C), _block(D), _block(H1)
     return dict(BC=BC, BD=BD, BH=BH, num_warps=8 if BH * BD >= 128 * 64 else 4, num_stages=1)
+
+
+# The split kernels' loops over chunks that MEMTRAIN_TITANS_STAGES pipelines (memtrain.kernels.titans.STAGES_ENV), and
+# where. Compiled for sm_90 by Triton 3.6 at head size 64, hidden 128, bf16, 8 warps (docs/titans-kernels.md,
+# "Pipelined loops"), the carried loop's shared memory is 38 KiB unpipelined, 134 KiB in 2 stages and 232 KiB in 3 at
+# chunk 16, 172 KiB in 2 at chunk 32 and 249 KiB at chunk 64: 2 stages fit an A100's 163 KiB at chunk 16 only. The
+# recompute loop and the forward's recurrence need at most 66 KiB in 3 stages at chunk 64. Larger tiles than the
+# recipes' (head size x hidden width) were not compiled pipelined, and stay unpipelined.
+PIPELINED_KERNELS = ("fwd_advance", "bwd_recompute", "bwd_carry")
+PIPELINE_MAX_TILE = 64 * 128
+CARRY_PIPELINE_MAX_CHUNK = 16
+
+
+def loop_stages(kernel: str, D: int, H1: int, C: int, stages: Optional[int] = None) -> int:
+    """``num_stages`` of ``kernel`` (a name of :data:`memtrain.kernels.titans.aot.KERNELS`) at head size ``D``, hidden
+    width ``H1`` (depth 1: ``D``) and chunk ``C`` when ``stages`` (default: what ``MEMTRAIN_TITANS_STAGES`` asks for,
+    :func:`memtrain.kernels.titans.requested_stages`) are asked for: those stages for the split loops of
+    :data:`PIPELINED_KERNELS` where their shared memory fits (at most 2 for the carried loop, at chunks of up to
+    :data:`CARRY_PIPELINE_MAX_CHUNK`; tiles up to :data:`PIPELINE_MAX_TILE`), else 1."""
+    stages = requested_stages() if stages is None else stages
+    if stages <= 1 or kernel not in PIPELINED_KERNELS or _block(D) * _block(H1) > PIPELINE_MAX_TILE:
+        return 1
+    if kernel == "bwd_carry":
+        return min(stages, 2) if _block(C) <= CARRY_PIPELINE_MAX_CHUNK else 1
+    return stages
+
+
+def _staged(launch: dict, kernel: str, D: int, H1: int, C: int) -> dict:
+    """``launch`` with ``kernel``'s :func:`loop_stages`."""
+    return {**launch, "num_stages": loop_stages(kernel, D, H1, C)}
 
 
 # The autograd of the kernels is four custom operators (torch.library): the coefficients' forward and backward,
@@ -1066,7 +1097,7 @@ def _scan_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dec: torch.Tens
         for grp in range(nsave):
             c0, c1 = grp * R, min(grp * R + R, NC)
             _fwd_advance_kernel[(N,)](k, v, *coef, *saved, *scratch, w1o, s1o, w2o, s2o, grp, c0, c1, *ints, nsave,
-                                      C, D, H1, **launch)
+                                      C, D, H1, **_staged(launch, "fwd_advance", D, H1, C))
             _fwd_read_kernel[(N, c1 - c0)](q, k, v, *coef, *scratch, y, wg1, wg2, c0, *ints, C, D, H1, **launch)
     else:
         _launch_per_sequence(_fwd_kernel, N, q, k, v, *coef, w1, s1, w2, s2, y, w1o, s1o, w2o, s2o, wg1, wg2, sw1,
@@ -1122,12 +1153,13 @@ def _scan_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dy: torch.Tenso
         for grp in reversed(range(nsave)):
             c0, c1 = grp * R, min(grp * R + R, NC)
             _bwd_recompute_kernel[(N,)](k, v, dec, car, mix, e_end, m_end, sw1, ss1, sw2, ss2, *scratch, grp, c0, c1,
-                                        *ints, nsave, C, D, H1, **launch)
+                                        *ints, nsave, C, D, H1, **_staged(launch, "bwd_recompute", D, H1, C))
             _bwd_local_kernel[(N, c1 - c0)](q, k, v, dy, dec, car, mix, e_end, m_end, *scratch, *local, fac, dq, dk,
                                             dv, *dcoef[:3], c0, *ints, C, D, H1, **launch)
             carried = grads[:4] if grp == nsave - 1 else kernel_dstate
             _bwd_carry_kernel[(N,)](k, v, dec, car, mix, e_end, m_end, *scratch, *local, fac, *carried, *grads[4:],
-                                    dk, dv, *dcoef, *kernel_dstate, c0, c1, *ints, C, D, H1, HAS_WG=has_wg, **launch)
+                                    dk, dv, *dcoef, *kernel_dstate, c0, c1, *ints, C, D, H1, HAS_WG=has_wg,
+                                    **_staged(launch, "bwd_carry", D, H1, C))
     else:
         _launch_per_sequence(_bwd_kernel, N, q, k, v, dy, dec, car, mix, e_end, m_end, sw1, ss1, sw2, ss2, *scratch,
                              *grads, dq, dk, dv, *dcoef, *kernel_dstate, *ints, nsave, C, D, H1, LEAN=lean,

@@ -84,7 +84,7 @@ from torch import nn
 from memtrain.errors import SettingError
 from memtrain.kernels.op import requested_mode
 from memtrain.kernels.titans import (KERNELS, kernel_unsupported, requested_backward, requested_forward,
-                                      requested_wave, use_triton)
+                                      requested_stages, requested_wave, use_triton)
 from memtrain.model.grouped_linear import fan_out, grouped_linear
 from memtrain.model.titans.inner_loop import ALGORITHMS, memory_scan, mlp_forward
 from memtrain.model.titans.state import MemoryState
@@ -232,13 +232,14 @@ class NeuralMemory(nn.Module):
         self.dim, self.heads, self.head_dim, self.depth = dim, heads, head_dim, depth
         if kernel not in KERNELS:
             raise ValueError(f"unknown kernel {kernel!r}; expected one of {', '.join(KERNELS)}")
-        # a bad MEMTRAIN_TITANS_BACKWARD / _FORWARD / _WAVE or MEMTRAIN_KERNEL_OPS stops the run here, not in its first
-        # step
+        # a bad MEMTRAIN_TITANS_BACKWARD / _FORWARD / _WAVE / _STAGES or MEMTRAIN_KERNEL_OPS stops the run here, not in
+        # its first step
         if kernel != "torch":
             try:
                 requested_backward()
                 requested_forward()
                 requested_wave()
+                requested_stages()
                 requested_mode()
             except ValueError as e:
                 raise SettingError(str(e)) from None
