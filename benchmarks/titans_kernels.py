@@ -204,6 +204,16 @@ def variant(shape, warps, any_depth: bool = False, form: str = "shipped", wave: 
 FORMS = titans_kernels.FORMS  # the depth-1/2 kernels' forms (MEMTRAIN_TITANS_FORWARD / _BACKWARD / _STAGES)
 
 
+def _forward(form: str) -> str:
+    """The forward ``form`` runs (``shipped`` or ``split``), as :func:`memtrain.kernels.titans.form_env` sets it."""
+    return titans_kernels.form_env(form)[titans_kernels.FORWARD_ENV]
+
+
+def _split_backward(form: str) -> bool:
+    """Whether ``form`` runs the split backward's kernels (the split and pipelined forms)."""
+    return titans_kernels.form_env(form)[titans_kernels.BACKWARD_ENV] == "split"
+
+
 def variants(name: str, warps: list[int], table: dict = SHAPES, waves: tuple[int, ...] = (),
              forms: Optional[tuple[str, ...]] = None) -> list[tuple]:
     """``(num_warps, any_depth, form, wave)`` of each launch the sweep times at shape ``name``, in order: the shipped
@@ -227,7 +237,7 @@ def _scan_kernels(mod, form: str) -> dict:
     """The forward's and backward's kernels in ``mod`` under ``form``, by the names their records use."""
     if mod is triton_deep:
         return {"fwd": mod._fwd_deep_kernel, "bwd": mod._bwd_deep_kernel}
-    if form in ("split", "pipelined"):
+    if _split_backward(form):
         return {**{f"fwd_{part}": getattr(mod, f"_fwd_{part}_kernel") for part in ("advance", "read")},
                 **{f"bwd_{part}": getattr(mod, f"_bwd_{part}_kernel") for part in ("recompute", "local", "carry")}}
     return {"fwd": mod._fwd_kernel, "bwd": mod._bwd_kernel}
@@ -276,7 +286,7 @@ def measure(shape, warps, device, repeats_ms: int, any_depth: bool = False, form
     shipped = mod is _module(depth)
     rec = {"N": N, "T": T, "head_dim": D, "hidden": hidden, "depth": depth, "chunk": C,
            "kernels": mod.__name__.rsplit(".", 1)[-1], "num_warps": warps or default, "backward": form,
-           "forward": "split" if form in ("split", "pipelined") else "shipped", "stages": stages,
+           "forward": _forward(form), "stages": stages,
            "wave": wave or N, "launches": -(-N // (wave or N)),
            "default": shipped and (warps is None or warps == default) and form == "shipped" and not wave,
            "first_call_s": round(first_s, 2),
@@ -403,8 +413,8 @@ def static(warps: list[int], names: list[str], table: dict = SHAPES) -> int:
         rows += [(name, shape, any_depth, w, form) for any_depth, w, form in variants]
 
     def kernels(form):
-        split = form in ("split", "pipelined")
-        return ("fwd_advance", "fwd_read", "bwd_recompute", "bwd_local", "bwd_carry") if split else ("fwd", "bwd")
+        return (("fwd_advance", "fwd_read", "bwd_recompute", "bwd_local", "bwd_carry") if _split_backward(form) else
+                ("fwd", "bwd"))
 
     # a compiled kernel depends on the widths, depth and chunk, not on N or T (mac and mag share theirs); the
     # forward has one form, and the pipelined form differs from the split one in its loops only
@@ -425,7 +435,7 @@ def static(warps: list[int], names: list[str], table: dict = SHAPES) -> int:
         rec = {"shape": name, "device": "sm_90 (compiled ahead of time, not run)", "N": shape[0], "T": shape[1],
                "head_dim": shape[2], "hidden": shape[3], "depth": shape[4], "chunk": shape[5],
                "kernels": "triton_deep" if any_depth else "triton_kernels", "backward": form,
-               "forward": "split" if form in ("split", "pipelined") else "shipped"}
+               "forward": _forward(form)}
         for r in (compiled[key(kernel, shape, any_depth, w, form)] for kernel in kernels(form)):
             if "error" in r:
                 rec[f"{r['kernel']}_error"] = r["error"]
