@@ -42,26 +42,34 @@ def test_model_states_by_precision_and_zero_stage():
 
 
 def test_activations_by_checkpointing_attention_and_loss():
-    # Per token and plain block: 4d + 4q + 3k + 4f = 64 + 64 + 48 + 128 = 304 values; 16 tokens of 4 bytes.
+    # Per token and plain block, eager (model.compile false): 4d + 4q + 3k + 2f = 64 + 64 + 48 + 64 = 240 values (the
+    # SwiGLU keeps its gate and up projections, memtrain.model.swiglu); 16 tokens of 4 bytes.
     tokens, a = 2 * 8, 4
     mask = 2 * 8 * 8  # the dense document mask of sdpa, bool
-    acts, loss, text = activation_bytes(_recipe("train.loss_chunk_tokens=0"), "fp32")
-    assert acts == (2 * 304 + 2 * 16) * tokens * a + mask
+    acts, loss, text = activation_bytes(_recipe("train.loss_chunk_tokens=0", "model.compile=false"), "fp32")
+    assert acts == (2 * 240 + 2 * 16) * tokens * a + mask
     assert loss == tokens * 100 * (a + 12)  # full logits
-    assert "no checkpointing" in text and "sdpa" in text
+    assert "no checkpointing" in text and "sdpa" in text and "SwiGLU keeps 2 of 4" in text
+    # compiled blocks (model.compile auto, as a decoder on CUDA runs): the partitioner keeps the product too (3f);
+    # ZeRO 3 (eager, autograd's SwiGLU): all four (4f)
+    for overrides, ffn in ((["model.compile=auto"], 3), (["model.compile=true"], 3), (["parallel.zero_stage=3"], 4)):
+        acts, _, text = activation_bytes(_recipe("train.loss_chunk_tokens=0", *overrides), "fp32")
+        assert acts == (2 * (240 + (ffn - 2) * 32) + 2 * 16) * tokens * a + mask, overrides
+        assert f"SwiGLU keeps {ffn} of 4" in text, (overrides, text)
     # every block checkpointed: the inputs (d each), one block recomputed at a time, the final 2d
-    acts, _, _ = activation_bytes(_recipe("parallel.activation_checkpointing=true"), "fp32")
-    assert acts == (16 + 16 + 304 + 2 * 16) * tokens * a + mask
+    acts, _, _ = activation_bytes(_recipe("parallel.activation_checkpointing=true", "model.compile=false"), "fp32")
+    assert acts == (16 + 16 + 240 + 2 * 16) * tokens * a + mask
     # every 2nd of 2 blocks: block 0 keeps its input only, block 1 everything
-    acts, _, text = activation_bytes(_recipe("parallel.activation_checkpointing=2"), "fp32")
-    assert acts == (16 + 304 + 304 + 2 * 16) * tokens * a + mask and "(1 of 2)" in text
+    acts, _, text = activation_bytes(_recipe("parallel.activation_checkpointing=2", "model.compile=false"), "fp32")
+    assert acts == (16 + 240 + 240 + 2 * 16) * tokens * a + mask and "(1 of 2)" in text
     # flex (auto on CUDA) has no dense mask; bf16 halves the values; the fused loss in chunks of 5 tokens
-    acts, loss, _ = activation_bytes(_recipe("train.loss_chunk_tokens=5", attention="auto"), "bf16")
-    assert acts == (2 * 304 + 2 * 16) * tokens * 2
+    acts, loss, _ = activation_bytes(_recipe("train.loss_chunk_tokens=5", "model.compile=false", attention="auto"),
+                                     "bf16")
+    assert acts == (2 * 240 + 2 * 16) * tokens * 2
     assert loss == 5 * 100 * (2 * 2 + 8) + 4 * 100 * 16
     # without qk-norm: 3q + 2k instead of 4q + 3k
-    acts, _, _ = activation_bytes(_recipe(qk_norm=False), "fp32")
-    assert acts == (2 * (304 - 16 - 16) + 2 * 16) * tokens * a + mask
+    acts, _, _ = activation_bytes(_recipe("model.compile=false", qk_norm=False), "fp32")
+    assert acts == (2 * (240 - 16 - 16) + 2 * 16) * tokens * a + mask
 
 
 @pytest.mark.parametrize("memory", [False, True])
@@ -72,7 +80,7 @@ def test_activation_formula_matches_what_autograd_saves(memory):
              "data.clustering.branching=2", "memory.placement_layers=2"] if memory else []
     recipe = recipe_from_dict({
         "model": {"vocab_size": 200, "d_model": 64, "n_layers": 3, "n_heads": 4, "ffn_dim": 256, "max_seq_len": 16,
-                  "attention": "sdpa"},
+                  "attention": "sdpa", "compile": False},
         "data": {"seq_len": 16, "tokenizer": {"vocab_size": 200}},
         "train": {"global_batch_tokens": 64, "micro_batch_size": 2}}, extra)
     torch.manual_seed(0)
@@ -197,7 +205,8 @@ def test_recipe_show_estimates_titans_activations_below_the_measured_peak(monkey
     keeps, not the backward's working set, so for that code it lies below the measurement (by 17% when this was
     written). At today's spacing (one saved state per 32-chunk segment) the kernels keep 2.8 GiB less, the fused
     retrieval (memtrain.kernels.titans.read) keeps neither of its two hidden-layer tensors, and the convolution fused
-    into the prologue and the retrieval queries neither its input nor its output."""
+    into the prologue and the retrieval queries neither its input nor its output. Since 2026-11-29 each block's SwiGLU
+    keeps its gate and up projections alone (memtrain.model.swiglu), where the measured run kept all four."""
     from pathlib import Path
 
     from memtrain.config import load_recipe
@@ -210,12 +219,16 @@ def test_recipe_show_estimates_titans_activations_below_the_measured_peak(monkey
         model = build(recipe.model)
     with monkeypatch.context() as m:
         m.setattr(triton_kernels, "SCRATCH_BYTES", 0)  # the measured run's spacing
+        recompute = estimate_peak_memory(recipe, 1, "bf16", model)
+        m.setenv("MEMTRAIN_SWIGLU_RECOMPUTE", "0")  # autograd's SwiGLU
         fused_conv = estimate_peak_memory(recipe, 1, "bf16", model)
         m.setenv("MEMTRAIN_TITANS_FUSED_CONV", "0")  # its convolution in PyTorch
         fused_read = estimate_peak_memory(recipe, 1, "bf16", model)
         m.setenv("MEMTRAIN_TITANS_FUSED_READ", "0")  # and its PyTorch retrievals
         measured_code = estimate_peak_memory(recipe, 1, "bf16", model)
     assert 0.75 * 36.1 < measured_code.total / 2**30 < 36.1
+    # the SwiGLU recomputing its activation and product keeps two [4, 4096, 2048] bf16 tensors fewer per block: 1.5 GiB
+    assert fused_conv.total - recompute.total == 12 * 2 * 4 * 4096 * 2048 * 2
     # PyTorch's retrieval keeps W1 q and its SiLU ([4, 12, 512, 128] float32 each) for 12 blocks x 8 segments: 2.25 GiB
     saved = 12 * 8 * 2 * 4 * 12 * 512 * 128 * 4 / 2**30
     assert saved < (measured_code.total - fused_read.total) / 2**30 < 1.05 * saved

@@ -103,7 +103,7 @@ TITANS_RECIPES = ("titans-170m-mac", "titans-400m-mag", "titans-340m-mac", "tita
 
 
 # titans-170m-mac's structure (12 blocks, 8 MAC segments of one memory chunk each) at tiny widths:
-# benchmarks/op_count.py counts and times its host cost on a CPU (the same 5,265 device ops per micro-batch as the
+# benchmarks/op_count.py counts and times its host cost on a CPU (the same 5,289 device ops per micro-batch as the
 # recipe).
 HOST_TWIN = ("model.d_model=32", "model.n_heads=2", "model.titans.memory_heads=2", "model.titans.memory_head_dim=16",
              "model.ffn_dim=64", "model.vocab_size=256", "data.tokenizer.vocab_size=256", "data.seq_len=128",
@@ -224,13 +224,14 @@ PLAN: list[Phase] = [
     # 4.2% MFU, 48.0 GiB, shipped backward, fused kernels off). The likeliest lever toward its 10% MFU is micro-batch
     # 8, as for 170m-mac and 400m-mag: 8 x 16 memory heads = 128 scan programs, one per SM of an H100 / H200
     # (400m-mag's backward took 127 us per chunk for 128 programs against 87 for 64, +50% tokens/s in the recipe), at
-    # an estimated 53.5 GiB with the fused kernels (`memtrain recipe show ... train.micro_batch_size=8`; 76.7 without
-    # them, past an H100's 80 GB once the measured peaks' ~20% above the estimate are added). So the phase measures 8,
-    # the candidate.
+    # an estimated 53.1 GiB on this one GPU with the fused kernels and the SwiGLU's recomputation (`memtrain recipe show
+    # ... train.micro_batch_size=8 --world-size 1`; 48.7 on the recipe's 8 ranks; 76.3 on one without the fused kernels,
+    # past an H100's 80 GB once the measured peaks' ~20% above the estimate are added). So the phase measures 8, the
+    # candidate.
     _recipe_phase("titans-340m-mac", 110, overrides=("train.micro_batch_size=8",),
                   why="; at micro-batch 8, the candidate for the recipe (4 ran 52 finite steps on an H200, 16,620 "
                       "tokens/s, 4.2% MFU, 48.0 GiB, shipped backward, fused kernels off): 128 scan programs in one "
-                      "wave, an estimated 53.5 GiB (fits an 80 GB H100 if the peak is within 50% of it)"),
+                      "wave, an estimated 53.1 GiB on one GPU (fits an 80 GB H100 if the peak is within 50% of it)"),
     _recipe_phase("titans-760m-mal", 110, why="; 52 finite steps on an H200 (17,885 tokens/s, 8.0% MFU, shipped "
                   "backward, fused kernels off): the recipe nearest 10% MFU"),
     # the pipelined loops in a recipe as it ships otherwise (chunk 16: the shipped forward, the split backward, whose
@@ -264,7 +265,7 @@ PLAN: list[Phase] = [
                 "in it), beside recipe_400m_mag: what compiling the half of MAG's device time that is not the scan's "
                 "backward gains, and the profiled step's kernels"),
     # The host's own cost of one eager titans-170m-mac micro-batch, on the GPU machine's CPU: the model's structure
-    # (12 blocks of 8 segments, 5,265 device ops) at tiny widths and 16-token segments, the launches stubbed (op_count
+    # (12 blocks of 8 segments, 5,289 device ops) at tiny widths and 16-token segments, the launches stubbed (op_count
     # --time; 262 ms on the 2-core CPU used for development, 2026-11-28). Set against recipe_170m_mac's host_forward_s
     # and host_backward_s it says how much of the step the host bounds.
     Phase("host_time", [PY, "benchmarks/op_count.py", "recipes/titans-170m-mac.yaml", *HOST_TWIN, "--time", "7"], 90,

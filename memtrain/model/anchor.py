@@ -44,6 +44,7 @@ from torch.utils.checkpoint import checkpoint
 from memtrain.config import MemoryConfig, ModelConfig
 from memtrain.model.attention import AttentionMask, attend, build_attention_mask
 from memtrain.model.loss import IGNORE_INDEX, linear_cross_entropy
+from memtrain.model.swiglu import silu_mul_linear
 from memtrain.model.hierarchical import (AnchorDims, FetchedMemory, GenericMemory, MemoryLayout, ffn_memory,
                                          kv_memory, lora_delta)
 
@@ -232,7 +233,7 @@ class SwiGLU(nn.Module):
         if kind == "lora_ffn":
             h = F.silu(self.w1(x) + lora_delta(x, mem, layout, "w1")) * (self.w2(x) + lora_delta(x, mem, layout, "w2"))
             return self.w3(h) + lora_delta(h, mem, layout, "w3")
-        out = self.w3(F.silu(self.w1(x)) * self.w2(x))
+        out = silu_mul_linear(self.w1(x), self.w2(x), self.w3.weight)  # keeps w1 x and w2 x (memtrain.model.swiglu)
         if kind == "ffn":  # the fetched channels widen the inner dimension (Appendix I, Fig. 18)
             out = out + ffn_memory(x, mem, layout)
         return out

@@ -20,7 +20,10 @@ head_dim, ``f`` FFN inner). What autograd keeps for backward per token and block
   output (the FFN projections');
 - ``4q + 3k`` with qk-norm (``3q + 2k`` without): the q/k projections (the norms' inputs), the
   rotated q/k and v (attention's inputs), attention's output, and its ``[B, T, q]`` copy (``wo``'s input);
-- ``4f``: the SwiGLU gate and up projections, the gate's activation and their product (``w3``'s input);
+- ``2f`` eagerly: the SwiGLU gate and up projections (``w1 x`` and ``w2 x``; backward recomputes the gate's
+  activation and their product, :mod:`memtrain.model.swiglu`); ``3f`` in compiled blocks (``model.compile``, by
+  default on CUDA: AOTAutograd's min-cut partitioner keeps the product, ``w3``'s input, too); ``4f`` under ZeRO 3,
+  where autograd keeps all four (the activation as well);
 - ``4 R_i`` for a layer with ``R_i`` FFN-memory channels (hierarchical FFN memories; LoRA and KV
   memories and cross-attention memory layers are not counted).
 
@@ -52,7 +55,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from memtrain.config import Recipe, checkpoint_every
+from memtrain.config import Recipe, checkpoint_every, compile_enabled
 
 GIB = 2**30
 
@@ -75,11 +78,20 @@ class MemoryEstimate:
                 + (self.loss or 0.0))
 
 
-def block_values_per_token(d: int, q: int, k: int, f: int, qk_norm: bool, memory_rank: int = 0) -> int:
+def block_values_per_token(d: int, q: int, k: int, f: int, qk_norm: bool, memory_rank: int = 0,
+                           ffn_kept: int = 2) -> int:
     """Activation values autograd keeps per token for one plain (not checkpointed) block (module
-    docstring)."""
+    docstring); ``ffn_kept`` of the SwiGLU's four ``[f]`` tensors (:func:`ffn_values_kept`)."""
     attn = 4 * q + 3 * k if qk_norm else 3 * q + 2 * k
-    return 4 * d + attn + 4 * f + 4 * memory_rank
+    return 4 * d + attn + ffn_kept * f + 4 * memory_rank
+
+
+def ffn_values_kept(recipe: Recipe) -> int:
+    """How many of the SwiGLU's four ``[tokens, ffn_dim]`` tensors a CUDA run of ``recipe`` keeps for backward
+    (module docstring): 4 under ZeRO 3, 3 in compiled blocks, 2 eagerly."""
+    if recipe.parallel.zero_stage == 3:
+        return 4
+    return 3 if compile_enabled(recipe, "cuda") else 2
 
 
 def model_state_bytes(n_params: int, n_trainable: int, precision: str, zero_stage: int,
@@ -108,7 +120,8 @@ def activation_bytes(recipe: Recipe, precision: str, memory_ranks: Optional[list
     hd = m.head_dim or m.d_model // m.n_heads
     q, k = m.n_heads * hd, (m.n_kv_heads or m.n_heads) * hd
     ranks = memory_ranks or [0] * m.n_layers
-    per_block = [block_values_per_token(m.d_model, q, k, m.ffn_dim, m.qk_norm, r) for r in ranks]
+    kept = ffn_values_kept(recipe)
+    per_block = [block_values_per_token(m.d_model, q, k, m.ffn_dim, m.qk_norm, r, kept) for r in ranks]
     every = checkpoint_every(recipe.parallel.activation_checkpointing)
     checkpointed = set(range(0, m.n_layers, every)) if every else set()
     values = sum(m.d_model if i in checkpointed else v for i, v in enumerate(per_block))
@@ -121,7 +134,7 @@ def activation_bytes(recipe: Recipe, precision: str, memory_ranks: Optional[list
         acts += float(B * T * T)  # the dense document mask, bool
     loss, loss_text = loss_stage_bytes(recipe, a)
     ckpt = _checkpointing_text(every, len(checkpointed), m.n_layers)
-    return acts, loss, f"micro-batch {B} x {T}, {ckpt}, {attention} attention, {loss_text}"
+    return acts, loss, f"micro-batch {B} x {T}, {ckpt}, {attention} attention, SwiGLU keeps {kept} of 4, {loss_text}"
 
 
 def loss_stage_bytes(recipe: Recipe, a: int) -> tuple[float, str]:

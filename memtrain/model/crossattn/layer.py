@@ -19,13 +19,13 @@ import math
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from memtrain.config import CrossAttnConfig, ModelConfig
 from memtrain.model.crossattn.bank import LatentBank
 from memtrain.model.crossattn.routing import (ChapterRouter, full_bank_attention, routed_attention,
                                               sequence_routed_attention)
+from memtrain.model.swiglu import silu_mul_linear
 
 
 def memory_layer_indices(c: CrossAttnConfig, n_layers: int) -> list[int]:
@@ -167,7 +167,7 @@ class _SwiGLU(nn.Module):
             nn.init.zeros_(self.w3.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w3(F.silu(self.w1(x)) * self.w2(x))
+        return silu_mul_linear(self.w1(x), self.w2(x), self.w3.weight)
 
 
 class MemoryBlockPart(nn.Module):
