@@ -7,6 +7,7 @@
   gradients that reach the memory's parameters, and a loss that falls over a few steps;
 - eager MAC's grouped per-segment weight gradients (memtrain.model.grouped_linear) in bf16, as close to fp32
   as autograd's per-use sums;
+- the SwiGLU's recomputed activation (memtrain.model.swiglu) equal to autograd's ops bit for bit, bf16 and fp32;
 - ``torch.compile`` against eager: outputs and every parameter's gradient; and Titans blocks compiled
   regionally (``model.compile: true``, the Triton kernels eager inside) in bf16, as close to fp32 as
   eager bf16 is.
@@ -279,3 +280,24 @@ def test_titans_compiled_blocks_in_bf16_equal_eager(device, family):
     assert grads[0].keys() == grads[1].keys() == grads[2].keys() and any("memory" in n for n in grads[0])
     for n in grads[0]:
         assert rel_err(grads[2][n], grads[0][n]) < max(2 * rel_err(grads[1][n], grads[0][n]), 3e-2), n
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_swiglu_recomputation_equals_autograd_on_the_device(device, dtype, monkeypatch):
+    """memtrain.model.swiglu on the device: the anchor's SwiGLU keeping only its gate and up projections (backward
+    recomputes the SiLU and the product) gives the output and every gradient autograd's ops give
+    (``MEMTRAIN_SWIGLU_RECOMPUTE=0``) bit for bit, the same GEMM and elementwise calls in the same order, at a
+    recipe-like width (768 -> 2048) and an odd token count."""
+    from memtrain.model.anchor import SwiGLU
+
+    torch.manual_seed(0)
+    ffn = SwiGLU(768, 2048).to(device=device, dtype=dtype)
+    x = torch.randn(3, 517, 768, device=device, dtype=dtype, requires_grad=True)
+    grad = torch.randn_like(x)
+    runs = []
+    for recompute in ("1", "0"):
+        monkeypatch.setenv("MEMTRAIN_SWIGLU_RECOMPUTE", recompute)
+        out = ffn(x)
+        runs.append((out, *torch.autograd.grad(out, (x, *ffn.parameters()), grad)))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b), rel_err(a, b)
