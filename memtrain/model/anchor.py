@@ -44,9 +44,9 @@ from torch.utils.checkpoint import checkpoint
 from memtrain.config import MemoryConfig, ModelConfig
 from memtrain.model.attention import AttentionMask, attend, build_attention_mask
 from memtrain.model.loss import IGNORE_INDEX, linear_cross_entropy
-from memtrain.model.swiglu import silu_mul_linear
 from memtrain.model.hierarchical import (AnchorDims, FetchedMemory, GenericMemory, MemoryLayout, ffn_memory,
                                          kv_memory, lora_delta)
+from memtrain.model.swiglu import silu_mul_linear
 
 
 @dataclass

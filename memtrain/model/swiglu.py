@@ -6,7 +6,7 @@ Why. Eagerly, autograd keeps four ``[tokens, ffn_dim]`` tensors per SwiGLU for b
 ``h = s * u`` (``w3``'s input). ``s`` and ``h`` are one elementwise op each from ``g`` and ``u``, so backward can
 recompute them: this keeps two of the four, half the FFN's activations. The FFN is the largest single part of
 what a block keeps: in ``titans-760m-mal`` (d 1,536, ffn 4,096) 128 of the 474 MiB a block keeps per 4,096-token
-sequence, 64 MiB after (``memtrain recipe show``'s traced estimate; README, "Activation memory"). Recomputing costs
+sequence, 64 MiB after (``memtrain recipe show``'s traced estimate; README, "SwiGLU activations"). Recomputing costs
 one SiLU and one product per FFN in backward, elementwise work beside the FFN's three GEMMs (Megatron-LM's
 selective recomputation and Liger-Kernel's SwiGLU make the same trade).
 
@@ -19,7 +19,8 @@ Where it applies (:func:`silu_mul_linear`, otherwise plain ``F.linear(F.silu(g) 
 graph's partitioner chooses what to keep itself), gradients on, autocast off (backward multiplies in the
 tensors' own dtypes), a weight DeepSpeed's ZeRO-3 does not partition (its hooks gather ``w3``'s weight around
 ``w3``'s own forward, which this bypasses; a partitioned parameter carries ``ds_id``) and
-``MEMTRAIN_SWIGLU_RECOMPUTE`` not ``0``. Not twice differentiable (``once_differentiable``).
+``MEMTRAIN_SWIGLU_RECOMPUTE`` not ``0``. Not twice differentiable (``once_differentiable``). The anchor's FFN with
+a LoRA-FFN memory keeps the plain ops: its ``w3`` delta reads the product.
 """
 
 from __future__ import annotations

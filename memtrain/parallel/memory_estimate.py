@@ -23,7 +23,7 @@ head_dim, ``f`` FFN inner). What autograd keeps for backward per token and block
 - ``2f`` eagerly: the SwiGLU gate and up projections (``w1 x`` and ``w2 x``; backward recomputes the gate's
   activation and their product, :mod:`memtrain.model.swiglu`); ``3f`` in compiled blocks (``model.compile``, by
   default on CUDA: AOTAutograd's min-cut partitioner keeps the product, ``w3``'s input, too); ``4f`` under ZeRO 3,
-  where autograd keeps all four (the activation as well);
+  where autograd keeps all four (the activation as well), and with LoRA-FFN memories (not modelled);
 - ``4 R_i`` for a layer with ``R_i`` FFN-memory channels (hierarchical FFN memories; LoRA and KV
   memories and cross-attention memory layers are not counted).
 
