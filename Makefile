@@ -55,14 +55,13 @@ reproduce-titans: $(STAMP)
 	$(PY) reproduce/titans.py
 
 # Two pytest-xdist workers (the suite is sized for 2 cores), each running one test file at a time, so a
-# module's fixtures (a Slurm cluster's jobs, a shared 2-rank run) are set up once, on one worker. The files run
-# longest first (tests/conftest.py, SCHEDULE_FIRST; --no-loadscope-reorder keeps that order).
+# module's fixtures (a Slurm cluster's jobs, a shared 2-rank run) are set up once, on one worker.
 PYTEST_WORKERS ?= 2
 test: $(STAMP)
-	$(VENV)/bin/pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
+	$(VENV)/bin/pytest -q -n $(PYTEST_WORKERS) --dist loadfile
 
 test-fast: $(STAMP)
-	$(VENV)/bin/pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow"
+	$(VENV)/bin/pytest -q -n $(PYTEST_WORKERS) --dist loadfile -m "not slow"
 
 bench: $(STAMP)
 	$(PY) benchmarks/attention.py --quick

@@ -31,32 +31,6 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
     _install_interpreter_speedup()
 
-# The files whose tests take longest in all (their tests' own seconds on one worker, a fresh clone on the 2-core CPU
-# used for development, 2026-11-29: about 460, 460, 410, 170, 160, 145, 140 and 115 for the first eight), run first.
-# Under ``--dist loadfile`` a free worker takes the next whole file, so a long file taken last leaves the other worker
-# idle until it ends. pytest-xdist's default order (most tests first) put test_hmem_train.py (11 tests) and
-# test_precompile.py (4) near the end; ``make test`` passes ``--no-loadscope-reorder`` so this order holds, longest
-# first, then the other files by their number of tests, as xdist would order them. The order within a file is kept.
-SCHEDULE_FIRST = ("test_hmem_train.py", "test_train.py", "test_titans_kernel.py", "test_gpu_check.py", "test_compile.py",
-                  "test_precompile.py", "test_clustered.py", "test_prepare_dist.py", "test_crossattn_sharded.py",
-                  "test_rank_invariance.py", "test_data.py", "test_context_bank.py", "test_titans_arch.py",
-                  "test_memory_llama_train.py", "test_kernel_op.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    """Order the files as :data:`SCHEDULE_FIRST` says (a stable sort: each file's tests keep their order)."""
-    first = {name: i for i, name in enumerate(SCHEDULE_FIRST)}
-    files = [item.nodeid.split("::")[0] for item in items]
-    counts = {f: files.count(f) for f in set(files)}
-
-    def key(f: str):
-        name = os.path.basename(f)
-        return (0, first[name], "") if name in first else (1, -counts[f], f)
-
-    order = sorted(range(len(items)), key=lambda i: key(files[i]))
-    items[:] = [items[i] for i in order]
-
-
 ALLOWED_SKIP_MARKERS = ("gpu", "slurm")
 SKIP_ALLOWED = "memtrain_skip_allowed"  # a user property on the reports of gpu- and slurm-marked tests
 
