@@ -89,3 +89,19 @@ def test_cli_destroys_the_process_groups_a_command_started(outcome, monkeypatch,
     code = cli.main(["train", "recipe.yaml"])
     assert code == {"returns": 0, "one_line_error": 2, "diverged": 3}[outcome]
     assert not tdist.is_initialized()
+
+
+def test_cpu_ranks_take_omp_num_threads_or_their_share_of_the_cpus_they_may_run_on(monkeypatch):
+    """A CPU rank's intra-op threads: ``OMP_NUM_THREADS`` where set (``memtrain submit`` sets each rank's share;
+    the first level of the nested form), otherwise the process's affinity mask split over the host's ranks."""
+    import os
+
+    from memtrain.parallel.dist import cpu_threads
+
+    assert cpu_threads(4, {"OMP_NUM_THREADS": "3"}) == 3
+    assert cpu_threads(1, {"OMP_NUM_THREADS": "2,1"}) == 2
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(6)))
+    assert cpu_threads(1, {}) == 6 and cpu_threads(2, {}) == 3 and cpu_threads(4, {}) == 1
+    assert cpu_threads(8, {}) == 1  # at least one
+    for unusable in ("", "0", "-2", "many"):
+        assert cpu_threads(2, {"OMP_NUM_THREADS": unusable}) == 3
