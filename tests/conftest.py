@@ -31,6 +31,17 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
     _install_interpreter_speedup()
 
+# pytest-xdist workers share the cores (``make test``: 2 workers on 2 cores): each worker, and each process a test
+# starts (training runs read OMP_NUM_THREADS: memtrain.parallel.dist.cpu_threads), takes its share of intra-op
+# threads, unless OMP_NUM_THREADS is set already. A thread pool larger than the cores it gets spin-waits at every
+# parallel region: a tiny training run beside one busy process took 14.5 s with 2 threads, 8.4 s with 1.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    from memtrain.parallel.dist import cpu_threads
+
+    _workers = int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    os.environ.setdefault("OMP_NUM_THREADS", str(cpu_threads(_workers, {})))
+    torch.set_num_threads(cpu_threads(_workers))
+
 ALLOWED_SKIP_MARKERS = ("gpu", "slurm")
 SKIP_ALLOWED = "memtrain_skip_allowed"  # a user property on the reports of gpu- and slurm-marked tests
 
