@@ -11,13 +11,18 @@ the recipe against the prepared data); for hierarchical memories :mod:`~memtrain
 
 Importing this package is cheap: the heavy libraries (streaming, datasets, sentencepiece,
 transformers) are imported by the functions that use them. The names below load their module
-on first access.
+on first access. It also defers streaming's own dataset packages (text, vision, multimodal), which
+memtrain never reads, until something uses them: :mod:`~memtrain.data.streaming_import`.
 """
 
 from __future__ import annotations
 
 import importlib
 from typing import Any
+
+from memtrain.data.streaming_import import defer_dataset_packages
+
+defer_dataset_packages()
 
 _EXPORTS = {
     "builtin_documents": "builtin",
