@@ -556,6 +556,84 @@ def test_training_processes_skip_streamings_dataset_packages_until_something_use
     assert lines["star"] == "['StreamingC4', 'StreamingEnWiki', 'StreamingPile']"
 
 
+def test_sweep_removes_the_filelocks_of_prefixes_without_shared_memory(tmp_path):
+    from memtrain.data.loader import sweep_orphan_filelocks
+
+    tmp, shm = tmp_path / "tmp", tmp_path / "shm"
+    tmp.mkdir()
+    shm.mkdir()
+    for prefix in range(1, 6):
+        for kind in ("barrier", "cache"):
+            (tmp / f"{prefix:06}_{kind}_filelock").touch()
+    (shm / "000003_locals").touch()  # prefix 3 is held by a live dataset
+    (shm / "000004_barrier").touch()  # a segment, but not the leader's registration
+    others = ["notes.txt", "3_barrier_filelock", "000001_barrier_filelock.tmp", "000002_other_filelock"]
+    for name in others:
+        (tmp / name).touch()
+    assert sweep_orphan_filelocks(tmp, shm) == 8
+    assert sorted(p.name for p in tmp.iterdir()) == sorted(others + ["000003_barrier_filelock",
+                                                                     "000003_cache_filelock"])
+    assert sweep_orphan_filelocks(tmp, tmp_path / "no-shm") == 0  # cannot tell live prefixes: keep all
+    assert len(list(tmp.iterdir())) == 6
+
+
+_PREFIX_SCRIPT = textwrap.dedent("""
+    import json, os, re, sys
+    import memtrain.data.loader as loader_module
+    from memtrain.config import recipe_from_dict
+
+    sweep, live = loader_module.sweep_orphan_filelocks, []
+
+    def spy(*args, **kwargs):  # the prefixes alive when the sweep starts (it runs under the host lock)
+        live.extend(int(n[:6]) for n in os.listdir("/dev/shm") if re.fullmatch(r"\\d{6}_locals", n))
+        return sweep(*args, **kwargs)
+
+    loader_module.sweep_orphan_filelocks = spy
+    loader = loader_module.build_loader(recipe_from_dict(json.loads(sys.argv[1])), "train", 2)
+    next(iter(loader))  # the dataset takes its locks, creating its filelock files
+    print(json.dumps({"prefix": loader.dataset._shm_prefix_int, "live": sorted(live)}))
+""")
+
+
+def test_a_new_dataset_reuses_the_prefixes_whose_datasets_are_gone(tmp_path, prepared):
+    """Streaming never deletes its filelock files and skips every prefix that has one, so before the sweep each
+    dataset on a host took a new prefix and every scan walked all the earlier ones. A dataset built in a temporary
+    folder holding the filelocks of 200 finished datasets takes the lowest prefix no live dataset holds, and the
+    sweep leaves the files of live prefixes only: those of the host's other datasets (other tests may be running),
+    its own and one this test keeps alive with a segment at a number no scan reaches."""
+    from multiprocessing import shared_memory
+
+    recipe, _ = prepared
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    fake = 200
+    for prefix in range(fake):
+        for kind in ("barrier", "cache"):
+            (tmp / f"{prefix:06}_{kind}_filelock").touch()
+    held = 987_654
+    for kind in ("barrier", "cache"):
+        (tmp / f"{held}_{kind}_filelock").touch()
+    (tmp / "unrelated.txt").touch()
+    segment = shared_memory.SharedMemory(name=f"{held}_locals", create=True, size=16)
+    try:
+        env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK")}
+        result = subprocess.run([sys.executable, "-c", _PREFIX_SCRIPT, json.dumps(recipe.to_dict())],
+                                env={**env, "TMPDIR": str(tmp)}, cwd=REPO, capture_output=True, text=True, timeout=300)
+    finally:
+        segment.close()
+        segment.unlink()
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.splitlines()[-1])
+    live = set(out["live"]) - {held}
+    assert held in out["live"] and len(live) < fake // 2, out
+    # Datasets are created under the host lock only, so no prefix came alive after the sweep's listing: the scan
+    # took the lowest free one, at most the number alive. Without the sweep every prefix below 200 is skipped.
+    assert out["prefix"] <= len(live), out
+    left = {int(p.name[:6]) for p in tmp.iterdir() if p.name.endswith("_filelock")}
+    assert left <= live | {out["prefix"], held}, sorted(left - live)
+    assert {out["prefix"], held} <= left and (tmp / "unrelated.txt").exists()
+
+
 _KILLED_SCRIPT = textwrap.dedent("""
     import json, os, signal, sys
     from memtrain.config import Recipe, recipe_from_dict
