@@ -413,20 +413,22 @@ def _leaders_prefix() -> Iterator[None]:
         sp._check_and_find_retrying = scan
 
 
+_SHM = Path("/dev/shm")  # where Linux keeps POSIX shared memory: Streaming's segments, named by prefix
+
+
 def _prefix_lock_path() -> Path:
     """The host lock's file: in ``/dev/shm``, beside the shared memory it guards and the same for every process of
     the host. Not under ``TMPDIR``: memtrain's sbatch gives each job its own (``/tmp/memtrain-$SLURM_JOB_ID``), so the
     lock there was one per job, and two jobs starting on one node could take the same prefix (a fresh-clone CI run,
     2026-11-27: three 2-rank Slurm jobs started together and one failed with ``FileExistsError: '/000001_locals'``).
     ``TMPDIR``'s where there is no ``/dev/shm``."""
-    shm = Path("/dev/shm")
-    return (shm if shm.is_dir() else Path(tempfile.gettempdir())) / "memtrain-streaming-prefix.lock"
+    return (_SHM if _SHM.is_dir() else Path(tempfile.gettempdir())) / "memtrain-streaming-prefix.lock"
 
 
 _FILELOCK = re.compile(r"(\d{6})_(?:barrier|cache)_filelock")
 
 
-def sweep_orphan_filelocks(tmp: Optional[Path] = None, shm: Path = Path("/dev/shm")) -> int:
+def sweep_orphan_filelocks(tmp: Optional[Path] = None, shm: Path = _SHM) -> int:
     """Remove Streaming's filelock files whose prefix no dataset holds any more; returns how many.
 
     Each StreamingDataset leaves ``NNNNNN_barrier_filelock`` and ``NNNNNN_cache_filelock`` in the temporary
