@@ -460,11 +460,14 @@ def _finite_weights(engine, bank, device: torch.device) -> bool:
 
 def check_kernels(recipe: Recipe, device: torch.device) -> None:
     """RecipeError when the recipe forces Triton kernels where they cannot run, SettingError for a switch of the
-    kernels' operators set to a value it does not take (before anything is written)."""
+    kernels' operators or an on/off switch (:mod:`memtrain.model.switches`) set to a value it does not take (before
+    anything is written)."""
     from memtrain.kernels.op import requested_mode
+    from memtrain.model.switches import check_flags
 
     try:
         requested_mode()
+        check_flags()
     except ValueError as err:
         raise SettingError(str(err)) from None
     c = recipe.memory.crossattn

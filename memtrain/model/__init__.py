@@ -18,15 +18,22 @@ from typing import Optional
 from torch import nn
 
 from memtrain.config import MemoryConfig, ModelConfig
+from memtrain.errors import SettingError
 from memtrain.model.anchor import DecoderLM, ModelOutput, position_ids_from_doc_ids
 from memtrain.model.flops import count_parameters, flops_per_token, peak_flops
+from memtrain.model.switches import check_flags
 from memtrain.model.titans.arch import TitansLM, TitansOutput
 
 
 def build(model_cfg: ModelConfig, memory_cfg: Optional[MemoryConfig] = None, branching: int = 16) -> nn.Module:
     """The model a recipe describes: the anchor decoder (``model.type: decoder``), a Titans model
     (``model.type: titans``) or a pretrained Hugging Face model (``model.type: hf``), with the
-    hierarchical memories of ``memory_cfg`` (``branching`` = data.clustering.branching)."""
+    hierarchical memories of ``memory_cfg`` (``branching`` = data.clustering.branching). SettingError (one line)
+    where an on/off switch of :mod:`memtrain.model.switches` holds a value other than 0 or 1."""
+    try:
+        check_flags()
+    except ValueError as e:
+        raise SettingError(str(e)) from None
     if model_cfg.type not in ("decoder", "titans", "hf"):
         raise ValueError(f"unknown model.type {model_cfg.type!r}; expected 'decoder', 'titans' or 'hf'")
     if model_cfg.type == "hf":

@@ -32,7 +32,6 @@ reproducible. On the meta device no initialisation happens (parameter counting o
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -42,6 +41,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from memtrain.config import MemoryConfig, ModelConfig
+from memtrain.model import switches
 from memtrain.model.attention import AttentionMask, attend, build_attention_mask
 from memtrain.model.loss import IGNORE_INDEX, linear_cross_entropy
 from memtrain.model.hierarchical import (AnchorDims, FetchedMemory, GenericMemory, MemoryLayout, ffn_memory,
@@ -146,7 +146,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-FUSED_ROPE_ENV = "MEMTRAIN_FUSED_ROPE"
+FUSED_ROPE_ENV = switches.FUSED_ROPE
 FUSED_ROPE_DEVICES = ("cuda",)  # where the fused kernel runs (tests add "cpu" under TRITON_INTERPRET=1)
 
 
@@ -157,7 +157,7 @@ def fused_rope_applies(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     return (x.device.type in FUSED_ROPE_DEVICES and x.dim() == 4 and x.shape[-1] % 2 == 0
             and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and cos.dtype == sin.dtype == torch.float32 and not (cos.requires_grad or sin.requires_grad)
-            and not torch.compiler.is_compiling() and os.environ.get(FUSED_ROPE_ENV, "1") != "0")
+            and not torch.compiler.is_compiling() and switches.flag(FUSED_ROPE_ENV))
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -36,12 +36,13 @@ rounded once).
 
 from __future__ import annotations
 
-import os
 from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
+
+from memtrain.model import switches
 
 
 class _Root(torch.autograd.Function):
@@ -109,7 +110,7 @@ class GroupedLinear:
 # MEMTRAIN_GROUPED_WGRAD=0 leaves every gradient to autograd's per-use sums (grouped_linear and fan_out are then
 # plain): a switch for comparing the two on a GPU (tools/gpu_check.py, recipe_170m_mac_ungrouped), and a way back
 # should grouping misbehave there.
-GROUPED_ENV = "MEMTRAIN_GROUPED_WGRAD"
+GROUPED_ENV = switches.GROUPED_WGRAD
 
 
 class _FanOut(torch.autograd.Function):
@@ -131,7 +132,7 @@ class _FanOut(torch.autograd.Function):
 
 def _applies(x: torch.Tensor, enabled: bool) -> bool:
     return (enabled and torch.is_grad_enabled() and x.requires_grad and not torch.compiler.is_compiling()
-            and not torch.is_autocast_enabled(x.device.type) and os.environ.get(GROUPED_ENV, "1") != "0")
+            and not torch.is_autocast_enabled(x.device.type) and switches.flag(GROUPED_ENV))
 
 
 def fan_out(x: torch.Tensor, n: int, enabled: bool = True) -> tuple[torch.Tensor, ...]:

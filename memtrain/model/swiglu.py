@@ -25,13 +25,13 @@ a LoRA-FFN memory keeps the plain ops: its ``w3`` delta reads the product.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-RECOMPUTE_ENV = "MEMTRAIN_SWIGLU_RECOMPUTE"
+from memtrain.model import switches
+
+RECOMPUTE_ENV = switches.SWIGLU_RECOMPUTE
 
 
 class _SiluMulLinear(torch.autograd.Function):
@@ -64,7 +64,7 @@ def recompute_applies(g: torch.Tensor, u: torch.Tensor, weight: torch.Tensor) ->
     """Whether :func:`silu_mul_linear` recomputes (module docstring, "Where it applies")."""
     return (torch.is_grad_enabled() and (g.requires_grad or u.requires_grad or weight.requires_grad)
             and not torch.compiler.is_compiling() and not torch.is_autocast_enabled(g.device.type)
-            and not hasattr(weight, "ds_id") and os.environ.get(RECOMPUTE_ENV, "1") != "0")
+            and not hasattr(weight, "ds_id") and switches.flag(RECOMPUTE_ENV))
 
 
 def silu_mul_linear(g: torch.Tensor, u: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -73,7 +73,6 @@ benchmarks); it returns the same result as ``"chunked"``.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import replace
 from typing import Callable, NamedTuple, Optional
 
@@ -85,6 +84,7 @@ from memtrain.errors import SettingError
 from memtrain.kernels.op import requested_mode
 from memtrain.kernels.titans import (KERNELS, kernel_unsupported, requested_backward, requested_forward,
                                       requested_stages, requested_wave, use_triton)
+from memtrain.model import switches
 from memtrain.model.grouped_linear import fan_out, grouped_linear
 from memtrain.model.titans.inner_loop import ALGORITHMS, memory_scan, mlp_forward
 from memtrain.model.titans.state import MemoryState
@@ -92,40 +92,40 @@ from memtrain.model.titans.state import MemoryState
 GATE_MODES = ("token", "chunk")
 # MEMTRAIN_TITANS_FUSED_PROLOGUE=0 keeps the prologue (q/k/v and gates) in PyTorch where the scan kernels run: a
 # switch for a GPU where the fused prologue fails (the GPU check sets it when its prologue tests fail there).
-FUSED_PROLOGUE_ENV = "MEMTRAIN_TITANS_FUSED_PROLOGUE"
+FUSED_PROLOGUE_ENV = switches.TITANS_FUSED_PROLOGUE
 
 
 def fused_prologue() -> bool:
     """Whether the layer's prologue runs as :mod:`memtrain.kernels.titans.prologue`'s kernels where the scan's do."""
-    return os.environ.get(FUSED_PROLOGUE_ENV, "1") != "0"
+    return switches.flag(FUSED_PROLOGUE_ENV)
 
 
-FUSED_OUTPUT_ENV = "MEMTRAIN_TITANS_FUSED_OUTPUT"
+FUSED_OUTPUT_ENV = switches.TITANS_FUSED_OUTPUT
 
 
 def fused_output() -> bool:
     """Whether the layer's output stage runs as :mod:`memtrain.kernels.titans.output`'s kernels where the scan's
     would."""
-    return os.environ.get(FUSED_OUTPUT_ENV, "1") != "0"
+    return switches.flag(FUSED_OUTPUT_ENV)
 
 
-FUSED_READ_ENV = "MEMTRAIN_TITANS_FUSED_READ"
+FUSED_READ_ENV = switches.TITANS_FUSED_READ
 
 
 def fused_read() -> bool:
     """Whether MAC's retrieval (:meth:`NeuralMemory.read` given the activations' half precision) runs as
     :mod:`memtrain.kernels.titans.read`'s kernels where the scan's would."""
-    return os.environ.get(FUSED_READ_ENV, "1") != "0"
+    return switches.flag(FUSED_READ_ENV)
 
 
-FUSED_CONV_ENV = "MEMTRAIN_TITANS_FUSED_CONV"
+FUSED_CONV_ENV = switches.TITANS_FUSED_CONV
 
 
 def fused_conv() -> bool:
     """Whether the fused q/k/v prologue (:func:`fused_prologue`) takes the causal convolution too
     (:func:`memtrain.kernels.titans.prologue.conv_qkv_heads`), and MAC's retrieval queries run as one kernel with it
     (:func:`~memtrain.kernels.titans.prologue.conv_queries`)."""
-    return os.environ.get(FUSED_CONV_ENV, "1") != "0"
+    return switches.flag(FUSED_CONV_ENV)
 
 
 def scan_uses_kernels(q: torch.Tensor, state: MemoryState, algorithm: str, kernel: str,
