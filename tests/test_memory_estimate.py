@@ -199,10 +199,10 @@ def test_checkpointing_of_traced_blocks():
 
 
 def test_recipe_show_estimates_titans_activations_below_the_measured_peak(monkeypatch):
-    """titans-170m-mac on one rank: the blocks' traced activations, 2d per token after them and the loss stage.
-    One H200 measured a peak of 36.1 GiB for this run (README, Titans section), when the kernels saved a state
-    every ceil(sqrt(n_chunks)) chunks and MAC's retrievals ran in PyTorch; the estimate counts what the forward
-    keeps, not the backward's working set, so for that code it lies below the measurement (by 17% when this was
+    """titans-170m-mac on one rank: the blocks' traced activations, 2d per token after them and the loss stage. One
+    H200 measured a peak of 36.1 GiB for this run (docs/titans-kernels.md, "Measured on an H200"), when the kernels
+    saved a state every ceil(sqrt(n_chunks)) chunks and MAC's retrievals ran in PyTorch; the estimate counts what the
+    forward keeps, not the backward's working set, so for that code it lies below the measurement (by 17% when this was
     written). At today's spacing (one saved state per 32-chunk segment) the kernels keep 2.8 GiB less, the fused
     retrieval (memtrain.kernels.titans.read) keeps neither of its two hidden-layer tensors, and the convolution fused
     into the prologue and the retrieval queries neither its input nor its output. Since 2026-11-29 each block's SwiGLU
