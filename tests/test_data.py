@@ -153,6 +153,39 @@ def test_sentencepiece_training_is_reproducible(tmp_path, corpus):
         load_tokenizer(tmp_path / "nope.model")
 
 
+def test_sentencepiece_model_does_not_depend_on_the_host(tmp_path, corpus, monkeypatch):
+    """The same documents give the same model on a 1-core and a 64-core host. SentencePiece's unigram trainer
+    sums per-thread expected counts in floating point, so its thread count must not follow the host's CPUs
+    (it did: os.cpu_count() up to 16, and 1, 2, 4 and 16 threads gave four different models)."""
+    import sentencepiece as spm
+
+    from memtrain.data import tokenizer as tok
+
+    threads = []
+    real_train = spm.SentencePieceTrainer.train
+
+    def train(**kwargs):
+        threads.append(kwargs["num_threads"])
+        return real_train(**kwargs)
+
+    monkeypatch.setattr(spm.SentencePieceTrainer, "train", train)
+    models = []
+    for i, cpus in enumerate((1, 64)):
+        monkeypatch.setattr(os, "cpu_count", lambda cpus=cpus: cpus)
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, cpus=cpus: set(range(cpus)), raising=False)
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        SentencePieceTokenizer.train(corpus, tmp_path / f"{i}.model", 300, "unigram", seed=3)
+        models.append((tmp_path / f"{i}.model").read_bytes())
+        # Encoding follows the host (its ids do not depend on the thread count), up to 16 threads.
+        assert SentencePieceTokenizer(tmp_path / f"{i}.model")._threads == min(cpus, 16)
+    assert threads == [tok.TRAIN_THREADS] * 2
+    assert models[0] == models[1]
+    # The thread count matters, which is why it is pinned: another count gives another model of this corpus.
+    monkeypatch.setattr(tok, "TRAIN_THREADS", 16)
+    SentencePieceTokenizer.train(corpus, tmp_path / "16.model", 300, "unigram", seed=3)
+    assert (tmp_path / "16.model").read_bytes() != models[0]
+
+
 def test_hf_tokenizer_folder(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

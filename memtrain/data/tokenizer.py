@@ -9,7 +9,6 @@ separates packed documents is the tokenizer's end-of-sequence token.
 from __future__ import annotations
 
 import io
-import os
 import re
 from pathlib import Path
 from typing import Iterable, Optional, Protocol, runtime_checkable
@@ -20,6 +19,16 @@ from memtrain.errors import DataError
 _MAX_SENTENCE_BYTES = 4096
 # The trainer samples at most this many sentences (seeded), which bounds its memory and time.
 _MAX_TRAIN_SENTENCES = 2_000_000
+# Threads the trainer runs, the same on every machine. The model depends on this number: the unigram trainer
+# splits the sentences into one part per thread and adds the parts' expected piece counts in floating point, so
+# 1, 2, 4 and 16 threads gave four different models of the built-in corpus (measured 2026-11-29). It used to be
+# the host's CPU count, so one recipe gave other data on another machine. 2 is what every result recorded in
+# the README was prepared with (on 2-core machines). The cost is small: 348K sentences took 14.6 s with 2
+# threads and 12.6 s with 16 on 2 cores; at the 2M-sentence cap, about a minute more than 16 threads would take
+# on a many-core host, once per prepared folder.
+TRAIN_THREADS = 2
+# Encoding gives the same ids on any number of threads; it uses the CPUs this process may run on, up to 16.
+_MAX_ENCODE_THREADS = 16
 
 
 @runtime_checkable
@@ -55,7 +64,9 @@ class SentencePieceTokenizer:
         if self.eot_id < 0:
             raise DataError(f"SentencePiece model {self.path} has no end-of-sequence piece; memtrain needs "
                             "one to separate documents (train it with eos_id >= 0)")
-        self._threads = max(1, min(os.cpu_count() or 1, 16))
+        from memtrain.parallel.dist import cpu_threads
+
+        self._threads = min(cpu_threads(1), _MAX_ENCODE_THREADS)
 
     def encode(self, text: str) -> list[int]:
         return self.sp.encode(text)
@@ -72,7 +83,8 @@ class SentencePieceTokenizer:
         """Train on ``texts`` and write ``model_path``.
 
         Documents are split into lines (newlines become the user-defined piece ``"\\n"`` at encode
-        time, so text round-trips); the random generator is seeded so equal inputs give equal models.
+        time, so text round-trips); the random generator is seeded and the trainer always runs
+        :data:`TRAIN_THREADS` threads, so equal inputs give equal models on any machine.
         """
         import sentencepiece as spm
 
@@ -106,7 +118,7 @@ class SentencePieceTokenizer:
                 input_sentence_size=_MAX_TRAIN_SENTENCES,
                 shuffle_input_sentence=True,
                 max_sentence_length=_MAX_SENTENCE_BYTES,
-                num_threads=max(1, min(os.cpu_count() or 1, 16)),
+                num_threads=TRAIN_THREADS,
                 minloglevel=2,
             )
         except RuntimeError as e:
