@@ -1,7 +1,9 @@
 """Refuse `make install` in one line when the disk cannot hold the virtual environment.
 
-The environment is about 7.1 GB (measured 2026-11-29 with `du -sh .venv` after `make install`: PyTorch's
-CUDA build and its NVIDIA libraries are 4.4 GB of it). pip on a full disk fails minutes in, with
+The environment is 7.1 GB (measured 2026-11-29 with `du -sh .venv` after `make install`: PyTorch's CUDA
+build and its NVIDIA libraries are 4.4 GB of it), and an install whose wheels come from PyPI peaks at 10.9 GB,
+since pip keeps the downloaded wheels in a temporary folder until it has installed them (measured the same
+day, sampling the environment and the temporary folder every 3 s). pip on a full disk fails minutes in, with
 "[Errno 28] No space left on device" under a page of warnings, and leaves a half-filled `.venv`. This
 check runs first, with only the standard library (it runs before the environment exists):
 
