@@ -226,6 +226,35 @@ def test_save_load_roundtrip_and_mismatches(small_tree: ClusterTree, tmp_path: P
                         "dim": "3"})
     with pytest.raises(DataError, match="version 99"):
         ClusterTree.load(newer)
+    for bad in ("{not json", "[1, 2]"):
+        broken = tmp_path / "broken.safetensors"
+        save_file({"centroids": np.zeros((1, 2, 3), np.float32)}, str(broken), metadata={"memtrain-cluster-tree": bad})
+        with pytest.raises(DataError, match="malformed metadata"):
+            ClusterTree.load(broken)
+
+
+def test_tree_files_are_equal_for_equal_trees(tmp_path, small_tree):
+    """safetensors writes its metadata map in a random order per save (its issue #584), which made two
+    prepares of one recipe write different tree files with the same centroids; the metadata is one key now."""
+    files = set()
+    for i in range(6):
+        small_tree.save(tmp_path / f"{i}.safetensors")
+        files.add((tmp_path / f"{i}.safetensors").read_bytes())
+    assert len(files) == 1
+
+
+def test_version_1_tree_files_still_load(tmp_path, small_tree):
+    """Folders prepared before version 2 hold trees with one metadata key per field."""
+    from safetensors.numpy import save_file
+
+    path = tmp_path / "v1.safetensors"
+    save_file({"centroids": small_tree.centroids}, str(path),
+              metadata={"format": "memtrain-cluster-tree", "version": "1", "branching": "4", "depth": "3",
+                        "dim": "8", "embedding_model": "all-MiniLM-L6-v2", "seed": "0"})
+    loaded = ClusterTree.load(path, expect_branching=4, expect_depth=3, expect_dim=8)
+    assert np.array_equal(loaded.centroids, small_tree.centroids)
+    assert (loaded.branching, loaded.depth, loaded.dim, loaded.embedding_model, loaded.seed) == (
+        4, 3, 8, "all-MiniLM-L6-v2", 0)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ tree's internal nodes are stored level-major: node ``n`` of level ``l`` (the roo
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +46,11 @@ import numpy as np
 from memtrain.errors import DataError
 
 FORMAT = "memtrain-cluster-tree"
-VERSION = 1
+# 2: the metadata is one JSON string under the key FORMAT, so equal trees are equal files. safetensors writes
+# its metadata map in a random order per save (safetensors issue #584, seen with 0.8.0: two prepares of one
+# recipe gave the same centroids in different files); one key has one order. 1: one metadata key per field
+# (still read).
+VERSION = 2
 # Vectors per chunk in the greedy descent: bounds the gathered centroids to chunk*k*dim float64
 # (512 * 16 * 384 * 8 bytes = 25 MB).
 _ASSIGN_CHUNK = 512
@@ -226,7 +231,8 @@ class ClusterTree:
     # files
 
     def save(self, path: str | Path) -> None:
-        """Write a safetensors file with the centroids and the tree's metadata (atomically)."""
+        """Write a safetensors file with the centroids and the tree's metadata (atomically): the same tree
+        gives the same bytes (:data:`VERSION`)."""
         from safetensors.numpy import save_file
 
         path = Path(path)
@@ -235,7 +241,7 @@ class ClusterTree:
                 "depth": str(self.depth), "dim": str(self.dim), "embedding_model": self.embedding_model,
                 "seed": str(self.seed)}
         tmp = path.with_name(path.name + ".tmp")
-        save_file({"centroids": self.centroids}, str(tmp), metadata=meta)
+        save_file({"centroids": self.centroids}, str(tmp), metadata={FORMAT: json.dumps(meta, sort_keys=True)})
         os.replace(tmp, path)
 
     @classmethod
@@ -256,6 +262,13 @@ class ClusterTree:
                 centroids = f.get_tensor("centroids")
         except Exception as e:  # safetensors raises several types (SafetensorError, OSError, ...) on bad files
             raise DataError(f"cluster tree {path} is unreadable or corrupt ({e}); {rebuild}") from None
+        if FORMAT in meta:  # version 2 and later: the fields as one JSON object
+            try:
+                meta = json.loads(meta[FORMAT])
+            except ValueError as e:
+                raise DataError(f"cluster tree {path} has malformed metadata ({e}); {rebuild}") from None
+            if not isinstance(meta, dict):
+                raise DataError(f"cluster tree {path} has malformed metadata (not an object); {rebuild}")
         if meta.get("format") != FORMAT:
             raise DataError(f"{path} is not a memtrain cluster tree (format {meta.get('format')!r}); {rebuild}")
         try:
