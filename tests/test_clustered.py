@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import shutil
 import textwrap
 from collections import Counter
 from pathlib import Path
@@ -18,7 +19,7 @@ import pytest
 from memtrain.config import recipe_from_dict
 from memtrain.data.builtin import builtin_documents
 from memtrain.data.cluster import ClusterTree
-from memtrain.data.clustered import affine_busiest_rank, balance_figures, pack_by_leaf
+from memtrain.data.clustered import TREE_FILE, affine_busiest_rank, balance_figures, pack_by_leaf
 from memtrain.data.loader import LoaderIterator, build_loader, read_meta
 from memtrain.data.prepare import prepare
 from memtrain.data.shards import PackStats
@@ -160,6 +161,26 @@ def test_tree_that_does_not_match_the_recipe_is_rejected(prepared):
     other = make_recipe(recipe.data_dir, recipe.data.sources, depth=3)
     with pytest.raises(DataError, match="depth 2 but data.clustering.depth is 3"):
         build_loader(other, "train", 2)
+
+
+def test_a_damaged_tree_names_the_fix_and_the_fix_gives_the_same_file(prepared, tmp_path):
+    """A damaged tree.safetensors is one error naming `memtrain prepare RECIPE --force` (deleting the file, the old
+    advice, rebuilds nothing: the folder still counts as prepared), and --force writes the same bytes again."""
+    recipe, _ = prepared
+    copy = tmp_path / "data"
+    shutil.copytree(recipe.data_dir, copy)
+    tree = copy / TREE_FILE
+    original = tree.read_bytes()
+    tree.write_bytes(original[:300])
+    with pytest.raises(DataError, match=r"unreadable or corrupt .*\(`memtrain prepare RECIPE --force`\)$"):
+        ClusterTree.load(tree)
+    tree.unlink()
+    with pytest.raises(DataError, match=r"does not exist; .*`memtrain prepare RECIPE --force`"):
+        ClusterTree.load(tree)
+    again = make_recipe(copy, recipe.data.sources)
+    assert prepare(again)["status"] == "already prepared" and not tree.exists()
+    assert prepare(again, force=True)["status"] == "prepared"
+    assert tree.read_bytes() == original
 
 
 def test_fewer_documents_than_clusters_is_a_clear_error(tmp_path, docs):

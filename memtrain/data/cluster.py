@@ -252,10 +252,11 @@ class ClusterTree:
         from safetensors import safe_open
 
         path = Path(path)
-        rebuild = f"delete {path} to rebuild the tree"
+        # A prepared folder counts as prepared without its tree, so only --force writes the tree again.
+        rebuild = "rebuild it by preparing the data again (`memtrain prepare RECIPE --force`)"
         if not path.is_file():
-            raise DataError(f"cluster tree {path} does not exist; run the clustering step (data.clustering.enabled) "
-                            "to build it")
+            raise DataError(f"cluster tree {path} does not exist; prepare the data with data.clustering.enabled: "
+                            "true (`memtrain prepare RECIPE --force`)")
         try:
             with safe_open(str(path), framework="np") as f:
                 meta = f.metadata() or {}
