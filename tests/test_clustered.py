@@ -165,7 +165,8 @@ def test_tree_that_does_not_match_the_recipe_is_rejected(prepared):
 
 def test_a_damaged_tree_names_the_fix_and_the_fix_gives_the_same_file(prepared, tmp_path):
     """A damaged tree.safetensors is one error naming `memtrain prepare RECIPE --force` (deleting the file, the old
-    advice, rebuilds nothing: the folder still counts as prepared), and --force writes the same bytes again."""
+    advice, rebuilt nothing: the folder counted as prepared; now prepare says the tree is missing), and --force
+    writes the same bytes again."""
     recipe, _ = prepared
     copy = tmp_path / "data"
     shutil.copytree(recipe.data_dir, copy)
@@ -178,7 +179,9 @@ def test_a_damaged_tree_names_the_fix_and_the_fix_gives_the_same_file(prepared, 
     with pytest.raises(DataError, match=r"does not exist; .*`memtrain prepare RECIPE --force`"):
         ClusterTree.load(tree)
     again = make_recipe(copy, recipe.data.sources)
-    assert prepare(again)["status"] == "already prepared" and not tree.exists()
+    with pytest.raises(DataError, match=r"but tree\.safetensors is missing from it; pass --force"):
+        prepare(again)
+    assert not tree.exists()
     assert prepare(again, force=True)["status"] == "prepared"
     assert tree.read_bytes() == original
 

@@ -237,6 +237,14 @@ def test_prepare_end_to_end_and_idempotent(tmp_path, corpus):
     assert forced["status"] == "prepared" and forced["fingerprint"] != meta["fingerprint"]
     assert read_meta(d)["counts"]["val_documents"] == round(len(corpus) * 0.2)
 
+    # A folder missing the tokenizer its meta.json names is not "already prepared": one error naming the file
+    # and --force, which writes it again.
+    (d / "tokenizer.model").unlink()
+    with pytest.raises(DataError, match=r"prepared with these settings but tokenizer\.model is missing from it; "
+                                        r"pass --force to prepare it again$"):
+        prepare(changed)
+    assert prepare(changed, force=True)["status"] == "prepared" and (d / "tokenizer.model").is_file()
+
 
 def test_prepare_failure_leaves_no_data_dir(tmp_path, corpus, monkeypatch):
     import streaming

@@ -162,6 +162,10 @@ def _existing(data_dir: Path, fp: str, force: bool) -> Optional[dict[str, Any]]:
     if meta_path.is_file() and not force:
         existing = _read_json(meta_path)
         if existing.get("fingerprint") == fp:
+            missing = [name for name in _named_files(existing) if not (data_dir / name).is_file()]
+            if missing:
+                raise DataError(f"{data_dir} was prepared with these settings but {' and '.join(missing)} is "
+                                "missing from it; pass --force to prepare it again")
             return existing
         raise DataError(f"{data_dir} already holds data prepared with different settings (sources, "
                         "text_field, seq_len, val_fraction, tokenizer or seed); pass --force to replace "
@@ -171,6 +175,13 @@ def _existing(data_dir: Path, fp: str, force: bool) -> Optional[dict[str, Any]]:
         raise DataError(f"{data_dir} exists and is not a prepared memtrain data folder; remove it or "
                         "choose another data.dir")
     return None
+
+
+def _named_files(meta: dict[str, Any]) -> list[str]:
+    """The files besides the shards that meta.json names: the tokenizer and the cluster tree (the shards are
+    `memtrain prepare --verify`'s). Relative names are in the data folder; an absolute one is the user's own."""
+    names = [meta.get("tokenizer"), (meta.get("clustering") or {}).get("tree")]
+    return [n for n in names if isinstance(n, str) and n and not Path(n).is_absolute()]
 
 
 def _new_build_folder(data_dir: Path) -> Path:
