@@ -10,9 +10,9 @@ STAMP := $(VENV)/.memtrain-installed
 
 # A new environment takes 7.1 GB, most of it PyTorch's CUDA build and its NVIDIA libraries, and installing it
 # from PyPI peaks at 10.9 GB (the downloaded wheels wait in a temporary folder until pip installs them; both
-# measured 2026-11-29). The disk is checked first (tools/check_space.py; INSTALL_GB=0 skips it), so a full
-# disk stops in one line rather than as pip's "No space left on device" minutes in. --no-cache-dir: nothing is
-# kept once installed.
+# measured 2026-11-29). The disk is checked first (tools/check_space.py, and TMPDIR's file system where it is
+# another; INSTALL_GB=0 skips it), so a full disk stops in one line rather than as pip's "No space left on
+# device" minutes in. --no-cache-dir: nothing is kept once installed.
 INSTALL_GB ?= 11
 $(STAMP): setup.py constraints.txt
 	@test -x $(PY) || $(PYTHON) tools/check_space.py $(VENV) $(INSTALL_GB)

@@ -10,6 +10,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -32,6 +33,8 @@ def test_enough_space_passes_and_too_little_is_one_line(tmp_path, monkeypatch):
         return Usage(100e9, 90e9, 7.5e9)
 
     monkeypatch.setattr(shutil, "disk_usage", usage)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # pip's temporary folder on the same file system
+    monkeypatch.setattr(tempfile, "tempdir", None)
     venv = str(tmp_path / "a" / "b" / ".venv")
     assert check_space.problem(venv, 7) is None
     message = check_space.problem(venv, 8)
@@ -45,6 +48,36 @@ def test_enough_space_passes_and_too_little_is_one_line(tmp_path, monkeypatch):
     assert "\n" not in message
     assert check_space.problem(venv, 0) is None  # 0 skips: disk_usage is not even asked
     assert len(seen) == 2
+
+
+def test_a_temporary_folder_on_another_file_system_is_checked_for_the_downloads(tmp_path, monkeypatch):
+    """pip keeps the downloaded wheels (3.8 GB at the peak) in TMPDIR: on another file system, that one needs
+    TEMP_GB and the environment's the rest."""
+    venv_fs, temp = tmp_path / "disk", tmp_path / "scratch"
+    venv_fs.mkdir()
+    temp.mkdir()
+    free = {str(venv_fs): 7.5e9, str(temp): 3.9e9}
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(100e9, 0, free[path]))
+    monkeypatch.setattr(check_space, "device", lambda path: 1 if path == str(venv_fs) else 2)
+    venv = str(venv_fs / ".venv")
+    assert check_space.problem(venv, 11, str(temp)) == (
+        f"make install: 3.9 GB free on the file system of the temporary folder {temp}, but pip needs about 4 GB "
+        "there for the packages it downloads; free some space, or point TMPDIR at a larger disk (`TMPDIR=/path/to/tmp "
+        "make ...`) (`INSTALL_GB=0` skips this check)")
+    free[str(temp)] = 4e9
+    assert check_space.problem(venv, 11, str(temp)) is None  # 7 GB here, 4 there: enough
+    assert check_space.problem(venv, 11.6, str(temp)).startswith(
+        f"make install: 7.5 GB free on the file system of {venv_fs}, but the virtual environment {venv} needs about "
+        "7.6 GB ")
+    monkeypatch.setattr(check_space, "device", lambda path: 1)  # the same file system: all 11 GB on it
+    assert check_space.problem(venv, 11, str(temp)).startswith(f"make install: 7.5 GB free on the file system of "
+                                                              f"{venv_fs}, but the virtual environment {venv} needs "
+                                                              "about 11 GB ")
+    monkeypatch.setenv("TMPDIR", str(temp))  # the default follows TMPDIR, as pip's does
+    monkeypatch.setattr(tempfile, "tempdir", None)  # Python caches the folder it found first
+    monkeypatch.setattr(check_space, "device", lambda path: 1 if path == str(venv_fs) else 2)
+    free[str(temp)] = 1e9
+    assert str(temp) in check_space.problem(venv, 11)
 
 
 def test_command_line(tmp_path):

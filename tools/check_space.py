@@ -11,7 +11,9 @@ check runs first, with only the standard library (it runs before the environment
 
 exits 0 when the file system that will hold VENV_DIR has GIGABYTES free (GIGABYTES 0 skips the check),
 and otherwise prints one line naming the file system, what is free, what is needed and the ways out,
-and exits 2.
+and exits 2. pip downloads into the temporary folder (`TMPDIR`, else /tmp): of the 10.9 GB, the downloaded
+wheels are at most 3.8 GB (the temporary folder's peak, the same measurement). So where that folder is on
+another file system, it must have TEMP_GB free and the environment's file system the rest.
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ import math
 import os
 import shutil
 import sys
+import tempfile
 
 GB = 1e9
+TEMP_GB = 4.0  # pip's downloaded wheels in the temporary folder: 3.8 GB at the peak, measured 2026-11-29
 
 
 def existing_parent(path: str) -> str:
@@ -35,20 +39,37 @@ def existing_parent(path: str) -> str:
     return path
 
 
-def problem(venv: str, need_gb: float) -> str | None:
-    """None when there is room; otherwise the one-line message."""
+def device(path: str) -> int:
+    """The file system holding ``path`` (its device number)."""
+    return os.stat(path).st_dev
+
+
+def problem(venv: str, need_gb: float, temp: str | None = None) -> str | None:
+    """None when there is room; otherwise the one-line message. ``temp``: pip's temporary folder (default
+    Python's, which follows TMPDIR as pip's does)."""
     if need_gb <= 0:
         return None
     where = existing_parent(venv)
+    temp = temp or tempfile.gettempdir()
+    elsewhere = device(where) != device(temp)
+    temp_gb = min(TEMP_GB, need_gb) if elsewhere else 0.0
     free = shutil.disk_usage(where).free
-    if free >= need_gb * GB:
-        return None
-    return (
-        f"make install: {free / GB:.1f} GB free on the file system of {where}, but the virtual environment "
-        f"{venv} needs about {need_gb:g} GB (PyTorch's CUDA build and its NVIDIA libraries); free some space, "
-        f"or put the environment on a larger disk with `make VENV=/path/to/venv ...`"
-        f" (`INSTALL_GB=0` skips this check)"
-    )
+    if free < (need_gb - temp_gb) * GB:
+        return (
+            f"make install: {free / GB:.1f} GB free on the file system of {where}, but the virtual environment "
+            f"{venv} needs about {need_gb - temp_gb:g} GB (PyTorch's CUDA build and its NVIDIA libraries); free some "
+            f"space, or put the environment on a larger disk with `make VENV=/path/to/venv ...`"
+            f" (`INSTALL_GB=0` skips this check)"
+        )
+    if elsewhere:
+        free = shutil.disk_usage(temp).free
+        if free < temp_gb * GB:
+            return (
+                f"make install: {free / GB:.1f} GB free on the file system of the temporary folder {temp}, but pip "
+                f"needs about {temp_gb:g} GB there for the packages it downloads; free some space, or point TMPDIR "
+                f"at a larger disk (`TMPDIR=/path/to/tmp make ...`) (`INSTALL_GB=0` skips this check)"
+            )
+    return None
 
 
 def main(argv: list[str]) -> int:
