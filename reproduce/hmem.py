@@ -183,17 +183,18 @@ def retrieval_analysis(recipe_path: Path, overrides: list[str], memory_arms: dic
     from memtrain.data.cluster import ClusterTree
     from memtrain.data.loader import data_location, read_meta
     from memtrain.data.tokenizer import load_tokenizer
+    from memtrain.data.verify import prepared_file
     from memtrain.eval.common import batch_memory
     from memtrain.eval.evaluate import find_checkpoint, load_model, pick_device
     from memtrain.eval.hierarchical import accuracy_table, probe_tokens, retrieve_probe_ids, score_sequences
     from memtrain.parallel import checkpoint as ckpt
 
     recipe = load_recipe(recipe_path, overrides)
-    data_dir, _ = data_location(recipe)
+    data_dir, remote = data_location(recipe)
     meta = read_meta(data_dir, recipe)
     cl = recipe.data.clustering
     docs = longtail.longtail_corpus(seed=0)
-    tree = ClusterTree.load(data_dir / meta["clustering"]["tree"])
+    tree = ClusterTree.load(prepared_file(data_dir, meta, meta["clustering"]["tree"], remote))
     doc_ids = tree.assign(embed.embed_texts([d.text for d in docs], embed.load_embedder(cl.embedding_model),
                                             cl.embedding_batch_size))
     paths: dict[str, list[tuple[int, ...]]] = {}
@@ -213,7 +214,7 @@ def retrieval_analysis(recipe_path: Path, overrides: list[str], memory_arms: dic
     out["used_leaves"] = int(len(set(leaves)))
     oracle = np.array([max(set(paths[p.entity]), key=paths[p.entity].count) for p in probes], np.int64)
 
-    tokenizer = load_tokenizer(meta["tokenizer"], base=data_dir)
+    tokenizer = load_tokenizer(prepared_file(data_dir, meta, meta["tokenizer"], remote))
     seqs, starts = probe_tokens(tokenizer, [p.prompt for p in probes], [p.answer for p in probes])
     kinds = [p.kind for p in probes]
     out["arms"] = {}

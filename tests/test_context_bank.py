@@ -11,6 +11,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -425,3 +426,13 @@ def test_crossattn_context_generate_user_errors_exit_2(trained):
     (trained / "bad.pt").write_bytes(b"not a file torch reads")
     out = _memtrain(trained, "generate", "tiny.yaml", "--prompt", FACT, "--encoder", "bad.pt", check=False)
     assert out.returncode == 2 and "--encoder bad.pt is not a context encoder file" in out.stderr
+    # another tokenizer in the prepared folder: before, it loaded and the model's ids came out as other text
+    shutil.copytree(trained / "data", trained / "swapped")
+    other = trained / "swapped" / "tokenizer.model"
+    data = bytearray(other.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit: the same size, so only the checksum can tell
+    other.write_bytes(bytes(data))
+    out = _memtrain(trained, "generate", "tiny.yaml", "data.dir=swapped", "--prompt", FACT, check=False)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert out.stderr.startswith(f"memtrain: swapped/tokenizer.model: xxh64 checksum ")
+    assert "`memtrain prepare RECIPE --force`" in out.stderr and "generated:" not in out.stdout

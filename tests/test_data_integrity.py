@@ -18,7 +18,8 @@ from memtrain.data.builtin import builtin_documents
 from memtrain.data.loader import LoaderIterator, build_loader
 from memtrain.data.prepare import prepare
 from memtrain.data.shards import merge_parts, part_name, write_mds
-from memtrain.data.verify import check_recipe_data, file_digest, shard_files, verify_folder, verify_shards
+from memtrain.data.verify import (check_recipe_data, file_digest, prepared_file, shard_files, verify_folder,
+                                  verify_shards)
 from memtrain.errors import DataError
 from memtrain.launcher.cli import main
 
@@ -101,6 +102,19 @@ def test_every_shard_records_its_xxh64(prepared):
         assert algo == "xxh64" and digest == get_hash("xxh64", path.read_bytes()) == file_digest(path)
 
 
+def test_meta_json_records_the_tokenizer_and_tree(prepared):
+    """Streaming's indexes list only shards: the tokenizer and tree the folder holds are recorded in meta.json."""
+    import xxhash
+
+    recipe, meta = prepared
+    on_disk = json.loads((recipe.data_dir / "meta.json").read_text())
+    names = ["tokenizer.model"] + (["tree.safetensors"] if recipe.data.clustering.enabled else [])
+    assert sorted(on_disk["checksums"]) == sorted(names) and meta["checksums"] == on_disk["checksums"]
+    for name in names:
+        data = (recipe.data_dir / name).read_bytes()
+        assert on_disk["checksums"][name] == {"bytes": len(data), "xxh64": xxhash.xxh64(data).hexdigest()}
+
+
 def test_chunked_digest_equals_the_whole_file_hash(tmp_path, monkeypatch):
     import memtrain.data.verify as verify
     from streaming.base.hashing import get_hash
@@ -143,12 +157,18 @@ def test_merged_parts_keep_their_checksums(tmp_path):
 # verification
 
 
+def _named(recipe) -> list[Path]:
+    """The tokenizer and tree of a prepared folder (what verification checks besides the shards)."""
+    names = ["tokenizer.model"] + (["tree.safetensors"] if recipe.data.clustering.enabled else [])
+    return [recipe.data_dir / name for name in names]
+
+
 def test_a_clean_folder_verifies(prepared):
     recipe, _ = prepared
     report = verify_folder(recipe.data_dir)
-    files = shard_files(recipe.data_dir)
+    files = [p for p, _, _ in shard_files(recipe.data_dir)] + _named(recipe)
     assert report.problems == [] and report.unchecked == []
-    assert report.files == len(files) and report.bytes == sum(p.stat().st_size for p, _, _ in files)
+    assert report.files == len(files) and report.bytes == sum(p.stat().st_size for p in files)
     assert verify_shards(recipe.data_dir) == []
 
 
@@ -190,22 +210,102 @@ def test_truncated_and_missing_files_and_indexes_are_named(plain, tmp_path):
         verify_shards(d)
 
 
+def test_a_damaged_or_replaced_tokenizer_or_tree_is_named(clustered, tmp_path):
+    """Verification, the trainer's check and the readers (`memtrain eval` / `generate` through prepared_file) name
+    a tokenizer or tree that changed after prepare. Before, a truncated one failed deep inside its parser and
+    another valid tokenizer loaded without a word (and decoded the model's ids into other text)."""
+    from memtrain.data.tokenizer import SentencePieceTokenizer, load_tokenizer
+
+    recipe, meta = clustered
+    copy = _copy(recipe, tmp_path / "data")
+    d = copy.data_dir
+    fix = "prepare the data again with `memtrain prepare RECIPE --force`"
+    assert prepared_file(d, meta, "tokenizer.model") == d / "tokenizer.model"  # intact: the path, unchanged
+
+    # another valid SentencePiece model in its place: loads fine, so only the checksum can tell
+    docs = [t for t in builtin_documents(0)[::7]]
+    other = SentencePieceTokenizer.train(iter(docs), tmp_path / "other.model", 300, "bpe", seed=1, byte_fallback=False)
+    assert (tmp_path / "other.model").read_bytes() != (d / "tokenizer.model").read_bytes()
+    shutil.copyfile(tmp_path / "other.model", d / "tokenizer.model")
+    assert load_tokenizer(d / "tokenizer.model").vocab_size == other.vocab_size
+    problems = verify_shards(d)
+    assert len(problems) == 1 and problems[0].startswith("tokenizer.model: ")
+    assert ("checksum" in problems[0] or "meta.json records" in problems[0])
+    with pytest.raises(DataError) as err:
+        prepared_file(d, meta, "tokenizer.model")
+    assert str(err.value).startswith(f"{d / 'tokenizer.model'}: ") and fix in str(err.value)
+
+    # the tree cut short, then with the same size but other bytes, then gone
+    shutil.copyfile(recipe.data_dir / "tokenizer.model", d / "tokenizer.model")
+    tree = d / "tree.safetensors"
+    original = tree.read_bytes()
+    tree.write_bytes(original[:300])
+    assert verify_shards(d) == [f"tree.safetensors: 300 bytes but meta.json records {len(original)} (truncated, "
+                                "extended or replaced)"]
+    with pytest.raises(DataError, match=r"tree\.safetensors: 300 bytes but meta\.json records .*--force"):
+        prepared_file(d, meta, "tree.safetensors")
+    flipped = bytearray(original)
+    flipped[-1] ^= 0xFF
+    tree.write_bytes(bytes(flipped))
+    assert verify_shards(d)[0].startswith("tree.safetensors: xxh64 checksum ")
+    tree.unlink()
+    assert verify_shards(d) == ["tree.safetensors: missing"]
+    with pytest.raises(DataError, match=r"tree\.safetensors: missing; prepare the data again"):
+        prepared_file(d, meta, "tree.safetensors")
+
+    # a tokenizer of the user's own (an absolute path) is theirs: not checked here
+    assert prepared_file(d, meta, str(tmp_path / "other.model")) == tmp_path / "other.model"
+
+
+def test_with_remote_data_the_tokenizer_and_tree_are_fetched_and_checked(clustered, tmp_path):
+    """data.remote: the readers' data_dir is the run's cache, which holds only meta.json; prepared_file fetches the
+    tokenizer and tree into it (before, `memtrain generate` and the probes stopped: the tokenizer did not exist)."""
+    recipe, meta = clustered
+    remote = _copy(recipe, tmp_path / "remote").data_dir
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    for name in ("tokenizer.model", "tree.safetensors"):
+        path = prepared_file(cache, meta, name, remote=f"{remote}/")
+        assert path == cache / name and path.read_bytes() == (remote / name).read_bytes()
+    tokenizer = cache / "tokenizer.model"
+    stamp = tokenizer.stat().st_mtime_ns
+    assert prepared_file(cache, meta, "tokenizer.model", remote=str(remote)) == tokenizer
+    assert tokenizer.stat().st_mtime_ns == stamp  # an intact copy in the cache is not fetched again
+    tokenizer.write_bytes(b"damaged")
+    prepared_file(cache, meta, "tokenizer.model", remote=str(remote))  # a damaged copy is fetched again
+    assert tokenizer.read_bytes() == (remote / "tokenizer.model").read_bytes()
+
+    tokenizer.unlink()
+    (remote / "tokenizer.model").write_bytes(b"damaged at the source")
+    with pytest.raises(DataError, match=rf"^{remote}/tokenizer\.model \(fetched to {tokenizer}\): 21 bytes but "
+                                        r"meta\.json records \d+ .*--force"):
+        prepared_file(cache, meta, "tokenizer.model", remote=str(remote))
+    (remote / "tokenizer.model").unlink()
+    tokenizer.unlink()
+    with pytest.raises(DataError, match=rf"^cannot fetch {remote}/tokenizer\.model \(FileNotFoundError"):
+        prepared_file(cache, meta, "tokenizer.model", remote=str(remote))
+    assert sorted(p.name for p in cache.iterdir()) == ["tree.safetensors"]  # no half-written file left
+
+
 def test_ranks_share_the_files_each_exactly_once(clustered, tmp_path):
     recipe, meta = clustered
     copy = _copy(recipe, tmp_path / "data")
     d = copy.data_dir
     for path, _, _ in shard_files(d):  # damage every file: each rank's problems name the files it checked
         path.write_bytes(path.read_bytes()[:-1])
+    for path in _named(copy):
+        path.write_bytes(path.read_bytes()[:-1])
     lost = meta["streams"]["val"][0]["dir"]
     (d / lost / "index.json").unlink()  # a problem of the listing, which rank 0 alone reports
     checked = [_rel(d, p) for p in sorted(d.rglob("*.mds")) if not _rel(d, p).startswith(lost + "/")]
+    checked += [_rel(d, p) for p in _named(copy)]
     assert len(checked) >= 4
     for world in (1, 2, 3, len(checked) + 2):
         reports = [verify_folder(d, rank, world) for rank in range(world)]
         named = [[p.split(":")[0] for p in r.problems] for r in reports]
         assert named[0][0] == f"{lost}/index.json" and all(f"{lost}/index.json" not in n for n in named[1:])
-        shards = Counter(name for n in named for name in n if name.endswith(".mds"))
-        assert shards == Counter(checked)  # every file, each exactly once
+        files = Counter(name for n in named for name in n if not name.endswith("index.json"))
+        assert files == Counter(checked)  # every file, each exactly once
         assert [r.files for r in reports] == [len(range(rank, len(checked), world)) for rank in range(world)]
     with pytest.raises(ValueError, match="rank 2 is not in a world of 2"):
         verify_folder(d, 2, 2)
@@ -220,17 +320,22 @@ def test_a_folder_without_checksums_loads_and_is_size_checked_only(plain, tmp_pa
         for shard in obj["shards"]:
             shard["hashes"], shard["raw_data"]["hashes"] = [], {}
         index.write_text(json.dumps(obj))
+    meta = json.loads((d / "meta.json").read_text())
+    del meta["checksums"]  # nor the tokenizer's
+    (d / "meta.json").write_text(json.dumps(meta))
     files = shard_files(d)
     assert all(algo is None and digest is None for _, algo, digest in files)
     report = verify_folder(d)
     assert report.problems == [] and report.bytes == 0
-    assert sorted(report.unchecked) == sorted(_rel(d, p) for p, _, _ in files)
+    assert sorted(report.unchecked) == sorted([_rel(d, p) for p, _, _ in files] + ["tokenizer.model"])
+    assert prepared_file(d, meta, "tokenizer.model") == d / "tokenizer.model"  # nothing recorded to check against
     batch = next(LoaderIterator(build_loader(copy, "train", 2)))  # still loads
     assert batch["input_ids"].shape == (2, SEQ)
 
     shard = _largest_shard(d)
     shard.write_bytes(shard.read_bytes()[:100])
-    assert [p.split(":")[0] for p in verify_shards(d)] == [_rel(d, shard)]
+    (d / "tokenizer.model").unlink()
+    assert [p.split(":")[0] for p in verify_shards(d)] == [_rel(d, shard), "tokenizer.model"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -246,8 +351,8 @@ def test_prepare_verify_command(plain, tmp_path, capsys):
 
     assert main(["prepare", str(path), "--verify"]) == 0
     out, err = capsys.readouterr()
-    n = len(shard_files(copy.data_dir))
-    assert out.startswith(f"verified {copy.data_dir}: {n} shard files, ") and "; 0 without checksum" in out
+    n = len(shard_files(copy.data_dir)) + 1  # and the tokenizer
+    assert out.startswith(f"verified {copy.data_dir}: {n} files, ") and "; 0 without checksum" in out
     assert err == ""
     assert sorted((p, p.stat().st_mtime_ns) for p in copy.data_dir.rglob("*")) == before  # prepares nothing
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import zlib
@@ -337,6 +338,40 @@ def test_eval_memoryless_run(runs, capsys):
     assert report["perplexity"]["none"]["batches"] == 2  # train.eval.batches
     assert set(report["probes"]["modes"]) == {"none"}
     assert 0.0 <= report["probes"]["modes"]["none"]["all"]["accuracy"] <= 1.0
+
+
+def test_eval_names_a_tree_that_changed_after_prepare(runs, capsys, tmp_path):
+    """The probes descend the prepared tree: a tree whose bytes changed after prepare (one bit, the same size) is
+    one line naming it and the fix, checked against meta.json's record before the tree is read."""
+    root, mem, _ = runs
+    copy = tmp_path / "data"
+    shutil.copytree(root / "data", copy)
+    tree = copy / "tree.safetensors"
+    data = bytearray(tree.read_bytes())
+    data[-5] ^= 0x01
+    tree.write_bytes(bytes(data))
+    out_file = tmp_path / "never.json"
+    code, out, err = _eval(capsys, mem, f"data.dir={copy}", "--batches", "1", "--modes", "fetched", "--out", out_file)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"memtrain: {tree}: xxh64 checksum ") and "`memtrain prepare RECIPE --force`" in err
+    assert not out_file.exists()
+
+
+def test_eval_with_remote_data_fetches_the_tree_and_tokenizer(runs, capsys, tmp_path):
+    """With data.remote the run's cache holds only meta.json; eval fetches the tokenizer and tree there (before, the
+    probes stopped: "tokenizer ... does not exist") and reports what eval on the local folder reports."""
+    root, mem, _ = runs
+    reports = {}
+    for name, where in (("local", []), ("remote", [f"data.remote={root / 'data'}",
+                                                  f"data.cache_dir={tmp_path / 'cache'}"])):
+        target = tmp_path / f"{name}.json"
+        code, out, err = _eval(capsys, mem, *where, "--batches", "1", "--modes", "fetched,generic", "--out", target)
+        assert code == 0, err
+        reports[name] = json.loads(target.read_text())
+    cached = {p.name for p in (tmp_path / "cache").iterdir()}
+    assert {"meta.json", "tokenizer.model", "tree.safetensors"} <= cached  # and the val shards Streaming fetched
+    for key in ("perplexity", "probes"):
+        assert reports["remote"][key] == reports["local"][key]
 
 
 def _rehash(folder: Path, name: str) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -449,6 +450,16 @@ def test_eval_long_context_user_errors(titans_run, capsys):
         assert len(err.strip().splitlines()) == 1 and message in err, (args, err)
         assert out == ""
     assert sorted(root.rglob("*")) == before  # nothing written
+
+    # a tokenizer that changed after prepare (here cut short) is named with the fix, before the checkpoint loads
+    damaged = root.parent / f"{root.name}-damaged-data"
+    shutil.copytree(root / "data", damaged)
+    tokenizer = damaged / "tokenizer.model"
+    tokenizer.write_bytes(tokenizer.read_bytes()[:1000])
+    code, out, err = _eval(capsys, recipe, f"data.dir={damaged}", "--out", root / "never.json")
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert f"{tokenizer}: 1000 bytes but meta.json records " in err and "`memtrain prepare RECIPE --force`" in err
+    assert not (root / "never.json").exists()
 
 
 # --------------------------------------------------------------------------------------------------

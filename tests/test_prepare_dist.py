@@ -126,8 +126,11 @@ def test_two_ranks_train_the_single_process_tree_and_tokenizer(clustered):
     b = ClusterTree.load(one.data_dir / "tree.safetensors", expect_branching=K, expect_depth=P)
     assert np.array_equal(a.centroids, b.centroids)
     assert (two.data_dir / "tokenizer.model").read_bytes() == (one.data_dir / "tokenizer.model").read_bytes()
-    # the fingerprint does not depend on the number of ranks
+    # the fingerprint does not depend on the number of ranks, nor do the files meta.json records checksums of
     assert read_meta(two.data_dir)["fingerprint"] == read_meta(one.data_dir)["fingerprint"]
+    recorded = read_meta(two.data_dir)["checksums"]
+    assert sorted(recorded) == ["tokenizer.model", "tree.safetensors"]
+    assert recorded == read_meta(one.data_dir)["checksums"]
     assert not [p for p in two.data_dir.parent.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
 
 

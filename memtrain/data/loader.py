@@ -68,21 +68,30 @@ def data_location(recipe: Recipe) -> tuple[Path, Optional[str]]:
     """
     if not recipe.data.remote:
         return recipe.data_dir, None
-    from streaming.base.storage.download import CloudDownloader
-
     remote = recipe.data.remote.rstrip("/")
     cache = Path(recipe.data.cache_dir) if recipe.data.cache_dir else recipe.run_dir / "data-cache"
     cache.mkdir(parents=True, exist_ok=True)
-    # Fetched afresh every start (it is small), through a private name, so a changed remote is seen
-    # and concurrent ranks never read a half-written file.
-    tmp = cache / f".{META}.{os.getpid()}"
-    try:
-        CloudDownloader.direct_download(f"{remote}/{META}", str(tmp))
-    except Exception as e:  # each storage backend raises its own types
-        raise DataError(f"cannot fetch {remote}/{META} ({type(e).__name__}: {e}); check data.remote and "
-                        "credentials, or prepare the data there with `memtrain prepare`") from None
-    os.replace(tmp, cache / META)
+    # Fetched afresh every start (it is small), so a changed remote is seen.
+    fetch_file(remote, META, cache)
     return cache, remote
+
+
+def fetch_file(remote: str, name: str, cache: Path) -> Path:
+    """Download ``<remote>/<name>`` to ``cache/name`` through a private name, so concurrent ranks never read a
+    half-written file; :class:`DataError` naming the remote file when the download fails."""
+    from streaming.base.storage.download import CloudDownloader
+
+    remote = remote.rstrip("/")
+    target = Path(cache) / name
+    tmp = target.parent / f".{target.name}.{os.getpid()}"
+    try:
+        CloudDownloader.direct_download(f"{remote}/{name}", str(tmp))
+    except Exception as e:  # each storage backend raises its own types
+        tmp.unlink(missing_ok=True)
+        raise DataError(f"cannot fetch {remote}/{name} ({type(e).__name__}: {e}); check data.remote and "
+                        "credentials, or prepare the data there with `memtrain prepare`") from None
+    os.replace(tmp, target)
+    return target
 
 
 def recipe_meta(recipe: Recipe) -> dict[str, Any]:
@@ -578,5 +587,5 @@ def clean_stale_shared_memory() -> None:
     clean()
 
 
-__all__ = ["Collate", "IGNORE_INDEX", "ValidationSet", "affine_groups", "LoaderIterator", "check_clustering", "data_location", "levels_from_leaf", "recipe_meta", "build_loader", "clean_stale_shared_memory", "collate", "sweep_orphan_filelocks",
+__all__ = ["Collate", "IGNORE_INDEX", "ValidationSet", "affine_groups", "fetch_file", "LoaderIterator", "check_clustering", "data_location", "levels_from_leaf", "recipe_meta", "build_loader", "clean_stale_shared_memory", "collate", "sweep_orphan_filelocks",
            "read_meta", "train_epoch_size"]

@@ -2,7 +2,8 @@
 
 Layout of a prepared data folder::
 
-    <data_dir>/meta.json            settings, counts, tokenizer and fingerprint (written last)
+    <data_dir>/meta.json            settings, counts, tokenizer, fingerprint and the size and xxh64 of
+                                    the tokenizer and tree files (written last)
     <data_dir>/prepare_report.json  document / sequence counts, cluster balance, throughput
     <data_dir>/tokenizer.model      the SentencePiece model, when memtrain trained it
     <data_dir>/train/               MDS shards + index.json, column "tokens" of seq_len + 1 ids
@@ -63,6 +64,9 @@ FORMAT_VERSION = 1
 META = "meta.json"
 REPORT = "prepare_report.json"
 TOKENIZER_FILE = "tokenizer.model"
+# meta.json: {name: {"bytes": size, "xxh64": digest}} of the tokenizer and cluster tree in the folder
+# (named_files), checked by `memtrain prepare --verify`, the trainer's start and every reader of the file.
+CHECKSUMS = "checksums"
 _ENCODE_BATCH = 256
 # Distributed preparation: how long a rank waits in one collective (rank 0 training the tokenizer or
 # the tree, the slowest rank embedding) before giving up. A rank that dies closes its connections,
@@ -162,7 +166,7 @@ def _existing(data_dir: Path, fp: str, force: bool) -> Optional[dict[str, Any]]:
     if meta_path.is_file() and not force:
         existing = _read_json(meta_path)
         if existing.get("fingerprint") == fp:
-            missing = [name for name in _named_files(existing) if not (data_dir / name).is_file()]
+            missing = [name for name in named_files(existing) if not (data_dir / name).is_file()]
             if missing:
                 raise DataError(f"{data_dir} was prepared with these settings but {' and '.join(missing)} is "
                                 "missing from it; pass --force to prepare it again")
@@ -177,11 +181,23 @@ def _existing(data_dir: Path, fp: str, force: bool) -> Optional[dict[str, Any]]:
     return None
 
 
-def _named_files(meta: dict[str, Any]) -> list[str]:
-    """The files besides the shards that meta.json names: the tokenizer and the cluster tree (the shards are
-    `memtrain prepare --verify`'s). Relative names are in the data folder; an absolute one is the user's own."""
+def named_files(meta: dict[str, Any]) -> list[str]:
+    """The files of the folder besides the shards that meta.json names: the tokenizer and the cluster tree.
+    Relative names are in the data folder; an absolute one (a tokenizer of the user's own) is not listed."""
     names = [meta.get("tokenizer"), (meta.get("clustering") or {}).get("tree")]
     return [n for n in names if isinstance(n, str) and n and not Path(n).is_absolute()]
+
+
+def _checksums(folder: Path, meta: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """meta.json's :data:`CHECKSUMS` entry: the size and xxh64 of every :func:`named_files` file of the build
+    ``folder`` (the shards' checksums are in their index.json files)."""
+    from memtrain.parallel.checkpoint_folder import HASH, hash_file
+
+    out = {}
+    for name in named_files(meta):
+        size, digest = hash_file(folder / name)
+        out[name] = {"bytes": size, HASH: digest}
+    return out
 
 
 def _new_build_folder(data_dir: Path) -> Path:
@@ -199,6 +215,7 @@ def _finish(meta: dict[str, Any], tmp: Path, data_dir: Path, world_size: int) ->
               "sequences": meta["counts"]["train_samples"] + meta["counts"]["val_samples"],
               **meta.pop("report", {"branching": None, "depth": None}), "throughput": throughput,
               "world_size": world_size}
+    meta[CHECKSUMS] = _checksums(tmp, meta)
     _write_json(tmp / REPORT, report)
     _write_json(tmp / META, meta)
     _swap_into_place(tmp, data_dir)
@@ -716,4 +733,4 @@ def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n", encoding="utf-8")
 
 
-__all__ = ["FORMAT_VERSION", "data_settings", "fingerprint", "prepare", "split_documents"]
+__all__ = ["CHECKSUMS", "FORMAT_VERSION", "data_settings", "fingerprint", "named_files", "prepare", "split_documents"]

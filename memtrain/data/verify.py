@@ -10,16 +10,22 @@ the training step that reads one of its samples. This module owns
 - :func:`shard_files`: every shard file that ``meta.json`` and the ``index.json`` files it implies list
   (plain ``train/`` and ``val/``, or one stream per level-1 subtree per split; merged distributed
   indexes name their files ``part-<r>/shard.<i>.mds``), with the recorded algorithm and digest;
-- :func:`verify_folder` / :func:`verify_shards`: one rank's share of those files (file ``i`` when
-  ``i % world == rank``) checked for size and hashed in chunks; every damaged or missing file is one
-  problem line (``memtrain prepare RECIPE --verify``, and the trainer before any engine starts);
+- :func:`verify_folder` / :func:`verify_shards`: one rank's share of those files and of the tokenizer
+  and cluster tree the folder holds (file ``i`` when ``i % world == rank``) checked for size and hashed
+  in chunks; every damaged or missing file is one problem line (``memtrain prepare RECIPE --verify``, and
+  the trainer before any engine starts). The tokenizer's and tree's sizes and xxh64 are in meta.json
+  (:data:`memtrain.data.prepare.CHECKSUMS`), since Streaming's indexes list only shards;
+- :func:`prepared_file`: the same check of the tokenizer or tree alone, by the commands that read it
+  (``memtrain eval``, ``memtrain generate``), so a damaged or replaced file is one error naming it rather
+  than a parse error or, for another valid tokenizer, silently wrong text;
 - :func:`check_recipe_data`: the recipe's memory and clustering settings against the prepared tree.
 
 Folders prepared before checksums were recorded (the data format is unchanged) still load: their
-shards are checked for size only and counted as having no checksum recorded.
+shards are checked for size only, and their tokenizer and tree for existence, and counted as having no
+checksum recorded.
 
 Imports stay light (the standard library, numpy through :mod:`memtrain.data.prepare`, xxhash when
-hashing): neither Streaming nor torch.
+hashing): neither Streaming nor torch (Streaming only when :func:`prepared_file` fetches from ``data.remote``).
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from memtrain.data.prepare import META
+from memtrain.data.prepare import CHECKSUMS, META, named_files
 from memtrain.errors import DataError
 
 if TYPE_CHECKING:
@@ -53,13 +59,14 @@ class ShardFile:
     size: Optional[int]  # raw_data.bytes
     algo: Optional[str]  # None: no checksum recorded
     digest: Optional[str]
+    record: str = INDEX  # where size and digest are recorded: index.json, or meta.json (the tokenizer and tree)
 
 
 @dataclass
 class VerifyReport:
     """What :func:`verify_folder` checked on this rank."""
 
-    files: int = 0  # shard files of this rank's share
+    files: int = 0  # files of this rank's share (shards, and the tokenizer and tree)
     bytes: int = 0  # bytes hashed
     seconds: float = 0.0
     problems: list[str] = field(default_factory=list)  # one line per damaged or missing file
@@ -80,10 +87,11 @@ def shard_files(data_dir: str | Path) -> list[tuple[Path, Optional[str], Optiona
 
 
 def verify_folder(data_dir: str | Path, rank: int = 0, world: int = 1, progress: bool = False) -> VerifyReport:
-    """Check this rank's share of the shard files of ``data_dir`` (file ``i`` when ``i % world == rank``):
-    its size against the index's ``raw_data.bytes``, then its recorded checksum, read in chunks of
-    :data:`CHUNK` bytes. Problems with the index files themselves are reported by rank 0 only, so
-    that the ranks' problems together name each once. ``progress``: a tqdm bar (on a terminal).
+    """Check this rank's share of the shard files of ``data_dir`` and of its tokenizer and tree (file ``i``
+    when ``i % world == rank``): its size against the index's ``raw_data.bytes`` (meta.json's record for the
+    tokenizer and tree), then its recorded checksum, read in chunks of :data:`CHUNK` bytes. Problems with
+    the index files themselves are reported by rank 0 only, so that the ranks' problems together name each
+    once. ``progress``: a tqdm bar (on a terminal).
 
     Raises :class:`DataError` only when meta.json is missing or unreadable (the same on every rank)."""
     if world < 1 or not 0 <= rank < world:
@@ -92,7 +100,9 @@ def verify_folder(data_dir: str | Path, rank: int = 0, world: int = 1, progress:
 
     start = time.perf_counter()
     data_dir = Path(data_dir)
-    files, listing_problems = _listing(data_dir, _read_meta(data_dir))
+    meta = _read_meta(data_dir)
+    files, listing_problems = _listing(data_dir, meta)
+    files += _named(data_dir, meta)
     report = VerifyReport(problems=list(listing_problems) if rank == 0 else [])
     mine = files[rank::world]
     report.files = len(mine)
@@ -110,9 +120,41 @@ def verify_folder(data_dir: str | Path, rank: int = 0, world: int = 1, progress:
 
 
 def verify_shards(data_dir: str | Path, rank: int = 0, world: int = 1, progress: bool = False) -> list[str]:
-    """:func:`verify_folder`'s problems: one line per damaged or missing shard file of this rank's
-    share, ``"<path relative to data_dir>: <what is wrong>"``; empty when the share is intact."""
+    """:func:`verify_folder`'s problems: one line per damaged or missing file of this rank's share,
+    ``"<path relative to data_dir>: <what is wrong>"``; empty when the share is intact."""
     return verify_folder(data_dir, rank, world, progress).problems
+
+
+def prepared_file(data_dir: str | Path, meta: dict[str, Any], ref: str, remote: Optional[str] = None) -> Path:
+    """The path of ``ref`` (meta.json's tokenizer or tree entry) after checking the file against the size
+    and checksum meta.json records for it: :class:`DataError` (one line: the file, what is wrong and the
+    fix) when it is missing, truncated or changed. A name meta.json records no checksum for (a folder
+    prepared before they were, or the user's own tokenizer at an absolute path) is returned unchecked.
+
+    ``remote`` (``data.remote``; ``data_dir`` is then the run's cache holding the fetched meta.json): the file
+    is fetched from there into the cache unless the cache already holds it intact."""
+    data_dir = Path(data_dir)
+    path = Path(ref).expanduser()
+    if path.is_absolute():
+        return path
+    path = data_dir / path
+    recorded = [f for f in _named(data_dir, meta) if f.rel == ref and f.algo is not None]
+
+    def problem() -> Optional[str]:
+        return _check(recorded[0], _NoBar())[1] if recorded else None
+
+    where, found = str(path), problem()
+    if remote is not None and ref in named_files(meta):
+        where = f"{remote.rstrip('/')}/{ref} (fetched to {path})"
+        if found or not path.is_file():
+            from memtrain.data.loader import fetch_file
+
+            fetch_file(remote, ref, data_dir)
+            found = problem()
+    if found:
+        raise DataError(f"{where}: {found}; prepare the data again with `memtrain prepare RECIPE --force` (the same "
+                        "recipe writes the same file) or restore the folder from a good copy")
+    return path
 
 
 def check_recipe_data(recipe: "Recipe", meta: dict[str, Any]) -> None:
@@ -210,6 +252,30 @@ def _listing(data_dir: Path, meta: dict[str, Any]) -> tuple[list[ShardFile], lis
     return files, problems
 
 
+def _named(data_dir: Path, meta: dict[str, Any]) -> list[ShardFile]:
+    """The tokenizer and tree the folder holds (:func:`memtrain.data.prepare.named_files`), with the size and
+    checksum meta.json records for each (None where it records none: prepared before it did)."""
+    recorded = meta.get(CHECKSUMS)
+    recorded = recorded if isinstance(recorded, dict) else {}
+    out = []
+    for name in named_files(meta):
+        entry = recorded.get(name)
+        entry = entry if isinstance(entry, dict) else {}
+        algo = next((a for a in (*_PREFERRED, *sorted(entry)) if a != "bytes" and a in entry
+                     and _hasher(a) is not None), None)
+        size = entry.get("bytes")
+        out.append(ShardFile(rel=name, path=data_dir / name, size=int(size) if isinstance(size, int) else None,
+                             algo=algo, digest=str(entry[algo]).lower() if algo else None, record=META))
+    return out
+
+
+class _NoBar:
+    """A progress bar that shows nothing (:func:`_check` advances one)."""
+
+    def update(self, n: int) -> None:
+        pass
+
+
 def _shard_file(data_dir: Path, stream: str, shard: dict[str, Any]) -> ShardFile:
     info = shard["raw_data"]
     if shard.get("compression") and shard.get("zip_data"):
@@ -268,7 +334,7 @@ def _check(f: ShardFile, bar: Any) -> tuple[int, Optional[str]]:
         return 0, f"unreadable ({type(e).__name__}: {e})"
     if f.size is not None and size != f.size:
         bar.update(f.size)
-        return 0, f"{size} bytes but index.json records {f.size} (truncated, extended or replaced)"
+        return 0, f"{size} bytes but {f.record} records {f.size} (truncated, extended or replaced)"
     if f.algo is None:
         bar.update(f.size or 0)
         return 0, None
@@ -282,5 +348,5 @@ def _check(f: ShardFile, bar: Any) -> tuple[int, Optional[str]]:
     return size, None
 
 
-__all__ = ["CHUNK", "ShardFile", "VerifyReport", "check_recipe_data", "file_digest", "shard_files", "verify_folder",
-           "verify_shards"]
+__all__ = ["CHUNK", "ShardFile", "VerifyReport", "check_recipe_data", "file_digest", "prepared_file", "shard_files",
+           "verify_folder", "verify_shards"]

@@ -128,7 +128,7 @@ def evaluate(recipe: Recipe, checkpoint: Optional[str | Path] = None, batches: O
     from memtrain.parallel import checkpoint as ckpt
 
     start = time.perf_counter()
-    data_dir, _ = data_location(recipe)
+    data_dir, remote = data_location(recipe)
     meta = read_meta(data_dir, recipe)  # DataError when `memtrain prepare` has not run
     if meta["vocab_size"] > recipe.model.vocab_size and recipe.model.type != "hf":
         raise RecipeError("model.vocab_size", f"{recipe.model.vocab_size} is smaller than the tokenizer's "
@@ -146,8 +146,9 @@ def evaluate(recipe: Recipe, checkpoint: Optional[str | Path] = None, batches: O
     examples, tokenizer, encoder = [], None, None
     if task_names:
         from memtrain.data.tokenizer import load_tokenizer
+        from memtrain.data.verify import prepared_file
 
-        tokenizer = load_tokenizer(meta["tokenizer"], base=data_dir)
+        tokenizer = load_tokenizer(prepared_file(data_dir, meta, meta["tokenizer"], remote))
         encoder = PromptEncoder(tokenizer)
         examples = task_examples(task_names, task_lengths, task_samples, encoder)
     device = pick_device(recipe)

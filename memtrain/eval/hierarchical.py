@@ -263,9 +263,12 @@ def retrieve_probe_ids(recipe: Recipe, data_dir: Path, meta: dict,
     subtree blocked), both ``[n, p]``."""
     from memtrain.data import embed
     from memtrain.data.cluster import ClusterTree
+    from memtrain.data.verify import prepared_file
 
     cl = recipe.data.clustering
-    tree_file = data_dir / (meta.get("clustering") or {}).get("tree", "tree.safetensors")
+    # checked against meta.json's size and checksum (fetched first with data.remote)
+    tree_file = prepared_file(data_dir, meta, (meta.get("clustering") or {}).get("tree", "tree.safetensors"),
+                              recipe.data.remote)
     if not tree_file.is_file():
         raise DataError(f"{data_dir} holds no cluster tree ({tree_file.name}); prepare the data with "
                         "data.clustering.enabled: true (`memtrain prepare RECIPE --force`)")
@@ -280,9 +283,10 @@ def probe_accuracy(model: torch.nn.Module, bank: Any, recipe: Recipe, data_dir: 
     """Accuracy on every probe of ``longtail.probes(seed=0)`` per mode (see the module docstring)."""
     from memtrain.data import longtail
     from memtrain.data.tokenizer import load_tokenizer
+    from memtrain.data.verify import prepared_file
 
     probes = longtail.probes(seed=PROBE_SEED)
-    tokenizer = load_tokenizer(meta["tokenizer"], base=data_dir)
+    tokenizer = load_tokenizer(prepared_file(data_dir, meta, meta["tokenizer"], recipe.data.remote))
     sequences, starts = probe_tokens(tokenizer, [p.prompt for p in probes], [p.answer for p in probes])
     buckets, kinds = [p.bucket for p in probes], [p.kind for p in probes]
     fetched = blocked = None

@@ -2,7 +2,7 @@
 
     memtrain train   RECIPE [key=value ...]            train, or resume the run in run.dir
     memtrain prepare RECIPE [key=value ...] [--force]  tokenize and write MDS shards into data.dir
-    memtrain prepare RECIPE [key=value ...] --verify   check the prepared shards against their checksums
+    memtrain prepare RECIPE [key=value ...] --verify   check the prepared files against their checksums
     memtrain recipe show RECIPE [key=value ...]        resolved recipe, DeepSpeed config, parameters, peak memory
     memtrain submit  RECIPE [key=value ...] [--dry-run] write an sbatch script and submit it to Slurm
     memtrain status  RUN_DIR                           a run's progress, checkpoints, attempts and restarts
@@ -55,8 +55,9 @@ def _parser() -> argparse.ArgumentParser:
     how = sp.add_mutually_exclusive_group()
     how.add_argument("--force", action="store_true", help="replace data.dir prepared with other settings")
     how.add_argument("--verify", action="store_true",
-                     help="prepare nothing: check every shard of the prepared data.dir against the size and "
-                          "checksum recorded at preparation (exit 2 naming the damaged files)")
+                     help="prepare nothing: check every shard, the tokenizer and the cluster tree of the prepared "
+                          "data.dir against the size and checksum recorded at preparation (exit 2 naming the "
+                          "damaged files)")
     rp = sub.add_parser("recipe", help="inspect recipes")
     rsub = rp.add_subparsers(dest="recipe_command", required=True, metavar="ACTION")
     sp = rsub.add_parser("show", help="print the resolved recipe, its DeepSpeed config, parameter count and an "
@@ -222,7 +223,7 @@ def prepare_verify(recipe, recipe_arg: str, shown: int = 3) -> str:
     data_dir = recipe.data_dir
     report = verify_folder(data_dir, progress=True)
     mb = report.bytes / 1e6
-    line = (f"verified {data_dir}: {report.files} shard files, {mb:,.1f} MB hashed in {report.seconds:.2f} s "
+    line = (f"verified {data_dir}: {report.files} files, {mb:,.1f} MB hashed in {report.seconds:.2f} s "
             f"({mb / max(report.seconds, 1e-9):,.0f} MB/s); {len(report.unchecked)} without checksum")
     if report.unchecked:
         line += (" (prepared before checksums were recorded: sizes checked only; `memtrain prepare "
