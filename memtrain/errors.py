@@ -22,6 +22,12 @@ class CheckpointError(MemtrainError):
     """A checkpoint that cannot be loaded into this run."""
 
 
+class StorageError(MemtrainError):
+    """A write the file system refused (full, over quota, read-only; for a checkpoint's save, any OSError): a
+    checkpoint's save or another file of the run directory. The message names the file, the space left and the
+    checkpoint the same command resumes from once the storage is fixed."""
+
+
 class SettingError(MemtrainError):
     """An environment variable memtrain reads (a switch such as ``MEMTRAIN_TITANS_BACKWARD``) set to a value it
     does not take."""

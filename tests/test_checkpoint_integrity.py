@@ -10,6 +10,7 @@ holder and takes over stale ones, exactly one winner when several race for the s
 
 from __future__ import annotations
 
+import errno
 import json
 import multiprocessing
 import os
@@ -18,12 +19,13 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from memtrain.errors import CheckpointError, LaunchError
+from memtrain.errors import CheckpointError, LaunchError, StorageError
 from memtrain.parallel import checkpoint as ckpt
 from memtrain.parallel import checkpoint_folder
 from memtrain.parallel.run_lock import LOCK, RunLock, process_start_time
@@ -122,6 +124,30 @@ def _worker(rank: int, port: int, root: str):
     torch.distributed.all_gather_object(messages, message)
     if rank == 0:
         out["verify_messages"] = messages
+
+    # A save whose completion marker cannot be written on rank 0 (its disk filled after every rank's files): every
+    # rank raises the same one-line error at once (the last barrier carries rank 0's outcome; before, the other
+    # ranks returned as if saved) and rank 0 removes the partial folder.
+    real_mark = ckpt.mark_complete
+
+    def full_disk(folder, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(folder / ckpt.MARKER))
+
+    ckpt.mark_complete = full_disk
+    started = time.monotonic()
+    try:
+        ckpt.save(engine, recipe, step=3, rank=rank, world_size=W,
+                  trainer_state={"step": 3, "tokens_seen": 192, "loader": {}}, rank_extra={"loader": {}},
+                  write_extra=lambda p: ckpt.save_bank(bank, p, rank))
+        message = ""
+    except StorageError as e:
+        message = str(e)
+    finally:
+        ckpt.mark_complete = real_mark
+    failed: list = [None] * W
+    torch.distributed.all_gather_object(failed, (message, time.monotonic() - started))
+    if rank == 0:
+        out["failed_save"] = failed
         torch.save(out, root / "out.pt")
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
@@ -176,6 +202,62 @@ def test_save_renames_into_place_with_checksums_and_latest(saved):
         ckpt.verify(ckpt.resolve(folder))
     # the renamed folders load: the bank's DCP files and the weights
     assert ckpt.read_bank_state(root / "global_step2")["step"] == 0
+
+
+def test_a_save_rank_0_cannot_complete_fails_on_every_rank_with_one_line(saved):
+    """Rank 0 could not write COMPLETE.json (an injected ENOSPC): both ranks raised the same error within seconds,
+    naming rank 0, the space left and the checkpoint the run resumes from; the partial folder is gone and the
+    newest checkpoint is still step 2 (the other tests of this module see the run as it was). A failure in a rank's
+    own writes raises on that rank at once (tests/test_train.py; the others may be inside a collective of
+    DeepSpeed's save, and stop when it loses the rank)."""
+    (first, took0), (second, took1) = saved["failed_save"]
+    root = ckpt.checkpoint_root(saved["run"])
+    assert first == second and max(took0, took1) < 60
+    assert first.startswith(f"saving checkpoint global_step3 failed: rank 0: [Errno 28] No space left on device: "
+                            f"'{root / '.global_step3.partial' / ckpt.MARKER}'. The file system of {root} has ")
+    assert "\n" not in first and "a checkpoint of this run takes " in first
+    assert "checkpoint.keep_last 3 of them" in first
+    assert first.endswith(f"The run stopped at step 3; its partial save was removed, and running the same command "
+                          f"resumes from {root / 'global_step2'} (step 2) once there is room: free space there (an "
+                          "older checkpoint, such as global_step1, may go), lower checkpoint.keep_last, or move run.dir "
+                          "to a larger disk")
+    assert not ckpt.leftovers(saved["run"]) and ckpt.latest_checkpoint(saved["run"]).step == 2
+
+
+def test_a_storage_failure_is_told_from_a_bug(tmp_path, monkeypatch):
+    """torch.save's C++ writer reports a full disk as a RuntimeError without an errno ("unexpected pos ..."): it
+    counts as a failed save only while the file system is full; otherwise, like any other error, it keeps its
+    traceback. A collective that timed out stays the hang guard's."""
+    def raise_(e):
+        def write():
+            raise e
+        return write
+
+    full = raise_(RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 10001024 vs 10000916"))
+    assert ckpt._write_failure(raise_(OSError(errno.EDQUOT, "Disk quota exceeded")), tmp_path, 3) == (
+        "rank 3: [Errno 122] Disk quota exceeded")
+    monkeypatch.setattr(ckpt, "_free_bytes", lambda path: 4096)
+    assert ckpt._write_failure(full, tmp_path, 0) == (
+        "rank 0: [enforce fail at inline_container.cc:672] . unexpected pos 10001024 vs 10000916")
+    with pytest.raises(RuntimeError, match="Timed out waiting"):
+        ckpt._write_failure(raise_(RuntimeError("Timed out waiting 1800000ms for recv")), tmp_path, 0)
+    with pytest.raises(ValueError):
+        ckpt._write_failure(raise_(ValueError("a bug")), tmp_path, 0)
+    monkeypatch.setattr(ckpt, "_free_bytes", lambda path: 10 << 30)
+    with pytest.raises(RuntimeError, match="unexpected pos"):
+        ckpt._write_failure(full, tmp_path, 0)
+    assert ckpt._write_failure(lambda: None, tmp_path, 0) is None
+
+
+def test_library_output_is_replayed_for_a_crash_not_for_a_one_line_error(capsys):
+    from memtrain.launcher.console import library_output
+
+    for error, replayed in ((RuntimeError("crash"), True), (CheckpointError("saving checkpoint failed"), False)):
+        with pytest.raises(type(error)):
+            with library_output(verbose=False):
+                print("[Rank 0] Saving model checkpoint")
+                raise error
+        assert ("[Rank 0] Saving model checkpoint" in capsys.readouterr().err) == replayed
 
 
 def test_partial_folders_are_ignored_and_removed_at_the_next_save(saved):

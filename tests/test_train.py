@@ -214,6 +214,82 @@ def test_damaged_checkpoint_is_one_clear_error(workdir, reference):
     assert "global_step4 (step 4" in out.stdout
 
 
+def test_a_save_on_a_full_disk_stops_in_one_line_and_the_run_resumes(workdir, reference):
+    """The disk fills while step 8's checkpoint is written (torch.save of the rank-state file raises ENOSPC, as a
+    real full disk does for a small file; a real full tmpfs is in the README): exit 2 and one line naming the
+    failure, the space and the checkpoint to resume from; the partial folder removed at once (its space given
+    back), step 4 still the newest checkpoint. The same command then resumes and matches the uninterrupted run."""
+    full_at_8 = textwrap.dedent("""
+        import errno, torch
+        real = torch.save
+        def save(obj, f, *args, **kwargs):
+            if ".global_step8.partial" in str(f) and "rank_state" in str(f):
+                raise OSError(errno.ENOSPC, "No space left on device", str(f))
+            return real(obj, f, *args, **kwargs)
+        torch.save = save
+    """)
+    out = train(workdir, "full", prelude=full_at_8, check=False)
+    assert out.returncode == 2, out.stderr[-3000:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    checkpoints = workdir / "runs" / "full" / "checkpoints"
+    named = Path("runs", "full", "checkpoints")  # as the recipe names run.dir
+    assert lines[0].startswith("memtrain: saving checkpoint global_step8 failed: rank 0: [Errno 28] No space left on "
+                               f"device: '{named / '.global_step8.partial' / 'rank_state_00000.pt'}'. The file "
+                               f"system of {named} has ")
+    assert "MiB free; a checkpoint of this run takes " in lines[0]
+    assert lines[0].endswith(f"The run stopped at step 8; its partial save was removed, and running the same command "
+                             f"resumes from {named / 'global_step4'} (step 4) once there is room: free space there, "
+                             "lower checkpoint.keep_last, or move run.dir to a larger disk")
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["global_step4", "latest"]
+    assert (checkpoints / "latest").read_text() == "global_step4"
+    ended = json.loads((workdir / "runs" / "full" / "attempts.jsonl").read_text().splitlines()[-1])
+    assert ended["state"] == "failed" and ended["step"] == 8
+
+    out = train(workdir, "full")
+    assert "global_step4 (step 4" in out.stdout
+    resumed = losses(workdir, "full")
+    assert sorted(resumed) == list(range(1, 9))
+    for step in range(1, 9):
+        assert resumed[step] == pytest.approx(reference[step], rel=0, abs=1e-6), step
+
+
+def test_a_full_disk_at_the_start_is_one_line_and_leaves_no_run_directory(workdir):
+    """The first write of a new run (recipe.yaml) fails for a full disk: one line, exit 2, and no run directory (before,
+    two chained tracebacks and a run directory holding an empty recipe.yaml)."""
+    full = textwrap.dedent("""
+        import errno, os
+        real = os.fsync
+        def fsync(fd):  # the disk fills while recipe.yaml's temporary file is flushed
+            name = os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
+            if name.startswith(".recipe.yaml.") and name.endswith(".tmp"):
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real(fd)
+        os.fsync = fsync
+    """)
+    out = train(workdir, "nospace", prelude=full, check=False)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr[-3000:]
+    run = Path("runs") / "nospace"
+    assert out.stderr.startswith(f"memtrain: writing to run.dir {run} failed: No space left on device; its file "
+                                 "system has ")
+    assert out.stderr.rstrip().endswith("MiB free. Running the same command starts the run once the storage is fixed "
+                                        "(free space, or move run.dir to another disk)")
+    assert not (workdir / run).exists()
+
+
+def test_a_partial_save_left_by_a_kill_is_removed_when_the_run_starts(workdir):
+    """A save killed mid-write (or one rank's failed save in a multi-rank run) leaves .global_step<N>.partial; the
+    next start removes it under the run lock, so its space returns before training rather than at the next save."""
+    train(workdir, "killed", "train.max_steps=4")
+    partial = workdir / "runs" / "killed" / "checkpoints" / ".global_step8.partial"
+    partial.mkdir()
+    (partial / "mp_rank_00_model_states.pt").write_bytes(b"x" * 4096)
+    out = train(workdir, "killed")
+    assert "removed .global_step8.partial, left by a save or a prune that did not finish" in out.stdout
+    assert out.stdout.index("removed .global_step8.partial") < out.stdout.index("step 5/8")
+    assert not partial.exists() and "step 8/8" in out.stdout
+
+
 def test_existing_run_is_not_overwritten_without_resume(workdir, reference):
     before = sorted(p.name for p in (workdir / "runs" / "ref" / "checkpoints").iterdir())
     out = train(workdir, "ref", "checkpoint.resume=false", check=False)

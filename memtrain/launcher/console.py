@@ -5,9 +5,9 @@ optimizer's ``MA ... Max_MA ... CPU Virtual Memory`` lines (plain ``print``), it
 config dump. With ``logging.verbose: false`` (the default) :func:`library_output` captures Python-level
 stdout/stderr around those calls and :func:`set_library_log_levels` keeps the libraries' loggers at
 ERROR, so rank 0 prints memtrain's lines only; if a captured call fails, what it printed is replayed to
-stderr before the error propagates. ``logging.verbose: true`` lets everything through and sets
-DeepSpeed's logger to INFO. Output written by C code or subprocesses straight to the file descriptors
-(e.g. a first-time C++ op build) is not captured.
+stderr before the error propagates (not before memtrain's own one-line errors). ``logging.verbose: true``
+lets everything through and sets DeepSpeed's logger to INFO. Output written by C code or subprocesses
+straight to the file descriptors (e.g. a first-time C++ op build) is not captured.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import io
 import logging
 import sys
 from typing import Iterator
+
+from memtrain.errors import MemtrainError
 
 # Loggers of libraries that speak during start-up and checkpoints (DeepSpeed's is "DeepSpeed").
 LIBRARY_LOGGERS = ("DeepSpeed", "torch.utils.cpp_extension", "torch.distributed.elastic", "transformers",
@@ -47,6 +49,8 @@ def library_output(verbose: bool) -> Iterator[None]:
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             yield
+    except MemtrainError:  # diagnosed (a failed save, a damaged checkpoint): its one line says it all
+        raise
     except BaseException:
         for text in (out.getvalue(), err.getvalue()):
             if text:

@@ -35,8 +35,10 @@ reset memory (the blocks' ``auto`` mode), validation included.
 
 from __future__ import annotations
 
+import errno
 import math
 import os
+import shutil
 import signal
 import socket
 import time
@@ -365,8 +367,11 @@ def train(recipe: Recipe) -> dict:
             raise
         finally:
             if attempt.get("started") and rank == 0:
-                _record_attempt(run_dir, {"event": "end", "time": time.time(), "state": state,
-                                          "step": attempt.get("step")})
+                try:
+                    _record_attempt(run_dir, {"event": "end", "time": time.time(), "state": state,
+                                              "step": attempt.get("step")})
+                except OSError:  # a full disk, say: the run's own error comes first; `memtrain status` shows no end
+                    pass
             if lock is not None:
                 lock.release()
                 if created:  # a run that failed before writing anything leaves no run directory (rmdir: only if empty)
@@ -374,6 +379,10 @@ def train(recipe: Recipe) -> dict:
                         run_dir.rmdir()
                     except OSError:
                         pass
+    except OSError as e:
+        if e.errno not in _STORAGE_ERRNOS:
+            raise
+        raise _storage_error(e, recipe) from None
     except RuntimeError as e:
         if world > 1 and dist.is_collective_failure(e):
             raise CollectiveError(
@@ -384,6 +393,31 @@ def train(recipe: Recipe) -> dict:
         raise
     finally:
         stop.restore()
+
+
+# Writes to the run directory that fail for the storage (full, over quota, read-only), not for a bug: one line
+# (StorageError) rather than a traceback. A save's own failures are memtrain.parallel.checkpoint's (any OSError).
+_STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}  # errors only a write gets
+
+
+def _storage_error(e: OSError, recipe: Recipe) -> Exception:
+    """The one-line error for a write to the run directory the file system refused: the file, the cause, the
+    space left and the checkpoint the same command resumes from."""
+    from memtrain.errors import StorageError
+    from memtrain.parallel.checkpoint_folder import latest_checkpoint
+
+    run_dir = recipe.run_dir
+    where = e.filename or f"to run.dir {run_dir}"
+    try:
+        free = shutil.disk_usage(run_dir if run_dir.exists() else run_dir.parent).free
+        space = f"; its file system has {free / 2**20:,.1f} MiB free"
+    except OSError:
+        space = ""
+    last = latest_checkpoint(run_dir)
+    resume = (f"Running the same command resumes from {last.path} (step {last.step})" if last is not None else
+              "Running the same command starts the run")
+    return StorageError(f"writing {where} failed: {e.strerror or e}{space}. {resume} once the storage is fixed (free "
+                        "space, or move run.dir to another disk)")
 
 
 def _record_attempt(run_dir, event: dict) -> None:
@@ -607,11 +641,16 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
     from memtrain.data.loader import LoaderIterator, ValidationSet, build_loader
     from memtrain.model import build, count_parameters, peak_flops
     from memtrain.parallel import checkpoint as ckpt
+    from memtrain.parallel.checkpoint_folder import write_text_atomic
     from memtrain.parallel.engine import flattens, global_grad_norm, initialize, lr_at, skipped_step
 
     rank, world = dist_env.rank, dist_env.world_size
     run_dir = recipe.run_dir
     latest = ckpt.latest_checkpoint(run_dir)  # again, now under the lock
+    if rank == 0:  # saves a failure or a kill cut short: no save is in progress under the lock, so their space returns
+        for old in ckpt.leftovers(run_dir):
+            shutil.rmtree(old, ignore_errors=True)
+            _log(f"removed {old.name}, left by a save or a prune that did not finish", rank)
     verbose = recipe.logging.verbose
     with library_output(verbose):
         import deepspeed  # noqa: F401  (DeepSpeed's import speaks on some machines)
@@ -713,7 +752,7 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
         train_batches.load_state_dict(rank_state["loader"] if affine else state["loader"])
         _log(f"resuming from {latest.path} (step {step}, {tokens_seen} tokens seen)", rank)
     if rank == 0:  # only once the checkpoint has loaded: a failed resume leaves the run as it was
-        (run_dir / "recipe.yaml").write_text(recipe.to_yaml(), encoding="utf-8")
+        write_text_atomic(run_dir / "recipe.yaml", recipe.to_yaml())  # a full disk leaves no half file
         restarts = os.environ.get("SLURM_RESTART_COUNT")
         _record_attempt(run_dir, {"event": "start", "time": time.time(), "host": socket.gethostname(),
                                   "pid": os.getpid(), "slurm_job_id": os.environ.get("SLURM_JOB_ID"),

@@ -11,13 +11,17 @@ Layout under ``<run.dir>/checkpoints/global_step<N>/``:
 - ``memory_bank/`` (with memories, through ``save``'s ``write_extra``);
 - ``COMPLETE.json``: the step, permanence, world size, and every other file's size and xxh64 checksum.
 
-How a save proceeds (:func:`save`): every rank writes into ``.global_step<N>.partial`` (rank 0 first
-removes leftovers of killed saves); after a barrier the ranks hash the files (file ``i`` by rank
-``i % world``) and rank 0 writes ``COMPLETE.json``, renames the folder to ``global_step<N>``, fsyncs
-``checkpoints/``, writes ``checkpoints/latest`` (the tag, as DeepSpeed's ``save_latest``: DeepSpeed's
-``zero_to_fp32.py`` then needs no ``-t``) and prunes. A crash at any point leaves either no
-``global_step<N>`` or a complete one. Readers call :func:`verify` (the files against the checksums) and
-read inside :func:`reading`, which keeps :func:`prune` of a concurrent training run off the folder.
+How a save proceeds (:func:`save`): every rank writes into ``.global_step<N>.partial`` (rank 0 first removes
+leftovers of killed saves); after a barrier the ranks hash the files (file ``i`` by rank ``i % world``) and
+rank 0 writes ``COMPLETE.json``, renames the folder to ``global_step<N>``, fsyncs ``checkpoints/``, writes
+``checkpoints/latest`` (the tag, as DeepSpeed's ``save_latest``: DeepSpeed's ``zero_to_fp32.py`` then needs no
+``-t``) and prunes. A crash at any point leaves either no ``global_step<N>`` or a complete one. A write the
+storage fails (a full disk, a quota) is one :class:`memtrain.errors.StorageError` naming the space left and
+the checkpoint to resume from: raised at once by the rank whose writes failed (the others may be inside a
+collective of DeepSpeed's save), or by every rank alike when rank 0's marker or rename failed (the last
+barrier carries it); the partial folder is removed by rank 0 when every rank is done with it, else at the
+run's next start. Readers call :func:`verify` (the files against the checksums) and read inside
+:func:`reading`, which keeps :func:`prune` of a concurrent training run off the folder.
 
 Retention: the newest ``checkpoint.keep_last`` complete checkpoints are kept; every checkpoint at a
 multiple of ``checkpoint.permanent_every_steps`` is permanent and never pruned.
@@ -41,7 +45,7 @@ import numpy as np
 import torch
 
 from memtrain.config import Recipe, recipe_hash_defaults, recipe_hash_fields
-from memtrain.errors import CheckpointError
+from memtrain.errors import CheckpointError, StorageError
 from memtrain.parallel.bank_checkpoint import load_bank, read_bank_state, save_bank
 from memtrain.parallel.checkpoint_folder import (
     LATEST, MARKER, TRAINER_STATE, CheckpointInfo, checkpoint_files, checkpoint_root, fallback, hash_files,
@@ -49,6 +53,7 @@ from memtrain.parallel.checkpoint_folder import (
     prune, publish, read_trainer_state, reading, removed, resolve, summarize, tag_for, verify, write_json_atomic,
     write_latest,
 )
+from memtrain.parallel.dist import barrier, gather_strings, is_collective_failure
 
 # --------------------------------------------------------------------------------------------------
 # Per-rank RNG state
@@ -102,13 +107,21 @@ def save(engine, recipe: Recipe, *, step: int, trainer_state: dict, rank: int, w
         root.mkdir(parents=True, exist_ok=True)
     if collective:
         dist.barrier()
-    engine.save_checkpoint(str(root), tag=partial_tag, client_state={"memtrain_step": step}, save_latest=False)
-    folder.mkdir(parents=True, exist_ok=True)
-    torch.save({"rng": rng_state(), **(rank_extra or {})}, folder / f"rank_state_{rank:05d}.pt")
-    if write_extra is not None:
-        write_extra(folder)
-    if rank == 0:
-        write_json_atomic(folder / TRAINER_STATE, {**trainer_state, "recipe": recipe.to_dict()})
+
+    def write() -> None:
+        engine.save_checkpoint(str(root), tag=partial_tag, client_state={"memtrain_step": step}, save_latest=False)
+        folder.mkdir(parents=True, exist_ok=True)
+        torch.save({"rng": rng_state(), **(rank_extra or {})}, folder / f"rank_state_{rank:05d}.pt")
+        if write_extra is not None:
+            write_extra(folder)
+        if rank == 0:
+            write_json_atomic(folder / TRAINER_STATE, {**trainer_state, "recipe": recipe.to_dict()})
+
+    # A rank whose writes fail raises at once: the others may be inside a collective of DeepSpeed's save or of
+    # the bank's, so it cannot wait for them to agree; they stop when their next collective loses it.
+    failure = _write_failure(write, root, rank)
+    if failure is not None:
+        raise _save_failed(recipe, step, folder, [failure], rank, removed=world_size == 1)
     if collective:
         dist.barrier()
     # Every rank hashes (and fsyncs) its share of the files rank 0 lists; rank 0 collects the records.
@@ -125,13 +138,74 @@ def save(engine, recipe: Recipe, *, step: int, trainer_state: dict, rank: int, w
         files = {name: rec for part in records for name, rec in part.items()}
         every = recipe.steps(recipe.checkpoint.permanent_every_steps)
         permanent = every > 0 and step % every == 0
-        mark_complete(folder, step, permanent, world_size, files)
-        publish(folder, final)
-        write_latest(recipe.run_dir, final.name)
-        prune(recipe.run_dir, recipe.checkpoint.keep_last)
-    if collective:
-        dist.barrier()
+        failure = _write_failure(lambda: (mark_complete(folder, step, permanent, world_size, files),
+                                          publish(folder, final)), root, rank)
+        if failure is None:
+            write_latest(recipe.run_dir, final.name)
+            prune(recipe.run_dir, recipe.checkpoint.keep_last)
+    # The last barrier carries rank 0's outcome: every rank raises the same error if marking or renaming failed.
+    failures = gather_strings([failure] if failure else [])
+    if failures:
+        raise _save_failed(recipe, step, folder, failures, rank, removed=True)
     return final
+
+
+# A write that fails with a RuntimeError (torch.save's C++ writer reports a full disk as "unexpected pos ..." or
+# "iostream error", without an errno) counts as a failed save when its file system has less than this left.
+_FULL_BYTES = 16 << 20
+
+
+def _write_failure(write: Callable[[], Any], root: Path, rank: int) -> Optional[str]:
+    """Run ``write`` (this rank's part of a save); ``"rank R: <error>"`` when the storage failed it, else None.
+    Storage failures are OSErrors (no space, quota, permissions, I/O) and RuntimeErrors raised while the file
+    system is full; any other error is not the storage's and propagates with its traceback."""
+    try:
+        write()
+    except OSError as e:
+        return f"rank {rank}: {e}"
+    except RuntimeError as e:
+        if is_collective_failure(e) or _free_bytes(root) >= _FULL_BYTES:
+            raise
+        text = str(e).strip().splitlines()
+        return f"rank {rank}: {text[-1][:200] if text else type(e).__name__}"
+    return None
+
+
+def _free_bytes(path: Path) -> float:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return float("inf")
+
+
+def _save_failed(recipe: Recipe, step: int, folder: Path, failures: list[str], rank: int,
+                 removed: bool) -> StorageError:
+    """The one-line error of a save whose writes failed: the failure, the space left, what a checkpoint of the run
+    takes, and the checkpoint the run resumes from. ``removed``: rank 0 deletes the partial folder now, giving its
+    space back (the only writer, or every rank is done with it); otherwise the run's next start removes it."""
+    root = folder.parent
+    free = _free_bytes(root)  # as the save left it: every rank measures before rank 0 removes the folder
+    complete, _ = list_checkpoints(recipe.run_dir)
+    last = complete[-1] if complete else None
+    older = [c for c in complete[:-1] if not c.permanent]
+    more = f" (and {len(failures) - 1} more rank(s))" if len(failures) > 1 else ""
+    space = f"{free / 2**20:,.1f} MiB free" if free != float("inf") else "unknown free space"
+    size = ""
+    if last is not None:
+        taken = sum(f.stat().st_size for f in last.path.rglob("*") if f.is_file())
+        size = (f"; a checkpoint of this run takes {taken / 2**20:,.1f} MiB, and checkpoint.keep_last "
+                f"{recipe.checkpoint.keep_last} of them plus the one being written must fit")
+    partial = "its partial save was removed" if removed else "the next start removes its partial save"
+    resume = (f"running the same command resumes from {last.path} (step {last.step})" if last is not None else
+              "running the same command starts again from step 0 (no checkpoint was written before)")
+    room = f" (an older checkpoint, such as {older[0].path.name}, may go)" if older else ""
+    if removed:
+        barrier()  # no-op in a world of one
+        if rank == 0:
+            shutil.rmtree(folder, ignore_errors=True)
+    return StorageError(f"saving checkpoint {tag_for(step)} failed: {failures[0]}{more}. The file system of {root} "
+                        f"has {space}{size}. The run stopped at step {step}; {partial}, and {resume} once there is "
+                        f"room: free space there{room}, lower checkpoint.keep_last, or move run.dir to a larger disk")
 
 
 def _first_difference(now: Any, then: Any, default: Any, name: str) -> Optional[tuple[str, Any, Any]]:

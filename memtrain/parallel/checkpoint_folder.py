@@ -82,16 +82,21 @@ class CheckpointInfo:
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    """Write ``text`` through a temporary file, fsync and a rename: readers never see half a file.
-    The parent folder is created; the temporary name carries the process id, so concurrent writers of one
-    path (two evaluations of a checkpoint) never write into each other's file."""
+    """Write ``text`` through a temporary file, fsync and a rename: readers never see half a file, and a failed
+    write leaves the old file (or none) and no temporary one. The parent folder is created; the temporary name
+    carries the process id, so concurrent writers of one path (two evaluations of a checkpoint) never write
+    into each other's file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, say: no half-written temporary file stays behind
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
