@@ -7,6 +7,16 @@ code 2; anything else is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+import errno
+
+# Errors only a write gets, from a file system that is full, over quota or read-only: the storage's, not a bug.
+STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
+
+
+def is_storage_failure(error: BaseException) -> bool:
+    """Whether ``error`` is a write the file system refused (:data:`STORAGE_ERRNOS`)."""
+    return isinstance(error, OSError) and error.errno in STORAGE_ERRNOS
+
 
 class MemtrainError(Exception):
     """An error caused by the user's input, with a message that names the problem and the fix."""

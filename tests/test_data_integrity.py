@@ -377,6 +377,29 @@ def test_prepare_verify_command(plain, tmp_path, capsys):
     assert "not allowed with argument" in capsys.readouterr().err
 
 
+def test_prepare_on_a_full_disk_is_one_line_and_leaves_nothing(plain, tmp_path, capsys, monkeypatch):
+    """The disk fills while the shards are written: one line and exit 2 (before, a traceback and exit 1), and
+    neither data.dir nor the temporary build folder beside it is left."""
+    import errno
+
+    from memtrain.data import shards
+
+    recipe, _ = plain
+    path = tmp_path / "recipe.yaml"
+    path.write_text(recipe_from_dict(recipe.to_dict(), [f"data.dir={tmp_path / 'full'}"]).to_yaml())
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shards, "write_mds", full)
+    assert main(["prepare", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err == ("memtrain: a write failed: No space left on device; free space on the file system it writes to "
+                   "(data.dir for prepare, run.dir for train, --out for eval and generate) or write elsewhere, and "
+                   "run the command again\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["recipe.yaml"]
+
+
 # --------------------------------------------------------------------------------------------------
 # the recipe against the prepared data
 

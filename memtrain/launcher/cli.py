@@ -33,7 +33,7 @@ import sys
 from typing import Optional, Sequence
 
 from memtrain.config import RecipeError
-from memtrain.errors import MemtrainError
+from memtrain.errors import MemtrainError, is_storage_failure
 
 CHECKPOINT_KEY = "checkpoint"
 
@@ -349,6 +349,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     except MemtrainError as e:
         print(f"memtrain: {e}", file=sys.stderr, flush=True)
         return e.exit_code
+    except OSError as e:  # a full, over-quota or read-only disk (training says more: StorageError)
+        if not is_storage_failure(e):
+            raise
+        what = f"writing {e.filename} failed" if e.filename else "a write failed"
+        print(f"memtrain: {what}: {e.strerror}; free space on the file system it writes to (data.dir for prepare, "
+              "run.dir for train, --out for eval and generate) or write elsewhere, and run the command again",
+              file=sys.stderr, flush=True)
+        return MemtrainError.exit_code
     except KeyboardInterrupt:
         return 130
     finally:

@@ -35,7 +35,6 @@ reset memory (the blocks' ``auto`` mode), validation included.
 
 from __future__ import annotations
 
-import errno
 import math
 import os
 import shutil
@@ -48,7 +47,8 @@ import torch
 import torch.nn.functional as F
 
 from memtrain.config import CUDAGRAPH_MODES, Recipe, RecipeError
-from memtrain.errors import CheckpointError, CollectiveError, DivergenceError, LaunchError, SettingError
+from memtrain.errors import (CheckpointError, CollectiveError, DivergenceError, LaunchError, SettingError,
+                             is_storage_failure)
 from memtrain.parallel import dist
 from memtrain.launcher.console import library_output, set_library_log_levels
 from memtrain.launcher.metrics import ATTEMPTS, MetricsWriter, format_line
@@ -380,7 +380,7 @@ def train(recipe: Recipe) -> dict:
                     except OSError:
                         pass
     except OSError as e:
-        if e.errno not in _STORAGE_ERRNOS:
+        if not is_storage_failure(e):
             raise
         raise _storage_error(e, recipe) from None
     except RuntimeError as e:
@@ -395,14 +395,10 @@ def train(recipe: Recipe) -> dict:
         stop.restore()
 
 
-# Writes to the run directory that fail for the storage (full, over quota, read-only), not for a bug: one line
-# (StorageError) rather than a traceback. A save's own failures are memtrain.parallel.checkpoint's (any OSError).
-_STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}  # errors only a write gets
-
-
 def _storage_error(e: OSError, recipe: Recipe) -> Exception:
-    """The one-line error for a write to the run directory the file system refused: the file, the cause, the
-    space left and the checkpoint the same command resumes from."""
+    """The one-line error for a write to the run directory the file system refused (full, over quota, read-only:
+    :func:`memtrain.errors.is_storage_failure`), rather than a traceback: the file, the cause, the space left and
+    the checkpoint the same command resumes from. A save's own failures are memtrain.parallel.checkpoint's."""
     from memtrain.errors import StorageError
     from memtrain.parallel.checkpoint_folder import latest_checkpoint
 
