@@ -236,14 +236,14 @@ def test_a_storage_failure_is_told_from_a_bug(tmp_path, monkeypatch):
     full = raise_(RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 10001024 vs 10000916"))
     assert ckpt._write_failure(raise_(OSError(errno.EDQUOT, "Disk quota exceeded")), tmp_path, 3) == (
         "rank 3: [Errno 122] Disk quota exceeded")
-    monkeypatch.setattr(ckpt, "_free_bytes", lambda path: 4096)
+    monkeypatch.setattr(ckpt, "free_bytes", lambda path: 4096)
     assert ckpt._write_failure(full, tmp_path, 0) == (
         "rank 0: [enforce fail at inline_container.cc:672] . unexpected pos 10001024 vs 10000916")
     with pytest.raises(RuntimeError, match="Timed out waiting"):
         ckpt._write_failure(raise_(RuntimeError("Timed out waiting 1800000ms for recv")), tmp_path, 0)
     with pytest.raises(ValueError):
         ckpt._write_failure(raise_(ValueError("a bug")), tmp_path, 0)
-    monkeypatch.setattr(ckpt, "_free_bytes", lambda path: 10 << 30)
+    monkeypatch.setattr(ckpt, "free_bytes", lambda path: 10 << 30)
     with pytest.raises(RuntimeError, match="unexpected pos"):
         ckpt._write_failure(full, tmp_path, 0)
     assert ckpt._write_failure(lambda: None, tmp_path, 0) is None

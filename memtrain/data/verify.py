@@ -138,13 +138,14 @@ def prepared_file(data_dir: str | Path, meta: dict[str, Any], ref: str, remote: 
     if path.is_absolute():
         return path
     path = data_dir / path
-    recorded = [f for f in _named(data_dir, meta) if f.rel == ref and f.algo is not None]
+    named = [f for f in _named(data_dir, meta) if f.rel == ref]
+    recorded = [f for f in named if f.algo is not None]
 
     def problem() -> Optional[str]:
         return _check(recorded[0], _NoBar())[1] if recorded else None
 
     where, found = str(path), problem()
-    if remote is not None and ref in named_files(meta):
+    if remote is not None and named:
         where = f"{remote.rstrip('/')}/{ref} (fetched to {path})"
         if found or not path.is_file():
             from memtrain.data.loader import fetch_file

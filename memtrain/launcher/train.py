@@ -400,15 +400,12 @@ def _storage_error(e: OSError, recipe: Recipe) -> Exception:
     :func:`memtrain.errors.is_storage_failure`), rather than a traceback: the file, the cause, the space left and
     the checkpoint the same command resumes from. A save's own failures are memtrain.parallel.checkpoint's."""
     from memtrain.errors import StorageError
-    from memtrain.parallel.checkpoint_folder import latest_checkpoint
+    from memtrain.parallel.checkpoint_folder import free_bytes, latest_checkpoint
 
     run_dir = recipe.run_dir
     where = e.filename or f"to run.dir {run_dir}"
-    try:
-        free = shutil.disk_usage(run_dir if run_dir.exists() else run_dir.parent).free
-        space = f"; its file system has {free / 2**20:,.1f} MiB free"
-    except OSError:
-        space = ""
+    free = free_bytes(run_dir if run_dir.exists() else run_dir.parent)
+    space = f"; its file system has {free / 2**20:,.1f} MiB free" if free != float("inf") else ""
     last = latest_checkpoint(run_dir)
     resume = (f"Running the same command resumes from {last.path} (step {last.step})" if last is not None else
               "Running the same command starts the run")

@@ -48,8 +48,8 @@ from memtrain.config import Recipe, recipe_hash_defaults, recipe_hash_fields
 from memtrain.errors import CheckpointError, StorageError
 from memtrain.parallel.bank_checkpoint import load_bank, read_bank_state, save_bank
 from memtrain.parallel.checkpoint_folder import (
-    LATEST, MARKER, TRAINER_STATE, CheckpointInfo, checkpoint_files, checkpoint_root, fallback, hash_files,
-    is_removed, latest_checkpoint, leftovers, list_checkpoints, mark_complete, partial_tag_for, previous_checkpoint,
+    LATEST, MARKER, TRAINER_STATE, CheckpointInfo, checkpoint_files, checkpoint_root, fallback, free_bytes,
+    hash_files, is_removed, latest_checkpoint, leftovers, list_checkpoints, mark_complete, partial_tag_for, previous_checkpoint,
     prune, publish, read_trainer_state, reading, removed, resolve, summarize, tag_for, verify, write_json_atomic,
     write_latest,
 )
@@ -164,18 +164,11 @@ def _write_failure(write: Callable[[], Any], root: Path, rank: int) -> Optional[
     except OSError as e:
         return f"rank {rank}: {e}"
     except RuntimeError as e:
-        if is_collective_failure(e) or _free_bytes(root) >= _FULL_BYTES:
+        if is_collective_failure(e) or free_bytes(root) >= _FULL_BYTES:
             raise
         text = str(e).strip().splitlines()
         return f"rank {rank}: {text[-1][:200] if text else type(e).__name__}"
     return None
-
-
-def _free_bytes(path: Path) -> float:
-    try:
-        return shutil.disk_usage(path).free
-    except OSError:
-        return float("inf")
 
 
 def _save_failed(recipe: Recipe, step: int, folder: Path, failures: list[str], rank: int,
@@ -184,7 +177,7 @@ def _save_failed(recipe: Recipe, step: int, folder: Path, failures: list[str], r
     takes, and the checkpoint the run resumes from. ``removed``: rank 0 deletes the partial folder now, giving its
     space back (the only writer, or every rank is done with it); otherwise the run's next start removes it."""
     root = folder.parent
-    free = _free_bytes(root)  # as the save left it: every rank measures before rank 0 removes the folder
+    free = free_bytes(root)  # as the save left it: every rank measures before rank 0 removes the folder
     complete, _ = list_checkpoints(recipe.run_dir)
     last = complete[-1] if complete else None
     older = [c for c in complete[:-1] if not c.permanent]

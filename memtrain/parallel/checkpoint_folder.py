@@ -119,6 +119,14 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def free_bytes(path: Path) -> float:
+    """Bytes free to this user on the file system holding ``path``; infinity where that cannot be read."""
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return float("inf")
+
+
 def write_latest(run_dir: Path, tag: str) -> None:
     """Point ``<run.dir>/checkpoints/latest`` at ``tag``, as DeepSpeed's ``save_latest`` would (the tag,
     no newline), atomically. Written only for a complete checkpoint that has its final name."""
