@@ -182,8 +182,7 @@ def retrieval_analysis(recipe_path: Path, overrides: list[str], memory_arms: dic
     from memtrain.data import embed, longtail
     from memtrain.data.cluster import ClusterTree
     from memtrain.data.loader import data_location, read_meta
-    from memtrain.data.tokenizer import load_tokenizer
-    from memtrain.data.verify import prepared_file
+    from memtrain.data.verify import prepared_file, prepared_tokenizer
     from memtrain.eval.common import batch_memory
     from memtrain.eval.evaluate import find_checkpoint, load_model, pick_device
     from memtrain.eval.hierarchical import accuracy_table, probe_tokens, retrieve_probe_ids, score_sequences
@@ -214,7 +213,7 @@ def retrieval_analysis(recipe_path: Path, overrides: list[str], memory_arms: dic
     out["used_leaves"] = int(len(set(leaves)))
     oracle = np.array([max(set(paths[p.entity]), key=paths[p.entity].count) for p in probes], np.int64)
 
-    tokenizer = load_tokenizer(prepared_file(data_dir, meta, meta["tokenizer"], remote))
+    tokenizer = prepared_tokenizer(data_dir, meta, remote)
     seqs, starts = probe_tokens(tokenizer, [p.prompt for p in probes], [p.answer for p in probes])
     kinds = [p.kind for p in probes]
     out["arms"] = {}

@@ -436,3 +436,20 @@ def test_crossattn_context_generate_user_errors_exit_2(trained):
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert out.stderr.startswith(f"memtrain: swapped/tokenizer.model: xxh64 checksum ")
     assert "`memtrain prepare RECIPE --force`" in out.stderr and "generated:" not in out.stdout
+
+    # the user's own tokenizer (meta.json names it by absolute path; its bytes are not checked) replaced by another
+    # one of the same size: its fingerprint tells (before, generate loaded it and wrote other text without a word)
+    from memtrain.data.builtin import builtin_documents
+    from memtrain.data.tokenizer import SentencePieceTokenizer
+
+    shutil.copytree(trained / "data", trained / "own")
+    own = trained / "user.model"
+    meta = json.loads((trained / "own" / "meta.json").read_text())
+    SentencePieceTokenizer.train(iter(builtin_documents(0)[::5]), own, meta["vocab_size"], "bpe", seed=3,
+                                 byte_fallback=False)
+    (trained / "own" / "meta.json").write_text(json.dumps({**meta, "tokenizer": str(own)}))
+    out = _memtrain(trained, "generate", "tiny.yaml", "data.dir=own", "--prompt", FACT, check=False)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert out.stderr.startswith(f"memtrain: tokenizer '{own}' is not the one own was prepared with: it has the "
+                                 "data's vocabulary size and end-of-text id but other pieces"), out.stderr
+    assert "`memtrain prepare RECIPE --force`" in out.stderr and "generated:" not in out.stdout

@@ -287,6 +287,93 @@ def test_with_remote_data_the_tokenizer_and_tree_are_fetched_and_checked(cluster
     assert sorted(p.name for p in cache.iterdir()) == ["tree.safetensors"]  # no half-written file left
 
 
+def _hf_tokenizer(folder: Path, documents: slice, vocab: int = 384, eos: str = "<|eos|>") -> Path:
+    """A byte-level BPE Hugging Face tokenizer folder trained on ``builtin_documents(0)[documents]``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(builtin_documents(0)[documents], trainers.BpeTrainer(
+        vocab_size=vocab, special_tokens=["<unk>", "<|eos|>", "<|end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, unk_token="<unk>").save_pretrained(folder)
+    return folder
+
+
+def test_meta_json_records_the_tokenizers_fingerprint(prepared):
+    from memtrain.data.tokenizer import load_tokenizer, tokenizer_fingerprint
+    from memtrain.data.verify import prepared_tokenizer
+
+    recipe, meta = prepared
+    on_disk = json.loads((recipe.data_dir / "meta.json").read_text())
+    tokenizer = load_tokenizer(recipe.data_dir / "tokenizer.model")
+    found = tokenizer_fingerprint(tokenizer)
+    assert on_disk["tokenizer_fingerprint"] == meta["tokenizer_fingerprint"] == found
+    assert found["vocab_size"] == on_disk["vocab_size"] == 300 and found["eot_id"] == on_disk["eot_id"]
+    assert prepared_tokenizer(recipe.data_dir, meta).pieces() == tokenizer.pieces()
+
+
+def test_a_users_own_tokenizer_is_checked_by_its_behaviour_not_its_bytes(source, tmp_path):
+    """data.tokenizer.path outside the folder: its bytes are the user's (not checksummed), but a tokenizer that
+    no longer gives the ids the shards hold is one line naming it. Before, eval and generate loaded whatever was
+    at the path: their prompts became other ids and the model's ids other text, without a word."""
+    from memtrain.data.tokenizer import load_tokenizer, tokenizer_fingerprint
+    from memtrain.data.verify import prepared_tokenizer
+
+    own = _hf_tokenizer(tmp_path / "own", slice(0, 400))
+    recipe = recipe_from_dict(make_recipe(tmp_path / "data", source).to_dict(), [f"data.tokenizer.path={own}"])
+    meta = prepare(recipe)
+    assert meta["tokenizer"] == str(own.resolve()) and meta["checksums"] == {}  # nothing in the folder to hash
+    assert meta["tokenizer_fingerprint"]["vocab_size"] == 384
+    d = recipe.data_dir
+    assert prepared_tokenizer(d, meta).pieces() == load_tokenizer(own).pieces()
+
+    # written again with other bytes (as another transformers version saves it: other JSON layout, other
+    # settings that do not touch encoding), the same behaviour: accepted
+    before = {f.name: f.read_bytes() for f in own.iterdir()}
+    (own / "tokenizer.json").write_text(json.dumps(json.loads((own / "tokenizer.json").read_text()), indent=1))
+    config = json.loads((own / "tokenizer_config.json").read_text())
+    (own / "tokenizer_config.json").write_text(json.dumps({**config, "model_max_length": 4096}))
+    assert {f.name: f.read_bytes() for f in own.iterdir()} != before
+    prepared_tokenizer(d, meta)
+
+    fix = "restore the tokenizer the data was prepared with, or prepare the data again with this one"
+    start = f"tokenizer {str(own.resolve())!r} is not the one {d} was prepared with: "
+    cases = {  # what replaced it -> what the line says
+        "merges": (lambda f: _hf_tokenizer(f, slice(400, 800)),
+                   "it has the data's vocabulary size and end-of-text id but other pieces or another encoding "
+                   "(fingerprint "),
+        "vocab": (lambda f: _hf_tokenizer(f, slice(0, 400), vocab=400), "its vocab_size is 400 where the data's is 384"),
+        "eos": (lambda f: _hf_tokenizer(f, slice(0, 400), eos="<|end|>"), "its eot_id is 2 where the data's is 1"),
+    }
+    for name, (make, says) in cases.items():
+        shutil.rmtree(own)
+        make(own)
+        assert tokenizer_fingerprint(load_tokenizer(own)) != meta["tokenizer_fingerprint"], name
+        with pytest.raises(DataError) as err:
+            prepared_tokenizer(d, meta)
+        line = str(err.value)
+        assert line.startswith(start + says) and fix in line and "--force" in line and "\n" not in line, line
+
+    # a normalisation step added in front (the same pieces, so only the encoding of the probe text differs)
+    shutil.rmtree(own)
+    _hf_tokenizer(own, slice(0, 400))
+    tokenizer = load_tokenizer(own)
+    from tokenizers import normalizers
+
+    tokenizer.tok.backend_tokenizer.normalizer = normalizers.Lowercase()
+    tokenizer.tok.save_pretrained(own)
+    assert load_tokenizer(own).pieces() == tokenizer.pieces()
+    with pytest.raises(DataError, match="other pieces or another encoding"):
+        prepared_tokenizer(d, meta)
+
+    # a folder prepared before fingerprints were recorded: loads, unchecked
+    old = {k: v for k, v in meta.items() if k != "tokenizer_fingerprint"}
+    assert prepared_tokenizer(d, old).vocab_size == 384
+
+
 def test_ranks_share_the_files_each_exactly_once(clustered, tmp_path):
     recipe, meta = clustered
     copy = _copy(recipe, tmp_path / "data")

@@ -357,6 +357,28 @@ def test_eval_names_a_tree_that_changed_after_prepare(runs, capsys, tmp_path):
     assert not out_file.exists()
 
 
+def test_eval_names_a_users_own_tokenizer_that_changed_after_prepare(runs, capsys, tmp_path):
+    """The probes are encoded with the tokenizer meta.json names. One of the user's own (an absolute path, whose
+    bytes are not checked) replaced by another of the same vocabulary size is one line: its fingerprint differs.
+    Before, the probes were encoded into other ids and scored without a word."""
+    from memtrain.data.builtin import builtin_documents
+    from memtrain.data.tokenizer import SentencePieceTokenizer
+
+    root, mem, _ = runs
+    copy = tmp_path / "data"
+    shutil.copytree(root / "data", copy)
+    own = tmp_path / "own.model"
+    meta = json.loads((copy / "meta.json").read_text())
+    SentencePieceTokenizer.train(iter(builtin_documents(0)[::5]), own, meta["vocab_size"], "bpe", seed=3,
+                                 byte_fallback=False)
+    (copy / "meta.json").write_text(json.dumps({**meta, "tokenizer": str(own)}))
+    out_file = tmp_path / "never.json"
+    code, out, err = _eval(capsys, mem, f"data.dir={copy}", "--batches", "1", "--modes", "fetched", "--out", out_file)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"memtrain: tokenizer '{own}' is not the one {copy} was prepared with: ") and "--force" in err
+    assert not out_file.exists()
+
+
 def test_eval_with_remote_data_fetches_the_tree_and_tokenizer(runs, capsys, tmp_path):
     """With data.remote the run's cache holds only meta.json; eval fetches the tokenizer and tree there (before, the
     probes stopped: "tokenizer ... does not exist") and reports what eval on the local folder reports."""

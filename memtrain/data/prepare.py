@@ -2,8 +2,9 @@
 
 Layout of a prepared data folder::
 
-    <data_dir>/meta.json            settings, counts, tokenizer, fingerprint and the size and xxh64 of
-                                    the tokenizer and tree files (written last)
+    <data_dir>/meta.json            settings, counts, tokenizer, fingerprint, the size and xxh64 of the
+                                    tokenizer and tree files, the tokenizer's behaviour fingerprint
+                                    (tokenizer.tokenizer_fingerprint; written last)
     <data_dir>/prepare_report.json  document / sequence counts, cluster balance, throughput
     <data_dir>/tokenizer.model      the SentencePiece model, when memtrain trained it
     <data_dir>/train/               MDS shards + index.json, column "tokens" of seq_len + 1 ids
@@ -67,6 +68,9 @@ TOKENIZER_FILE = "tokenizer.model"
 # meta.json: {name: {"bytes": size, "xxh64": digest}} of the tokenizer and cluster tree in the folder
 # (named_files), checked by `memtrain prepare --verify`, the trainer's start and every reader of the file.
 CHECKSUMS = "checksums"
+# meta.json: the tokenizer's vocabulary size, end-of-text id and behaviour digest (tokenizer_fingerprint), checked by
+# the commands that read text with it, also for a tokenizer of the user's own outside the folder
+TOKENIZER_FINGERPRINT = "tokenizer_fingerprint"
 _ENCODE_BATCH = 256
 # Distributed preparation: how long a rank waits in one collective (rank 0 training the tokenizer or
 # the tree, the slowest rank embedding) before giving up. A rank that dies closes its connections,
@@ -299,6 +303,7 @@ def _meta(recipe: Recipe, settings: dict, fp: str, tokenizer, tokenizer_ref: str
           tok_start: float) -> dict[str, Any]:
     """meta.json's contents (plus the "_throughput" and "report" entries :func:`_finish` pops)."""
     from memtrain.data.shards import PackStats
+    from memtrain.data.tokenizer import tokenizer_fingerprint
 
     d = recipe.data
     sample_len = d.seq_len + 1
@@ -316,6 +321,7 @@ def _meta(recipe: Recipe, settings: dict, fp: str, tokenizer, tokenizer_ref: str
         "vocab_size": tokenizer.vocab_size,
         "eot_id": tokenizer.eot_id,
         "tokenizer": tokenizer_ref,  # relative paths are relative to the data folder
+        TOKENIZER_FINGERPRINT: tokenizer_fingerprint(tokenizer),
         "dtype": dtype,
         "column": "tokens",
         "train_samples": train.samples,  # what the loaders serve; details in "counts"
@@ -733,4 +739,4 @@ def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n", encoding="utf-8")
 
 
-__all__ = ["CHECKSUMS", "FORMAT_VERSION", "data_settings", "fingerprint", "named_files", "prepare", "split_documents"]
+__all__ = ["CHECKSUMS", "FORMAT_VERSION", "TOKENIZER_FINGERPRINT", "data_settings", "fingerprint", "named_files", "prepare", "split_documents"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import io
 import re
 from pathlib import Path
-from typing import Iterable, Optional, Protocol, runtime_checkable
+from typing import Any, Iterable, Optional, Protocol, runtime_checkable
 
 from memtrain.errors import DataError
 
@@ -43,6 +43,8 @@ class Tokenizer(Protocol):
     def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
 
     def decode(self, ids: list[int]) -> str: ...
+
+    def pieces(self) -> list[str]: ...
 
 
 class SentencePieceTokenizer:
@@ -76,6 +78,10 @@ class SentencePieceTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.sp.decode([int(i) for i in ids])
+
+    def pieces(self) -> list[str]:
+        """Every id's piece, in id order."""
+        return [self.sp.id_to_piece(i) for i in range(self.vocab_size)]
 
     @classmethod
     def train(cls, texts: Iterable[str], model_path: str | Path, vocab_size: int,
@@ -183,6 +189,36 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode([int(i) for i in ids])
 
+    def pieces(self) -> list[str]:
+        """Every id's token, in id order (an id the vocabulary skips: the empty string)."""
+        return [t or "" for t in self.tok.convert_ids_to_tokens(list(range(self.vocab_size)))]
+
+
+# Encoded by tokenizer_fingerprint: words, digits, punctuation, runs of spaces and newlines, accents, CJK, an emoji,
+# so that a change to a tokenizer's normalisation, pre-tokenisation or merges shows even where its pieces do not.
+_PROBE = ("The quick brown fox jumps over the lazy dog. 0123456789 3.14159 -42 +7% $1,000.00 (a) [b] {c} <d>\n"
+          "  two spaces,\tand a tab;  \n\nblank lines: e-mail foo@example.com, https://example.org/a?b=c#d\n"
+          "caf\u00e9 na\u00efve \u00dcber \u00c5ngstr\u00f6m \u03b1\u03b2\u03b3 \u4e2d\u6587 \u65e5\u672c\u8a9e "
+          "\ud55c\uad6d\uc5b4 \u0440\u0443\u0441\u0441\u043a\u0438\u0439 \U0001f600 "
+          "def f(x):\n    return x ** 2  # comment")
+
+
+def tokenizer_fingerprint(tokenizer) -> dict[str, Any]:
+    """What identifies a tokenizer's behaviour, not its files: its vocabulary size, end-of-text id, and the
+    xxh64 of every id's piece and of a fixed text's ids (:data:`_PROBE`). ``memtrain prepare`` records it in
+    meta.json; the commands that read text through the tokenizer of a prepared folder compare it
+    (:func:`memtrain.data.verify.prepared_tokenizer`). The same tokenizer written again with other bytes (another
+    JSON layout, settings that do not touch encoding) keeps it; another vocabulary, end-of-text token,
+    normalisation or merge table changes it (tests/test_data_integrity.py)."""
+    import xxhash
+
+    h = xxhash.xxh64()
+    for piece in tokenizer.pieces():
+        h.update(piece.encode("utf-8", "surrogatepass"))
+        h.update(b"\0")
+    h.update(b"\1" + ",".join(str(i) for i in tokenizer.encode(_PROBE)).encode())
+    return {"vocab_size": int(tokenizer.vocab_size), "eot_id": int(tokenizer.eot_id), "xxh64": h.hexdigest()}
+
 
 def load_tokenizer(path: str | Path, base: Optional[str | Path] = None) -> Tokenizer:
     """A ``.model`` file -> :class:`SentencePieceTokenizer`; a folder -> :class:`HFTokenizer`.
@@ -203,4 +239,4 @@ def load_tokenizer(path: str | Path, base: Optional[str | Path] = None) -> Token
                     "file or a local Hugging Face tokenizer folder, or leave it unset to train one")
 
 
-__all__ = ["HFTokenizer", "SentencePieceTokenizer", "Tokenizer", "load_tokenizer"]
+__all__ = ["HFTokenizer", "SentencePieceTokenizer", "Tokenizer", "load_tokenizer", "tokenizer_fingerprint"]

@@ -18,6 +18,10 @@ the training step that reads one of its samples. This module owns
 - :func:`prepared_file`: the same check of the tokenizer or tree alone, by the commands that read it
   (``memtrain eval``, ``memtrain generate``), so a damaged or replaced file is one error naming it rather
   than a parse error or, for another valid tokenizer, silently wrong text;
+- :func:`prepared_tokenizer`: the tokenizer loaded through :func:`prepared_file` and compared with the
+  behaviour fingerprint meta.json records, which also covers a tokenizer of the user's own outside the folder
+  (its bytes are not checked: a Hugging Face folder saved again by another transformers changes them, not
+  the ids);
 - :func:`check_recipe_data`: the recipe's memory and clustering settings against the prepared tree.
 
 Folders prepared before checksums were recorded (the data format is unchanged) still load: their
@@ -37,11 +41,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from memtrain.data.prepare import CHECKSUMS, META, named_files
+from memtrain.data.prepare import CHECKSUMS, META, TOKENIZER_FINGERPRINT, named_files
 from memtrain.errors import DataError
 
 if TYPE_CHECKING:
     from memtrain.config import Recipe
+    from memtrain.data.tokenizer import Tokenizer
 
 SPLITS = ("train", "val")
 INDEX = "index.json"
@@ -156,6 +161,33 @@ def prepared_file(data_dir: str | Path, meta: dict[str, Any], ref: str, remote: 
         raise DataError(f"{where}: {found}; prepare the data again with `memtrain prepare RECIPE --force` (the same "
                         "recipe writes the same file) or restore the folder from a good copy")
     return path
+
+
+def prepared_tokenizer(data_dir: str | Path, meta: dict[str, Any], remote: Optional[str] = None) -> "Tokenizer":
+    """The tokenizer the folder was prepared with (meta.json's ``tokenizer`` entry: a file in the folder, checked
+    by :func:`prepared_file`, or the user's own at an absolute path), loaded and compared with the
+    :func:`~memtrain.data.tokenizer.tokenizer_fingerprint` meta.json records: :class:`DataError` (one line) when
+    it is another tokenizer than the one the shards' ids came from. A folder prepared before fingerprints were
+    recorded loads unchecked."""
+    from memtrain.data.tokenizer import load_tokenizer, tokenizer_fingerprint
+
+    path = prepared_file(data_dir, meta, meta["tokenizer"], remote)
+    tokenizer = load_tokenizer(path)
+    recorded = meta.get(TOKENIZER_FINGERPRINT)
+    if recorded is None:
+        return tokenizer
+    found = tokenizer_fingerprint(tokenizer)
+    if found != recorded:
+        what = next((f"its {key} is {found.get(key)} where the data's is {recorded.get(key)}"
+                     for key in ("vocab_size", "eot_id") if found.get(key) != recorded.get(key)),
+                    "it has the data's vocabulary size and end-of-text id but other pieces or another encoding "
+                    f"(fingerprint {found['xxh64']}, recorded {recorded.get('xxh64')})")
+        where = remote or str(data_dir)
+        raise DataError(f"tokenizer {str(path)!r} is not the one {where} was prepared with: {what}, so the "
+                        "text it would read or write does not match the data's token ids; restore the tokenizer the "
+                        "data was prepared with, or prepare the data again with this one (`memtrain prepare RECIPE "
+                        "--force`)")
+    return tokenizer
 
 
 def check_recipe_data(recipe: "Recipe", meta: dict[str, Any]) -> None:
@@ -349,5 +381,5 @@ def _check(f: ShardFile, bar: Any) -> tuple[int, Optional[str]]:
     return size, None
 
 
-__all__ = ["CHUNK", "ShardFile", "VerifyReport", "check_recipe_data", "file_digest", "prepared_file", "shard_files",
-           "verify_folder", "verify_shards"]
+__all__ = ["CHUNK", "ShardFile", "VerifyReport", "check_recipe_data", "file_digest", "prepared_file", "prepared_tokenizer",
+           "shard_files", "verify_folder", "verify_shards"]

@@ -145,10 +145,9 @@ def evaluate(recipe: Recipe, checkpoint: Optional[str | Path] = None, batches: O
     info = find_checkpoint(recipe, checkpoint)
     examples, tokenizer, encoder = [], None, None
     if task_names:
-        from memtrain.data.tokenizer import load_tokenizer
-        from memtrain.data.verify import prepared_file
+        from memtrain.data.verify import prepared_tokenizer
 
-        tokenizer = load_tokenizer(prepared_file(data_dir, meta, meta["tokenizer"], remote))
+        tokenizer = prepared_tokenizer(data_dir, meta, remote)
         encoder = PromptEncoder(tokenizer)
         examples = task_examples(task_names, task_lengths, task_samples, encoder)
     device = pick_device(recipe)

@@ -282,11 +282,10 @@ def probe_accuracy(model: torch.nn.Module, bank: Any, recipe: Recipe, data_dir: 
                    modes: Sequence[str], device: torch.device, batch_size: int = 64) -> dict[str, Any]:
     """Accuracy on every probe of ``longtail.probes(seed=0)`` per mode (see the module docstring)."""
     from memtrain.data import longtail
-    from memtrain.data.tokenizer import load_tokenizer
-    from memtrain.data.verify import prepared_file
+    from memtrain.data.verify import prepared_tokenizer
 
     probes = longtail.probes(seed=PROBE_SEED)
-    tokenizer = load_tokenizer(prepared_file(data_dir, meta, meta["tokenizer"], recipe.data.remote))
+    tokenizer = prepared_tokenizer(data_dir, meta, recipe.data.remote)
     sequences, starts = probe_tokens(tokenizer, [p.prompt for p in probes], [p.answer for p in probes])
     buckets, kinds = [p.bucket for p in probes], [p.kind for p in probes]
     fetched = blocked = None

@@ -222,8 +222,7 @@ def generate(recipe: Recipe, prompts: Sequence[str], checkpoint: Optional[str | 
     context bank, printing through ``echo`` (module docstring); returns the report (also written as
     JSON to ``out`` when given)."""
     from memtrain.data.loader import data_location, read_meta
-    from memtrain.data.tokenizer import load_tokenizer
-    from memtrain.data.verify import prepared_file
+    from memtrain.data.verify import prepared_tokenizer
     from memtrain.eval.common import PromptEncoder, write_json_atomic
     from memtrain.eval.evaluate import find_checkpoint, load_model, pick_device
     from memtrain.eval.longctx import NO_CONTEXT_LIMIT, greedy_generate, model_context
@@ -236,7 +235,7 @@ def generate(recipe: Recipe, prompts: Sequence[str], checkpoint: Optional[str | 
     max_new = max_new_tokens or DEFAULT_MAX_NEW_TOKENS
     data_dir, remote = data_location(recipe)
     meta = read_meta(data_dir, recipe)  # DataError when `memtrain prepare` has not run
-    tokenizer = load_tokenizer(prepared_file(data_dir, meta, meta["tokenizer"], remote))
+    tokenizer = prepared_tokenizer(data_dir, meta, remote)
     prompt_encoder = PromptEncoder(tokenizer)
     info = find_checkpoint(recipe, checkpoint)
     device = pick_device(recipe)
