@@ -18,6 +18,34 @@ def is_storage_failure(error: BaseException) -> bool:
     return isinstance(error, OSError) and error.errno in STORAGE_ERRNOS
 
 
+# Errors of a path this user may not create, write or read: the location's, not a bug.
+PERMISSION_ERRNOS = frozenset({errno.EACCES, errno.EPERM})
+
+
+def is_permission_failure(error: BaseException) -> bool:
+    """Whether ``error`` is a file operation refused for want of permission (:data:`PERMISSION_ERRNOS`)."""
+    return isinstance(error, OSError) and error.errno in PERMISSION_ERRNOS and error.filename is not None
+
+
+def permission_line(error: OSError) -> str:
+    """One line for :func:`is_permission_failure`: the path, the refusal, the user, and the fix. A path that
+    does not exist was being created, so its folder is named as the one this user may not write in."""
+    import getpass
+    import os
+
+    path = os.fsdecode(error.filename)
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = f"uid {os.getuid()}"
+    fix = ("fix the permissions or choose a location this user may use (data.dir for prepare, run.dir for train, "
+           "--out for eval, generate and scaling), and run the command again")
+    if not os.path.lexists(path):
+        folder = os.path.dirname(os.path.abspath(path))
+        return f"cannot create {path}: {error.strerror} (user {user} may not write in {folder}); {fix}"
+    return f"{path}: {error.strerror} (user {user}); {fix}"
+
+
 class MemtrainError(Exception):
     """An error caused by the user's input, with a message that names the problem and the fix."""
 

@@ -476,6 +476,46 @@ def test_run_lock_release_leaves_someone_elses_lock_alone(tmp_path):
     assert _holder(run)["token"] == "theirs"
 
 
+def test_a_run_dir_this_user_may_not_create_is_one_line(tmp_path, monkeypatch):
+    """run.dir in a folder this user may not write in: the lock's refusal (the same line on every rank, through
+    the gathered refusal), not a PermissionError traceback from mkdir. Other OSErrors keep their traceback."""
+    import errno
+    import getpass
+
+    from memtrain.errors import permission_line
+    from memtrain.launcher.train import _lock_run_dir
+
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real = os.mkdir
+
+    def refuse(path, *args, **kwargs):
+        if str(path).startswith(str(locked)):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", refuse)
+    fix = ("fix the permissions or choose a location this user may use (data.dir for prepare, run.dir for train, "
+           "--out for eval, generate and scaling), and run the command again")
+    user = getpass.getuser()
+    with pytest.raises(LaunchError) as err:
+        _lock_run_dir(locked / "run", 0, torch.device("cpu"))
+    assert str(err.value) == (f"cannot create {locked / 'run'}: Permission denied (user {user} may not write in "
+                              f"{locked}); {fix}")
+    assert list(locked.iterdir()) == []
+    existing = tmp_path / "file"
+    existing.write_text("")
+    assert permission_line(PermissionError(errno.EPERM, "Operation not permitted", str(existing))) == (
+        f"{existing}: Operation not permitted (user {user}); {fix}")
+
+    def broken(path, *args, **kwargs):
+        raise OSError(errno.EIO, "Input/output error", str(path))
+
+    monkeypatch.setattr(os, "mkdir", broken)
+    with pytest.raises(OSError, match="Input/output error"):
+        _lock_run_dir(tmp_path / "run", 0, torch.device("cpu"))
+
+
 def _race(run_dir: str, start, done, results) -> None:
     lock = RunLock(run_dir)
     try:

@@ -487,6 +487,34 @@ def test_prepare_on_a_full_disk_is_one_line_and_leaves_nothing(plain, tmp_path, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["recipe.yaml"]
 
 
+def test_prepare_where_this_user_may_not_write_is_one_line(plain, tmp_path, capsys, monkeypatch):
+    """data.dir in a folder this user may not write in: one line naming the folder and exit 2 (before, a
+    PermissionError traceback from the build folder's mkdir and exit 1)."""
+    import errno
+    import getpass
+
+    recipe, _ = plain
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    path = tmp_path / "recipe.yaml"
+    path.write_text(recipe_from_dict(recipe.to_dict(), [f"data.dir={locked / 'data'}"]).to_yaml())
+    real = os.mkdir
+
+    def refuse(target, *args, **kwargs):
+        if str(target).startswith(str(locked)):
+            raise PermissionError(errno.EACCES, "Permission denied", str(target))
+        return real(target, *args, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", refuse)
+    assert main(["prepare", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith(f"memtrain: cannot create {locked}/.data.tmp-"), err
+    assert err.endswith(f": Permission denied (user {getpass.getuser()} may not write in {locked}); fix the "
+                        "permissions or choose a location this user may use (data.dir for prepare, run.dir for "
+                        "train, --out for eval, generate and scaling), and run the command again\n")
+    assert list(locked.iterdir()) == []
+
+
 # --------------------------------------------------------------------------------------------------
 # the recipe against the prepared data
 

@@ -33,7 +33,7 @@ import sys
 from typing import Optional, Sequence
 
 from memtrain.config import RecipeError
-from memtrain.errors import MemtrainError, is_storage_failure
+from memtrain.errors import MemtrainError, is_permission_failure, is_storage_failure, permission_line
 
 CHECKPOINT_KEY = "checkpoint"
 
@@ -349,7 +349,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     except MemtrainError as e:
         print(f"memtrain: {e}", file=sys.stderr, flush=True)
         return e.exit_code
-    except OSError as e:  # a full, over-quota or read-only disk (training says more: StorageError)
+    except OSError as e:  # a full, over-quota or read-only disk (training says more: StorageError), or a path
+        if is_permission_failure(e):  # this user may not use
+            print(f"memtrain: {permission_line(e)}", file=sys.stderr, flush=True)
+            return MemtrainError.exit_code
         if not is_storage_failure(e):
             raise
         what = f"writing {e.filename} failed" if e.filename else "a write failed"
