@@ -345,7 +345,8 @@ def test_a_users_own_tokenizer_is_checked_by_its_behaviour_not_its_bytes(source,
         "merges": (lambda f: _hf_tokenizer(f, slice(400, 800)),
                    "it has the data's vocabulary size and end-of-text id but other pieces or another encoding "
                    "(fingerprint "),
-        "vocab": (lambda f: _hf_tokenizer(f, slice(0, 400), vocab=400), "its vocab_size is 400 where the data's is 384"),
+        "vocab": (lambda f: _hf_tokenizer(f, slice(0, 400), vocab=400),
+                  "its vocab_size is 400 where the data's is 384"),
         "eos": (lambda f: _hf_tokenizer(f, slice(0, 400), eos="<|end|>"), "its eot_id is 2 where the data's is 1"),
     }
     for name, (make, says) in cases.items():

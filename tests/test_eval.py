@@ -433,6 +433,10 @@ def test_eval_user_errors(runs, capsys):
         ((plain, f"data.dir={root / 'nodata'}"), "no prepared data"),
         ((mem, f"checkpoint={damaged}"), "missing ['blocks.0.ffn.w1.weight']"),
         ((mem, f"checkpoint={overwritten}"), "is damaged: mp_rank_00_model_states.pt has xxh64 "),
+        # --out checked before the evaluation: a folder, a path through a file (before: found only when the
+        # report was written at the end)
+        ((mem, "--out", root), f"--out {root} is a folder; give the path of the JSON file to write"),
+        ((mem, "--out", mem / "x.json"), f"--out {mem / 'x.json'}: {mem} is a file, not a folder"),
     ]
     for args, message in cases:
         code, out, err = _eval(capsys, *args)
@@ -440,3 +444,37 @@ def test_eval_user_errors(runs, capsys):
         assert len(err.strip().splitlines()) == 1 and message in err, (args, err)
         assert out == ""
     assert sorted(p for p in root.rglob("*")) == before  # nothing written
+
+
+def test_eval_out_where_this_user_may_not_write_is_refused_before_the_evaluation(runs, capsys, tmp_path, monkeypatch):
+    """--out in a folder this user may not write in: refused before any model is loaded (before: after the whole
+    evaluation, with a PermissionError traceback). The probe file is created and removed in the nearest folder of
+    the path that exists; nothing is left behind."""
+    import errno
+    import tempfile
+
+    from memtrain.eval import evaluate
+    from memtrain.launcher.cli import check_out_file
+
+    root, mem, _ = runs
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real = tempfile.mkstemp
+
+    def refuse(*args, dir=None, **kwargs):
+        if dir is not None and str(dir).startswith(str(locked)):
+            raise PermissionError(errno.EACCES, "Permission denied", str(dir))
+        return real(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(tempfile, "mkstemp", refuse)
+    monkeypatch.setattr(evaluate, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    code, out, err = _eval(capsys, mem, "--out", locked / "new" / "report.json")
+    assert code == 2 and out == ""
+    target = locked / "new" / "report.json"
+    assert err == (f"memtrain: --out {target} cannot be written: Permission denied in {locked}; choose another "
+                   "--out, or fix that folder (its permissions, or space on its file system)\n")
+    assert list(locked.iterdir()) == []
+    monkeypatch.setattr(tempfile, "mkstemp", real)
+    probe = tmp_path / "ok" / "report.json"
+    check_out_file(str(probe))  # a writable place: nothing made, nothing left
+    assert not (tmp_path / "ok").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["locked"]

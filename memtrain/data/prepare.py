@@ -739,4 +739,5 @@ def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n", encoding="utf-8")
 
 
-__all__ = ["CHECKSUMS", "FORMAT_VERSION", "TOKENIZER_FINGERPRINT", "data_settings", "fingerprint", "named_files", "prepare", "split_documents"]
+__all__ = ["CHECKSUMS", "FORMAT_VERSION", "TOKENIZER_FINGERPRINT", "data_settings", "fingerprint", "named_files",
+           "prepare", "split_documents"]

@@ -381,5 +381,5 @@ def _check(f: ShardFile, bar: Any) -> tuple[int, Optional[str]]:
     return size, None
 
 
-__all__ = ["CHUNK", "ShardFile", "VerifyReport", "check_recipe_data", "file_digest", "prepared_file", "prepared_tokenizer",
-           "shard_files", "verify_folder", "verify_shards"]
+__all__ = ["CHUNK", "ShardFile", "VerifyReport", "check_recipe_data", "file_digest", "prepared_file",
+           "prepared_tokenizer", "shard_files", "verify_folder", "verify_shards"]

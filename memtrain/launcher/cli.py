@@ -289,6 +289,8 @@ def run(argv: Optional[list[str]] = None) -> int:
     if args.command in ("eval", "generate"):  # checkpoint=PATH names what to load; it is not a recipe key
         overrides, checkpoint = split_checkpoint_override(args.overrides)
     recipe = load_recipe(args.recipe, overrides)
+    if args.command in ("eval", "generate") and args.out is not None:
+        check_out_file(args.out)
     if args.command == "train":
         from memtrain.launcher.train import train
 
@@ -325,6 +327,34 @@ def run(argv: Optional[list[str]] = None) -> int:
                  encoder_steps=args.encoder_steps, tokens_per_vector=args.tokens_per_vector,
                  top_k=args.top_k_clusters, out=args.out)
     return 0
+
+
+def check_out_file(out: str) -> None:
+    """Before an evaluation or generation that may run for hours: ``--out`` must be a file path whose folder
+    this user may write in. The nearest folder on its path that exists takes a probe file (created and removed
+    at once; folders that do not exist yet are made at the end, as before). :class:`MemtrainError` otherwise,
+    one line; nothing is left behind."""
+    import tempfile
+    from pathlib import Path
+
+    path = Path(out).expanduser().absolute()
+    if path.is_dir():
+        raise MemtrainError(f"--out {out} is a folder; give the path of the JSON file to write, e.g. "
+                            f"{Path(out) / 'report.json'}")
+    folder = path.parent
+    while not folder.exists():
+        folder = folder.parent
+    if not folder.is_dir():
+        raise MemtrainError(f"--out {out}: {folder} is a file, not a folder; choose another --out")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".memtrain-out-probe-", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        if is_permission_failure(e) or is_storage_failure(e):
+            raise MemtrainError(f"--out {out} cannot be written: {e.strerror} in {folder}; choose another --out, or "
+                                "fix that folder (its permissions, or space on its file system)") from None
+        raise
 
 
 def release_process_groups() -> None:
