@@ -1292,7 +1292,10 @@ def recipe_hash_defaults() -> dict:
 _RESUMABLE_MODEL_KEYS = ("init_from", "compile", "compile_mode")
 _RESUMABLE_MEMORY_KEYS = ("optimizer", "grad_clip", "generic_prob", "freeze_anchor", "bank", "bank_optimizer",
                           "bank_dtype", "bank_offload")
-_RESUMABLE_CROSSATTN_KEYS = ("balance_loss", "bank_lr", "freeze_bank_at", "freeze_bank", "lora_lr", "bank", "kernel")
+# Not freeze_bank (a frozen bank has no optimizer group, so the saved optimizer state no longer fits) nor bank
+# (a sharded bank's rows are saved apart from the model's weights): both are refused on resume, with a hint
+# (memtrain.parallel.checkpoint._RESUME_HINTS).
+_RESUMABLE_CROSSATTN_KEYS = ("balance_loss", "bank_lr", "freeze_bank_at", "lora_lr", "kernel")
 _RESUMABLE_TITANS_KEYS = ("kernel",)
 _RESUMABLE_MEMORY_LLAMA_KEYS = ("kernel",)
 

@@ -123,18 +123,29 @@ def test_compatibility_ignores_training_only_keys_and_keys_newer_than_the_checkp
 
 def test_crossattn_compatibility_key_by_key_in_the_nested_section(tmp_path):
     """memory.crossattn is compared key by key: a checkpoint written before memory.crossattn.kernel existed
-    resumes (the key at its default), the section's training-only keys (kernel, bank placement, bank and
-    LoRA learning rates, staged freezing, balancing weight) may change, and a shape key names itself."""
+    resumes (the key at its default), the section's training-only keys (kernel, bank and LoRA learning rates,
+    staged freezing from a step, balancing weight) may change, and a shape key names itself; freeze_bank and
+    bank placement may not."""
     info = ckpt.CheckpointInfo(tmp_path / "global_step5", 5, False, world_size=1)
     xattn = {"memory": {"type": "crossattn", "crossattn": {"tokens": 8, "chapters": 2, "top_k": 1}}}
     saved = recipe_from_dict(xattn).to_dict()
     del saved["memory"]["crossattn"]["kernel"]  # as written before the key existed
     state = {"recipe": saved}
     ckpt.check_compatible(info, state, recipe_from_dict(xattn), world_size=1)
-    training_only = {"kernel": "torch", "bank": "sharded", "bank_lr": 1e-4, "lora_lr": 1e-3, "freeze_bank_at": 3,
-                     "balance_loss": 0.1}
+    training_only = {"kernel": "torch", "bank_lr": 1e-4, "lora_lr": 1e-3, "freeze_bank_at": 3, "balance_loss": 0.1}
     changed = {"memory": {"type": "crossattn", "crossattn": {**xattn["memory"]["crossattn"], **training_only}}}
     ckpt.check_compatible(info, state, recipe_from_dict(changed), world_size=1)
+    # Not resumable, with what to do instead. Before, both passed this check and the load failed with "the
+    # folder is damaged ... start a new run.dir" (a frozen bank has no optimizer group; a sharded bank's rows
+    # are saved apart from the model).
+    for key, value, hint in (("freeze_bank", True, "memory.crossattn.freeze_bank_at; to start frozen from this "
+                              "checkpoint's weights: model.init_from in the new run.dir)"),
+                             ("bank", "sharded", "model.init_from in the new run.dir starts from this checkpoint's "
+                              "weights)")):
+        other = {"memory": {"type": "crossattn", "crossattn": {**xattn["memory"]["crossattn"], key: value}}}
+        with pytest.raises(CheckpointError) as err:
+            ckpt.check_compatible(info, state, recipe_from_dict(other), world_size=1)
+        assert f"was written with memory.crossattn.{key}=" in str(err.value) and str(err.value).endswith(hint)
     with pytest.raises(CheckpointError, match=r"memory.crossattn.tokens=8 but the recipe has 16"):
         ckpt.check_compatible(info, state, recipe_from_dict(
             {"memory": {"type": "crossattn", "crossattn": {"tokens": 16, "chapters": 2, "top_k": 1}}}), 1)

@@ -270,6 +270,9 @@ def test_crossattn_parameter_groups_and_staged_freezing():
     assert peak_lr(r, "bank") == (2e-4, pytest.approx(2e-5)) and peak_lr(r, "memory") == (1e-3, 1e-4)
     bank_lr, mem_lr = lr_at(r, "bank"), lr_at(r, "memory")
     assert bank_lr(9) > 0 and bank_lr(10) == 0 and bank_lr(19) == 0 and mem_lr(15) > 0
+    # freeze_bank: 0 throughout, as the bank does not move (before, the logged optim/bank_lr followed the schedule)
+    frozen = recipe_from_dict(r.to_dict(), ["memory.crossattn.freeze_bank=true", "memory.crossattn.freeze_bank_at=0"])
+    assert [lr_at(frozen, "bank")(s) for s in (0, 1, 9, 19)] == [0.0] * 4 and lr_at(frozen, "memory")(1) > 0
 
 
 @pytest.mark.parametrize("crossattn,key,message", [

@@ -217,6 +217,15 @@ def _first_difference(now: Any, then: Any, default: Any, name: str) -> Optional[
     return None if now == then else (name, then, now)
 
 
+# What a key that cannot change on resume offers instead (check_compatible's message).
+_RESUME_HINTS = {
+    "memory.crossattn.freeze_bank": (" (to freeze the bank partway through this run: memory.crossattn.freeze_bank_at; "
+                                     "to start frozen from this checkpoint's weights: model.init_from in the new "
+                                     "run.dir)"),
+    "memory.crossattn.bank": " (model.init_from in the new run.dir starts from this checkpoint's weights)",
+}
+
+
 def check_compatible(info: CheckpointInfo, state: dict, recipe: Recipe, world_size: int) -> None:
     """Refuse to resume a checkpoint whose model or data layout differs from the recipe's."""
     saved = state.get("recipe") or {}
@@ -226,7 +235,8 @@ def check_compatible(info: CheckpointInfo, state: dict, recipe: Recipe, world_si
         if found is not None:
             key, was, has = found
             raise CheckpointError(f"checkpoint {info.path} was written with {key}={was!r} but the recipe has "
-                                  f"{has!r}; restore the recipe value or choose a new run.dir")
+                                  f"{has!r}; restore the recipe value, or train with it from the start in a new "
+                                  f"run.dir{_RESUME_HINTS.get(key, '')}")
     if info.world_size != world_size and recipe.data.placement == "affine":
         raise CheckpointError(
             f"checkpoint {info.path} was written by {info.world_size} ranks with data.placement affine; each rank's "

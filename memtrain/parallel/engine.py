@@ -301,9 +301,10 @@ def lr_at(recipe: Recipe, role: str = "anchor") -> Callable[[int], float]:
     # Section 5.5's staged freezing: from this step on the bank (and its W_K, W_V) stops moving; AdamW with a
     # learning rate of 0 applies neither the update nor the (decoupled) weight decay.
     frozen_from = recipe.steps(c.freeze_bank_at) if role == "bank" and c is not None else 0
+    frozen = role == "bank" and c is not None and c.freeze_bank  # from the start: 0 throughout (as logged)
 
     def schedule(step: int) -> float:
-        if frozen_from and step >= frozen_from:
+        if frozen or (frozen_from and step >= frozen_from):
             return 0.0
         if step < warmup:
             return lr * (step + 1) / warmup
