@@ -101,6 +101,31 @@ def test_incompatible_checkpoint_names_the_key(tmp_path):
     assert not ckpt.needs_universal(info, zero0, recipe_from_dict({"model": {"d_model": 256}}), 4)
 
 
+def test_durations_in_tokens_refuse_another_batch_on_resume(tmp_path):
+    """A duration in tokens counts in steps of the recipe's batch from step 0: resumed at another global batch, the
+    run would stop early (81,920 tokens at 4,096 per step resumed at 8,192 from step 10 said "run already complete at
+    step 10" after 40,960 tokens). Refused, naming the keys; durations in steps, or the same batch, resume."""
+    info = ckpt.CheckpointInfo(tmp_path / "global_step10", 10, False, world_size=1)
+    base = {"data": {"seq_len": 128}, "train": {"global_batch_tokens": 4096, "max_steps": "40960 tokens"}}
+    state = {"recipe": recipe_from_dict(base).to_dict()}
+    doubled = recipe_from_dict(base, ["train.global_batch_tokens=8192", "train.max_steps=81920 tokens",
+                                      "train.schedule.warmup=1024 tokens"])
+    assert ckpt.token_durations(doubled) == ["train.max_steps", "train.schedule.warmup"]
+    with pytest.raises(CheckpointError) as err:
+        ckpt.check_token_durations(info, state, doubled)
+    assert str(err.value) == (
+        f"checkpoint {info.path} was written at 4,096 tokens per step (train.global_batch_tokens) but the recipe has "
+        "8,192, and train.max_steps, train.schedule.warmup are given in tokens, which count in steps of the recipe's "
+        "batch from step 0; restore train.global_batch_tokens: 4096, or give train.max_steps, train.schedule.warmup "
+        "in steps")
+    ckpt.check_token_durations(info, state, recipe_from_dict(base, ["train.max_steps=81920 tokens"]))  # same batch
+    ckpt.check_token_durations(info, state, recipe_from_dict(base, ["train.global_batch_tokens=8192",
+                                                                    "train.max_steps=20"]))  # in steps
+    # the same tokens per step in other numbers (half the sequence length, twice the sequences)
+    ckpt.check_token_durations(info, state, recipe_from_dict(base, ["data.seq_len=64", "model.max_seq_len=64",
+                                                                    "train.max_steps=81920 tokens"]))
+
+
 def test_compatibility_ignores_training_only_keys_and_keys_newer_than_the_checkpoint(tmp_path):
     """A checkpoint from before a recipe key existed resumes while the key keeps its default; the
     memory optimizer, clipping, generic probability, freezing and model.init_from may change."""

@@ -529,8 +529,14 @@ def _tree_meta(k: int, p: int) -> dict:
             "streams": {"train": [{"subtree": s, "dir": f"train/subtree-{s}", "samples": 10} for s in range(k)]}}
 
 
+def _tree_only(meta: dict) -> dict:
+    """``meta`` without its recorded settings: the tree checks alone (the settings are another recipe's)."""
+    return {k: v for k, v in meta.items() if k != "settings"}
+
+
 def test_memory_on_unclustered_data_is_refused(plain):
     _, meta = plain  # prepared without clustering
+    meta = _tree_only(meta)
     assert "clustering" not in meta
     with pytest.raises(DataError, match=r"was prepared without clustering, but memory.type 'ffn' fetches memories by "
                                         r"cluster id; prepare it again .*--force.*or set memory.type: none"):
@@ -546,6 +552,7 @@ def test_memory_on_unclustered_data_is_refused(plain):
 def test_another_tree_is_refused(clustered):
     recipe, meta = clustered
     check_recipe_data(recipe, meta)
+    meta = _tree_only(meta)
     check_recipe_data(_quickstart_memory(), _tree_meta(4, 2))
     with pytest.raises(DataError, match=r"holds a cluster tree with branching 2 but data.clustering.branching is 4; set "
                                         r"data.clustering.branching: 2, or prepare the data again"):
@@ -556,6 +563,49 @@ def test_another_tree_is_refused(clustered):
     # a memory without a bank reads no cluster ids, but the tree must still be the recipe's
     with pytest.raises(DataError, match="holds a cluster tree with branching 3 but data.clustering.branching is 4"):
         check_recipe_data(_quickstart_memory("memory.type=none", "memory.levels=[]"), _tree_meta(3, 2))
+
+
+def test_a_recipe_whose_data_settings_are_not_the_folders_is_refused(plain, clustered, tmp_path):
+    """Training refuses what `memtrain prepare` refuses: a recipe whose data settings (sources, validation fraction,
+    tokenizer, clustering, ...) are not those the folder was prepared with. Before, the run trained on the folder and
+    its recipe.yaml recorded settings the data was not made with. The seed and a tokenizer named by path may
+    differ; a folder that records no settings is not compared."""
+    from memtrain.data.verify import settings_difference
+
+    fix = "prepare the data for this recipe (`memtrain prepare RECIPE --force`, or another data.dir)"
+    for recipe, meta in (plain, clustered):
+        check_recipe_data(recipe, meta)
+        where = str(recipe.data_dir)
+        for override, key, was, has in (
+                ("data.val_fraction=0.1", "data.val_fraction", 0.05, 0.1),
+                ("data.tokenizer.vocab_size=256", "data.tokenizer.vocab_size", 300, 256),
+                ("data.tokenizer.model_type=unigram", "data.tokenizer.model_type", "bpe", "unigram"),
+                ("data.text_field=body", "data.text_field", "text", "body"),
+                ("data.sources=[builtin]", "data.sources", [str(recipe.data.sources[0])], ["builtin"])):
+            other = recipe_from_dict(recipe.to_dict(), [override])
+            assert settings_difference(other, meta) == (key, was, has)
+            with pytest.raises(DataError) as err:
+                check_recipe_data(other, meta)
+            assert str(err.value) == (f"{where} was prepared with {key}={was!r} but the recipe has {has!r}; set "
+                                      f"{key}: {was!r} to train on it, or {fix}")
+        assert settings_difference(recipe_from_dict(recipe.to_dict(), ["run.seed=99"]), meta) is None
+        assert settings_difference(recipe, _tree_only(meta)) is None
+    recipe, meta = clustered
+    steps = recipe_from_dict(recipe.to_dict(), ["data.clustering.kmeans_samples=128"])
+    assert settings_difference(steps, meta) == ("data.clustering.kmeans_samples", 256, 128)
+    off = recipe_from_dict(recipe.to_dict(), ["data.clustering.enabled=false"])
+    assert settings_difference(off, meta) == ("data.clustering.enabled", True, False)
+    recipe, meta = plain
+    on = recipe_from_dict(recipe.to_dict(), ["data.clustering.enabled=true"])
+    assert settings_difference(on, meta) == ("data.clustering.enabled", False, True)
+    old = {**meta, "settings": {**meta["settings"], "format_version": 0}}
+    with pytest.raises(DataError, match=r"was prepared by another memtrain \(format_version 0, this one's is 1\); "
+                                        r"prepare the data for this recipe"):
+        check_recipe_data(recipe, old)
+    # a tokenizer of the user's own, named by another path (a job started in another working directory)
+    own = {**meta, "settings": {**meta["settings"], "tokenizer": {"path": "/elsewhere/tok"}}}
+    assert settings_difference(recipe_from_dict(recipe.to_dict(), [f"data.tokenizer.path={tmp_path}"]), own) is None
+    assert settings_difference(recipe, own) == ("data.tokenizer.path", "/elsewhere/tok", None)
 
 
 def test_leaves_that_do_not_index_the_memory_rows_are_refused():

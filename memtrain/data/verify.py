@@ -194,7 +194,63 @@ def check_recipe_data(recipe: "Recipe", meta: dict[str, Any]) -> None:
     """Raise :class:`DataError` (one line: the problem and the fix) when the prepared data (its
     ``meta``) cannot serve the recipe: memories fetched by cluster id, or cluster-affine placement,
     on data prepared without clustering; a cluster tree whose branching or depth is not the recipe's;
-    leaf cluster ids that do not index the memory's rows. Reads nothing but ``meta``."""
+    leaf cluster ids that do not index the memory's rows; any other data setting the folder was prepared
+    with that is not the recipe's (:func:`settings_difference`). Reads nothing but ``meta``."""
+    _check_tree(recipe, meta)
+    found = settings_difference(recipe, meta)
+    if found is None:
+        return
+    key, was, has = found
+    where = recipe.data.remote or str(recipe.data_dir)
+    fix = "prepare the data for this recipe (`memtrain prepare RECIPE --force`, or another data.dir)"
+    if key.startswith("data."):
+        raise DataError(f"{where} was prepared with {key}={was!r} but the recipe has {has!r}; set {key}: {was!r} to "
+                        f"train on it, or {fix}")
+    raise DataError(f"{where} was prepared by another memtrain ({key} {was!r}, this one's is {has!r}); {fix}")
+
+
+# Data settings a run may differ in from the folder it trains on: the seed (run.seed also seeds the model's
+# initialisation and the data order, and a run may vary it on the same data) and a tokenizer named by path (a
+# relative path resolves against the working directory, which a job need not share with prepare; the commands
+# that read text check the tokenizer's fingerprint, and training reads token ids only).
+_SETTINGS_RUN_MAY_CHANGE = ("seed",)
+# meta.json's settings keys that are not recipe keys under data. (the folder's format and corpus versions)
+_VERSION_KEYS = ("format_version", "builtin_version", "longtail_version", "tasks_version")
+
+
+def settings_difference(recipe: "Recipe", meta: dict[str, Any]) -> Optional[tuple[str, Any, Any]]:
+    """``(key, prepared value, recipe value)`` of the first data setting (:func:`memtrain.data.prepare.data_settings`:
+    sources, text field, sequence length, validation fraction, tokenizer, clustering) in which the recipe differs
+    from the settings meta.json records; None when it does not, or for a folder that records none. ``prepare``
+    refuses the same differences; before 2026-11-29 training did not, so a run's recipe.yaml could record a
+    validation fraction, tokenizer or tree the data was not made with."""
+    from memtrain.data.prepare import data_settings
+
+    saved = meta.get("settings")
+    if not isinstance(saved, dict):
+        return None
+    now = data_settings(recipe)
+    for key in sorted(set(now) | set(saved), key=lambda k: (k in _VERSION_KEYS, k)):  # recipe keys first
+        if key in _SETTINGS_RUN_MAY_CHANGE:
+            continue
+        a, b = now.get(key), saved.get(key)
+        name = key if key in _VERSION_KEYS else f"data.{key}"
+        if key == "clustering":  # recorded only when enabled
+            a, b = a or {"enabled": False}, b or {"enabled": False}
+        if isinstance(a, dict) and isinstance(b, dict):
+            if key == "tokenizer" and "path" in a and "path" in b:
+                continue
+            # clustering on or off, or a tokenizer of one's own against a trained one, before the rest
+            for sub in sorted(set(a) | set(b), key=lambda k: (k not in ("enabled", "path"), k)):
+                if a.get(sub) != b.get(sub):
+                    return f"{name}.{sub}", b.get(sub), a.get(sub)
+        elif a != b:
+            return name, b, a
+    return None
+
+
+def _check_tree(recipe: "Recipe", meta: dict[str, Any]) -> None:
+    """:func:`check_recipe_data`'s checks of the cluster tree against the recipe's memory and placement."""
     where = recipe.data.remote or str(recipe.data_dir)
     cl, want, mem = meta.get("clustering") or {}, recipe.data.clustering, recipe.memory
     again = "prepare it again (`memtrain prepare RECIPE --force`) or point data.dir at clustered data"
@@ -382,4 +438,5 @@ def _check(f: ShardFile, bar: Any) -> tuple[int, Optional[str]]:
 
 
 __all__ = ["CHUNK", "ShardFile", "VerifyReport", "check_recipe_data", "file_digest", "prepared_file",
-           "prepared_tokenizer", "shard_files", "verify_folder", "verify_shards"]
+           "prepared_tokenizer", "settings_difference", "shard_files", "verify_folder",
+           "verify_shards"]

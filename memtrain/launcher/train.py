@@ -703,6 +703,7 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
         saved = ckpt.read_trainer_state(latest)
         aligned = ckpt.param_groups_aligned(saved)  # the layout the checkpoint's optimizer state was written in
         ckpt.check_compatible(latest, saved, recipe, world)
+        ckpt.check_token_durations(latest, saved, recipe)
         ckpt.verify(latest, rank, world)  # the files against COMPLETE.json's checksums, before anything reads them
         if ckpt.needs_universal(latest, saved, recipe, world):
             # The partitioned optimizer state was written for another data-parallel size or ZeRO stage:

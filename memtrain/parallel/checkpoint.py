@@ -251,6 +251,47 @@ def check_compatible(info: CheckpointInfo, state: dict, recipe: Recipe, world_si
             + (" (or any stage 1-3)" if saved_stage > 0 else ""))
 
 
+def token_durations(recipe: Recipe) -> list[str]:
+    """The recipe keys whose duration is given in tokens (``train.max_steps: 2B tokens``), dotted."""
+    import dataclasses
+
+    from memtrain.config import Duration
+
+    found: list[str] = []
+
+    def walk(obj: Any, prefix: str) -> None:
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if isinstance(value, Duration) and value.unit == "tokens":
+                found.append(prefix + f.name)
+            elif dataclasses.is_dataclass(value):
+                walk(value, f"{prefix}{f.name}.")
+
+    walk(recipe, "")
+    return found
+
+
+def check_token_durations(info: CheckpointInfo, state: dict, recipe: Recipe) -> None:
+    """Training's check before it resumes ``info`` (``state``: its trainer state). A duration in tokens becomes steps at the recipe's tokens per step. Resumed at another global batch, the
+    checkpoint's steps were taken at the old one, so the run would stop early or late (81,920 tokens at 4,096 per
+    step, resumed at 8,192 per step from step 10: "run already complete at step 10" after 40,960 tokens):
+    refused, with the two ways on."""
+    keys, saved = token_durations(recipe), state.get("recipe") or {}
+    try:
+        seq = int(saved["data"]["seq_len"])
+        was = int(saved["train"]["global_batch_tokens"]) // seq * seq
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return
+    if not keys or was == recipe.tokens_per_step:
+        return
+    given = ", ".join(keys)
+    raise CheckpointError(
+        f"checkpoint {info.path} was written at {was:,} tokens per step (train.global_batch_tokens) but the recipe has "
+        f"{recipe.tokens_per_step:,}, and {given} {'is' if len(keys) == 1 else 'are'} given in tokens, which count in "
+        f"steps of the recipe's batch from step 0; restore train.global_batch_tokens: "
+        f"{saved['train']['global_batch_tokens']}, or give {given} in steps")
+
+
 # Trainer-state key: whether the run cut its optimizer groups for aligned flat buffers
 # (memtrain.parallel.engine.split_for_alignment). Absent in checkpoints written before memtrain did.
 ALIGNED_KEY = "param_groups_aligned"
@@ -442,7 +483,8 @@ def load_anchor(model: torch.nn.Module, path: str | Path, rank: int = 0, world: 
 # The checkpoint API of the trainer and of evaluation: this module's own functions plus the folder
 # helpers (:mod:`.checkpoint_folder`) and the bank's (:mod:`.bank_checkpoint`) it composes.
 __all__ = [
-    "LATEST", "MARKER", "TRAINER_STATE", "UNIVERSAL", "CheckpointInfo", "check_compatible", "checkpoint_root",
+    "LATEST", "MARKER", "TRAINER_STATE", "UNIVERSAL", "CheckpointInfo", "check_compatible", "check_token_durations",
+    "checkpoint_root", "token_durations",
     "ensure_universal", "latest_checkpoint", "leftovers", "list_checkpoints", "load", "load_anchor", "load_bank",
     "load_module_state", "needs_universal", "partial_tag_for", "previous_checkpoint", "prune", "read_bank_state",
     "read_trainer_state", "reading", "resolve", "rng_state", "save", "save_bank", "set_rng_state", "summarize", "tag_for",
