@@ -20,8 +20,10 @@ import torch
 import yaml
 from torch import nn
 
+from memtrain.config import RecipeError
 from memtrain.data.cluster import ClusterTree, level_offset, normalize, num_internal_nodes
-from memtrain.eval.hierarchical import blocked_ids, corrupt_ids, mode_names, probe_tokens, score_sequences
+from memtrain.eval.hierarchical import (blocked_ids, check_modes, corrupt_ids, mode_names, probe_tokens,
+                                       score_sequences)
 from memtrain.launcher.cli import split_checkpoint_override
 from memtrain.model.anchor import ModelOutput
 
@@ -94,6 +96,18 @@ def test_blocked_descent_matches_brute_force():
         assert got[i].tolist() == path
     assert (got[:, 0] != fetched[:, 0]).all()
     assert (got[:, 1:] // k == got[:, :-1]).all()
+
+
+def test_memory_modes_on_a_model_without_cluster_memories_name_its_memory_type():
+    """A cross-attention model has a memory but no cluster-fetched one: asking it for `fetched` names its memory type
+    (before: "memory.type: is 'none'", for a recipe whose memory.type is crossattn)."""
+    assert check_modes(["none"], None, "crossattn") == ["none"]
+    with pytest.raises(RecipeError, match=r"memory.type: is 'crossattn': mode\(s\) fetched, blocked choose, corrupt "
+                                          r"or block the memories fetched by cluster id .* only mode 'none'"):
+        check_modes(["fetched", "blocked", "none"], None, "crossattn")
+    with pytest.raises(RecipeError, match=r"memory.type: is 'none', so the model has no memories"):
+        check_modes(["fetched"], None)
+    assert check_modes(["fetched", "none"], 2, "ffn") == ["fetched", "none"]
 
 
 def test_import_is_light():
@@ -355,6 +369,39 @@ def test_eval_names_a_tree_that_changed_after_prepare(runs, capsys, tmp_path):
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert err.startswith(f"memtrain: {tree}: xxh64 checksum ") and "`memtrain prepare RECIPE --force`" in err
     assert not out_file.exists()
+
+
+def test_eval_checks_the_val_shards_before_it_reads_them(runs, capsys, tmp_path):
+    """Perplexity reads the val split: a val shard changed after prepare is one line naming it, as training's check
+    says it (before: an IndexError traceback from the embedding, or, where the bytes stayed inside the vocabulary,
+    a wrong perplexity without a word). Damage to a train shard does not stop eval, which does not read it."""
+    from memtrain.data.verify import shard_files
+
+    root, mem, _ = runs
+    copy = tmp_path / "data"
+    shutil.copytree(root / "data", copy)
+    files = [p for p, _, _ in shard_files(copy)]
+    val = next(p for p in files if p.relative_to(copy).parts[0] == "val")
+    train = next(p for p in files if p.relative_to(copy).parts[0] == "train")
+    data = bytearray(train.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    train.write_bytes(bytes(data))
+    code, _, err = _eval(capsys, mem, f"data.dir={copy}", "--batches", "1", "--modes", "fetched",
+                         "--out", tmp_path / "ok.json")
+    assert code == 0, err
+    data = bytearray(val.read_bytes())
+    data[len(data) // 2: len(data) // 2 + 64] = b"\xff" * 64
+    val.write_bytes(bytes(data))
+    out_file = tmp_path / "never.json"
+    code, out, err = _eval(capsys, mem, f"data.dir={copy}", "--batches", "1", "--modes", "fetched", "--out", out_file)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"memtrain: the prepared data in {copy} is damaged: {val.relative_to(copy).as_posix()}: "
+                          "xxh64 checksum ") and "`memtrain prepare RECIPE --force`" in err
+    assert not out_file.exists()
+    # --batches 0 computes no perplexity and reads no val shard: the probes still run
+    code, _, err = _eval(capsys, mem, f"data.dir={copy}", "--batches", "0", "--modes", "fetched",
+                         "--out", tmp_path / "probes.json")
+    assert code == 0, err
 
 
 def test_eval_names_a_users_own_tokenizer_that_changed_after_prepare(runs, capsys, tmp_path):

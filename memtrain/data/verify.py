@@ -91,12 +91,14 @@ def shard_files(data_dir: str | Path) -> list[tuple[Path, Optional[str], Optiona
     return [(f.path, f.algo, f.digest) for f in files]
 
 
-def verify_folder(data_dir: str | Path, rank: int = 0, world: int = 1, progress: bool = False) -> VerifyReport:
+def verify_folder(data_dir: str | Path, rank: int = 0, world: int = 1, progress: bool = False,
+                  splits: Optional[tuple[str, ...]] = None) -> VerifyReport:
     """Check this rank's share of the shard files of ``data_dir`` and of its tokenizer and tree (file ``i``
     when ``i % world == rank``): its size against the index's ``raw_data.bytes`` (meta.json's record for the
     tokenizer and tree), then its recorded checksum, read in chunks of :data:`CHUNK` bytes. Problems with
     the index files themselves are reported by rank 0 only, so that the ranks' problems together name each
-    once. ``progress``: a tqdm bar (on a terminal).
+    once. ``progress``: a tqdm bar (on a terminal). ``splits`` (e.g. ``("val",)``): only those splits' shards,
+    without the tokenizer and tree.
 
     Raises :class:`DataError` only when meta.json is missing or unreadable (the same on every rank)."""
     if world < 1 or not 0 <= rank < world:
@@ -107,7 +109,12 @@ def verify_folder(data_dir: str | Path, rank: int = 0, world: int = 1, progress:
     data_dir = Path(data_dir)
     meta = _read_meta(data_dir)
     files, listing_problems = _listing(data_dir, meta)
-    files += _named(data_dir, meta)
+    if splits is None:
+        files += _named(data_dir, meta)
+    else:  # the shards and index problems of these splits only (memtrain eval: "val"; it checks the tokenizer and
+        # tree as it reads them, prepared_file)
+        files = [f for f in files if f.rel.split("/")[0] in splits]
+        listing_problems = [p for p in listing_problems if p.split("/")[0] in splits or p.startswith(META)]
     report = VerifyReport(problems=list(listing_problems) if rank == 0 else [])
     mine = files[rank::world]
     report.files = len(mine)
@@ -122,6 +129,14 @@ def verify_folder(data_dir: str | Path, rank: int = 0, world: int = 1, progress:
                 report.unchecked.append(f.rel)
     report.seconds = time.perf_counter() - start
     return report
+
+
+def damaged(data_dir: str | Path, problems: list[str]) -> DataError:
+    """The one-line error for :func:`verify_folder`'s problems (the first, and how many more), with the fixes."""
+    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+    return DataError(f"the prepared data in {data_dir} is damaged: {problems[0]}{more}; prepare it again with "
+                     "`memtrain prepare RECIPE --force` or restore the folder (check it with `memtrain prepare "
+                     "RECIPE --verify`)")
 
 
 def verify_shards(data_dir: str | Path, rank: int = 0, world: int = 1, progress: bool = False) -> list[str]:
@@ -437,6 +452,6 @@ def _check(f: ShardFile, bar: Any) -> tuple[int, Optional[str]]:
     return size, None
 
 
-__all__ = ["CHUNK", "ShardFile", "VerifyReport", "check_recipe_data", "file_digest", "prepared_file",
+__all__ = ["CHUNK", "ShardFile", "VerifyReport", "check_recipe_data", "damaged", "file_digest", "prepared_file",
            "prepared_tokenizer", "settings_difference", "shard_files", "verify_folder",
            "verify_shards"]

@@ -134,7 +134,7 @@ def evaluate(recipe: Recipe, checkpoint: Optional[str | Path] = None, batches: O
         raise RecipeError("model.vocab_size", f"{recipe.model.vocab_size} is smaller than the tokenizer's "
                           f"{meta['vocab_size']} tokens in {recipe.data_dir}")
     depth = recipe.data.clustering.depth if recipe.memory.enabled else None  # hierarchical memories only
-    modes = check_modes(modes if modes is not None else mode_names(depth), depth)
+    modes = check_modes(modes if modes is not None else mode_names(depth), depth, recipe.memory.type)
     skip_perplexity = batches == 0
     if batches is None:
         batches = recipe.train.eval.batches  # 0 here: the whole val split
@@ -143,6 +143,14 @@ def evaluate(recipe: Recipe, checkpoint: Optional[str | Path] = None, batches: O
     task_names, task_lengths, task_samples, max_new = check_long_context(recipe, tasks, lengths, samples,
                                                                          max_new_tokens)
     info = find_checkpoint(recipe, checkpoint)
+    ppl_modes = [m for m in modes if m in ("fetched", "generic", "none")]
+    perplexity = not skip_perplexity and ppl_modes and meta.get("val_samples", 0) > 0
+    if perplexity and not remote:  # the val shards, as training checks its data (Streaming checks downloads)
+        from memtrain.data.verify import damaged, verify_folder
+
+        problems = verify_folder(data_dir, splits=("val",)).problems
+        if problems:
+            raise damaged(data_dir, problems)
     examples, tokenizer, encoder = [], None, None
     if task_names:
         from memtrain.data.verify import prepared_tokenizer
@@ -173,9 +181,8 @@ def evaluate(recipe: Recipe, checkpoint: Optional[str | Path] = None, batches: O
                    if bank is not None else {"type": recipe.memory.type} if recipe.memory.type != "none" else None),
         "modes": modes,
     }
-    ppl_modes = [m for m in modes if m in ("fetched", "generic", "none")]
     report["perplexity"] = {}
-    if not skip_perplexity and ppl_modes and meta.get("val_samples", 0) > 0:
+    if perplexity:
         report["perplexity"] = val_perplexity(model, bank, recipe, ppl_modes, batches, device)
     report["probes"] = None
     if "builtin:longtail" in recipe.data.sources:

@@ -117,12 +117,18 @@ def mode_ids(mode: str, fetched: np.ndarray, blocked: Optional[np.ndarray], bran
     return None
 
 
-def check_modes(modes: Sequence[str], depth: Optional[int]) -> list[str]:
-    """Validate requested modes; RecipeError for memory modes on a memory-less model or unknown names."""
+def check_modes(modes: Sequence[str], depth: Optional[int], memory_type: str = "none") -> list[str]:
+    """Validate requested modes; RecipeError for memory modes on a model without cluster-fetched memories (its
+    ``memory_type``: none, or a cross-attention bank its layers always read) or unknown names."""
     known = set(mode_names(depth)) | {"none"}
     modes = list(dict.fromkeys(modes))
     if depth is None:
         wrong = [m for m in modes if m != "none"]
+        if wrong and memory_type not in ("none", ""):
+            raise RecipeError("memory.type", f"is {memory_type!r}: mode(s) {', '.join(wrong)} choose, corrupt or block "
+                              "the memories fetched by cluster id (hierarchical memories), which this model does not "
+                              "have; its memory is part of every forward, so only mode 'none' (the model as trained) "
+                              "applies")
         if wrong:
             raise RecipeError("memory.type", f"is 'none', so the model has no memories to evaluate with mode(s) "
                               f"{', '.join(wrong)}; only 'none' applies (or set memory.* as the run was trained)")

@@ -442,8 +442,7 @@ def _start_resource_tracker_ignoring_signals() -> None:
 def _verify_data(recipe: Recipe, rank: int, world: int, device: torch.device) -> None:
     """Every rank hashes its share of the prepared shards; any damage is one DataError on every rank."""
     from memtrain.data.loader import data_location
-    from memtrain.data.verify import verify_shards
-    from memtrain.errors import DataError
+    from memtrain.data.verify import damaged, verify_shards
 
     root, remote = data_location(recipe)
     if remote:  # shards arrive on demand; Streaming checks what it downloads
@@ -452,10 +451,7 @@ def _verify_data(recipe: Recipe, rank: int, world: int, device: torch.device) ->
     problems = verify_shards(root, rank=rank, world=world)
     found = dist.gather_strings(problems)
     if found:
-        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
-        raise DataError(f"the prepared data in {root} is damaged: {found[0]}{more}; prepare it again with "
-                        "`memtrain prepare RECIPE --force` or restore the folder (check it with `memtrain prepare "
-                        "RECIPE --verify`)")
+        raise damaged(root, found)
     _log(f"data checksums verified in {time.perf_counter() - t0:.1f} s", rank)
 
 
