@@ -18,32 +18,55 @@ def is_storage_failure(error: BaseException) -> bool:
     return isinstance(error, OSError) and error.errno in STORAGE_ERRNOS
 
 
-# Errors of a path this user may not create, write or read: the location's, not a bug.
+# Errors of a path this user may not create, write or read, or that runs into a file where a folder is needed
+# (or the other way round): the location's, not a bug.
 PERMISSION_ERRNOS = frozenset({errno.EACCES, errno.EPERM})
+PATH_ERRNOS = PERMISSION_ERRNOS | {errno.ENOTDIR, errno.EISDIR, errno.EEXIST}
 
 
-def is_permission_failure(error: BaseException) -> bool:
-    """Whether ``error`` is a file operation refused for want of permission (:data:`PERMISSION_ERRNOS`)."""
-    return isinstance(error, OSError) and error.errno in PERMISSION_ERRNOS and error.filename is not None
+def is_path_failure(error: BaseException) -> bool:
+    """Whether ``error`` is a file operation refused for the path it names (:data:`PATH_ERRNOS`)."""
+    return isinstance(error, OSError) and error.errno in PATH_ERRNOS and error.filename is not None
 
 
-def permission_line(error: OSError) -> str:
-    """One line for :func:`is_permission_failure`: the path, the refusal, the user, and the fix. A path that
-    does not exist was being created, so its folder is named as the one this user may not write in."""
+def path_line(error: OSError) -> str:
+    """One line for :func:`is_path_failure`: the path, what is wrong with it, and the fix. A path that does not
+    exist was being created, so its folder is named: the one this user may not write in, or the file in the way."""
     import getpass
     import os
 
     path = os.fsdecode(error.filename)
+    where = "(data.dir for prepare, run.dir for train, --out for eval, generate and scaling)"
+    if error.errno in (errno.ENOTDIR, errno.EEXIST, errno.EISDIR):
+        fix = f"choose another location {where}, and run the command again"
+        here = os.path.abspath(path)
+        blocker = next((q for q in _parents(here) if os.path.lexists(q) and not os.path.isdir(q)), None)
+        if error.errno == errno.ENOTDIR and blocker is not None:
+            return f"cannot use {path}: {blocker} is a file, not a folder; {fix}"
+        if error.errno == errno.EEXIST and os.path.lexists(here) and not os.path.isdir(here):
+            return f"cannot create the folder {path}: a file of that name is in the way; {fix}"
+        if error.errno == errno.EISDIR:
+            return f"cannot use {path}: it is a folder, where a file was expected; {fix}"
+        return f"{path}: {error.strerror}; {fix}"
     try:
         user = getpass.getuser()
     except (KeyError, OSError):
         user = f"uid {os.getuid()}"
-    fix = ("fix the permissions or choose a location this user may use (data.dir for prepare, run.dir for train, "
-           "--out for eval, generate and scaling), and run the command again")
+    fix = f"fix the permissions or choose a location this user may use {where}, and run the command again"
     if not os.path.lexists(path):
         folder = os.path.dirname(os.path.abspath(path))
         return f"cannot create {path}: {error.strerror} (user {user} may not write in {folder}); {fix}"
     return f"{path}: {error.strerror} (user {user}); {fix}"
+
+
+def _parents(path: str) -> list[str]:
+    """``path`` and its folders, outermost first."""
+    import os
+
+    out = [path]
+    while os.path.dirname(out[-1]) != out[-1]:
+        out.append(os.path.dirname(out[-1]))
+    return out[::-1]
 
 
 class MemtrainError(Exception):

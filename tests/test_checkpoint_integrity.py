@@ -482,7 +482,7 @@ def test_a_run_dir_this_user_may_not_create_is_one_line(tmp_path, monkeypatch):
     import errno
     import getpass
 
-    from memtrain.errors import permission_line
+    from memtrain.errors import path_line
     from memtrain.launcher.train import _lock_run_dir
 
     locked = tmp_path / "locked"
@@ -505,7 +505,7 @@ def test_a_run_dir_this_user_may_not_create_is_one_line(tmp_path, monkeypatch):
     assert list(locked.iterdir()) == []
     existing = tmp_path / "file"
     existing.write_text("")
-    assert permission_line(PermissionError(errno.EPERM, "Operation not permitted", str(existing))) == (
+    assert path_line(PermissionError(errno.EPERM, "Operation not permitted", str(existing))) == (
         f"{existing}: Operation not permitted (user {user}); {fix}")
 
     def broken(path, *args, **kwargs):
@@ -514,6 +514,24 @@ def test_a_run_dir_this_user_may_not_create_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "mkdir", broken)
     with pytest.raises(OSError, match="Input/output error"):
         _lock_run_dir(tmp_path / "run", 0, torch.device("cpu"))
+
+
+def test_a_run_dir_through_a_file_is_one_line(tmp_path):
+    """run.dir that runs into a file (a typo, /dev/null/x) or is one: the lock's one-line refusal naming the file
+    in the way, where it used to be a NotADirectoryError / FileExistsError traceback (exit 1)."""
+    from memtrain.launcher.train import _lock_run_dir
+
+    file = tmp_path / "file"
+    file.write_text("")
+    again = ("choose another location (data.dir for prepare, run.dir for train, --out for eval, generate and "
+             "scaling), and run the command again")
+    with pytest.raises(LaunchError) as err:
+        _lock_run_dir(file / "run", 0, torch.device("cpu"))
+    assert str(err.value) == f"cannot use {file / 'run'}: {file} is a file, not a folder; {again}"
+    with pytest.raises(LaunchError) as err:
+        _lock_run_dir(file, 0, torch.device("cpu"))
+    assert str(err.value) == f"cannot create the folder {file}: a file of that name is in the way; {again}"
+    assert file.read_text() == "" and sorted(p.name for p in tmp_path.iterdir()) == ["file"]
 
 
 def _race(run_dir: str, start, done, results) -> None:

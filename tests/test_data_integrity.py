@@ -514,6 +514,15 @@ def test_prepare_where_this_user_may_not_write_is_one_line(plain, tmp_path, caps
                         "permissions or choose a location this user may use (data.dir for prepare, run.dir for "
                         "train, --out for eval, generate and scaling), and run the command again\n")
     assert list(locked.iterdir()) == []
+    # a data.dir through a file: one line naming it (before, a FileExistsError traceback)
+    monkeypatch.setattr(os, "mkdir", real)
+    file = tmp_path / "file"
+    file.write_text("")
+    path.write_text(recipe_from_dict(recipe.to_dict(), [f"data.dir={file / 'data'}"]).to_yaml())
+    assert main(["prepare", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith(f"memtrain: cannot create the folder {file}: a file of that "
+                                                         "name is in the way; choose another location"), err
 
 
 # --------------------------------------------------------------------------------------------------

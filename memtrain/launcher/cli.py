@@ -33,7 +33,7 @@ import sys
 from typing import Optional, Sequence
 
 from memtrain.config import RecipeError
-from memtrain.errors import MemtrainError, is_permission_failure, is_storage_failure, permission_line
+from memtrain.errors import MemtrainError, is_path_failure, is_storage_failure, path_line
 
 CHECKPOINT_KEY = "checkpoint"
 
@@ -351,7 +351,7 @@ def check_out_file(out: str) -> None:
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
-        if is_permission_failure(e) or is_storage_failure(e):
+        if is_path_failure(e) or is_storage_failure(e):
             raise MemtrainError(f"--out {out} cannot be written: {e.strerror} in {folder}; choose another --out, or "
                                 "fix that folder (its permissions, or space on its file system)") from None
         raise
@@ -380,8 +380,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"memtrain: {e}", file=sys.stderr, flush=True)
         return e.exit_code
     except OSError as e:  # a full, over-quota or read-only disk (training says more: StorageError), or a path
-        if is_permission_failure(e):  # this user may not use
-            print(f"memtrain: {permission_line(e)}", file=sys.stderr, flush=True)
+        if is_path_failure(e):  # this user may not use
+            print(f"memtrain: {path_line(e)}", file=sys.stderr, flush=True)
             return MemtrainError.exit_code
         if not is_storage_failure(e):
             raise

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 
 from memtrain.config import CUDAGRAPH_MODES, Recipe, RecipeError
 from memtrain.errors import (CheckpointError, CollectiveError, DivergenceError, LaunchError, SettingError,
-                             is_permission_failure, is_storage_failure, permission_line)
+                             is_path_failure, is_storage_failure, path_line)
 from memtrain.parallel import dist
 from memtrain.launcher.console import library_output, set_library_log_levels
 from memtrain.launcher.metrics import ATTEMPTS, MetricsWriter, format_line
@@ -467,9 +467,9 @@ def _lock_run_dir(run_dir, rank: int, device: torch.device):
         except LaunchError as e:
             lock, refusal = None, str(e)
         except OSError as e:  # run.dir this user may not create or write: every rank stops with the same line
-            if not is_permission_failure(e):
+            if not is_path_failure(e):
                 raise
-            lock, refusal = None, permission_line(e)
+            lock, refusal = None, path_line(e)
     refusal = (dist.gather_strings([refusal]) or [""])[0]
     if refusal:
         raise LaunchError(refusal)
