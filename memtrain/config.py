@@ -1059,6 +1059,8 @@ def _validate_crossattn(recipe: Recipe) -> None:
         raise RecipeError(key + "top_k", "routing needs memory.crossattn.chapters > 1")
     if c.balance_loss < 0:
         raise RecipeError(key + "balance_loss", f"must be >= 0, got {c.balance_loss}")
+    if c.heads is not None and c.heads < 1:  # 0 would read as unset (model.n_heads) in `c.heads or ...`
+        raise RecipeError(key + "heads", f"must be >= 1, got {c.heads}")
     if m.type != "hf":  # model.type hf: the pretrained model's own config gives the shape, checked when it is built
         layers = m.n_layers
         if c.layers is not None:
@@ -1073,8 +1075,6 @@ def _validate_crossattn(recipe: Recipe) -> None:
     else:
         if c.layers is not None and (not c.layers or len(set(c.layers)) != len(c.layers) or min(c.layers) < 0):
             raise RecipeError(key + "layers", f"must be distinct 0-based decoder layer indices, got {c.layers}")
-        if c.heads is not None and c.heads < 1:
-            raise RecipeError(key + "heads", f"must be >= 1, got {c.heads}")
     for name in ("dim", "bank_rank", "proj_rank", "ffn_dim"):
         value = getattr(c, name)
         if value is not None and value < 1:

@@ -426,6 +426,17 @@ def test_crossattn_context_generate_user_errors_exit_2(trained):
     (trained / "bad.pt").write_bytes(b"not a file torch reads")
     out = _memtrain(trained, "generate", "tiny.yaml", "--prompt", FACT, "--encoder", "bad.pt", check=False)
     assert out.returncode == 2 and "--encoder bad.pt is not a context encoder file" in out.stderr
+    assert "pass another --encoder path" in out.stderr and "delete" not in out.stderr  # it may be any file of theirs
+    # an --encoder path that cannot be written: refused before the fit (before: a traceback after it, and a
+    # leftover .tmp file)
+    (trained / "encdir").mkdir()
+    out = _memtrain(trained, "generate", "tiny.yaml", "--prompt", FACT, "--encoder", "encdir", check=False)
+    assert out.returncode == 2 and out.stderr.strip() == ("memtrain: --encoder encdir is a folder; give the path of "
+                                                          "the file to write, e.g. encdir/encoder.pt")
+    out = _memtrain(trained, "generate", "tiny.yaml", "--prompt", FACT, "--encoder", "bad.pt/enc.pt", check=False)
+    assert out.returncode == 2 and out.stderr.strip().endswith(f"--encoder bad.pt/enc.pt: {trained / 'bad.pt'} is a "
+                                                               "file, not a folder; choose another --encoder")
+    assert "fitting" not in out.stdout + out.stderr and not list(trained.glob("*.tmp"))
     # another tokenizer in the prepared folder: before, it loaded and the model's ids came out as other text
     shutil.copytree(trained / "data", trained / "swapped")
     other = trained / "swapped" / "tokenizer.model"

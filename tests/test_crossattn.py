@@ -178,6 +178,18 @@ def test_crossattn_memory_has_no_effect_at_initialisation(crossattn):
     assert (m(x).logits - anchor()(x).logits).abs().max() > 1e-3  # the reads do something once opened
 
 
+def test_the_trainer_notes_sequence_routing():
+    """Sequence routing is the default once routing is on (top_k), and not causal: the trainer says so at the start
+    (the adapter recipes' headers once suggested turning routing on without choosing token routing)."""
+    from memtrain.launcher.train import routing_note
+
+    base = {"type": "crossattn", "crossattn": {"tokens": 12, "chapters": 4, "top_k": 2}}
+    assert "the router sees the future" in routing_note(recipe_from_dict({**BASE, "memory": base}))
+    for crossattn in ({**base["crossattn"], "routing": "token"}, {**base["crossattn"], "top_k": 0}):
+        assert routing_note(recipe_from_dict({**BASE, "memory": {"type": "crossattn", "crossattn": crossattn}})) is None
+    assert routing_note(recipe_from_dict(BASE)) is None
+
+
 def test_crossattn_token_routing_is_causal_and_sequence_routing_is_not():
     """Token routing (Section 4.4) decides per token from that token's state: changing a later token
     leaves every earlier logit unchanged. Sequence routing (eq. 8) pools the whole sequence, so a later
@@ -283,6 +295,7 @@ def test_crossattn_parameter_groups_and_staged_freezing():
     ({"layers": [0, 3]}, "memory.crossattn.layers", r"distinct layer indices in \[0, 3\)"),
     ({"placement": "middle"}, "memory.crossattn.placement", "must be one of"),
     ({"dim": 10, "heads": 4}, "memory.crossattn.heads", "does not split into 4 heads"),
+    ({"heads": 0}, "memory.crossattn.heads", "must be >= 1, got 0"),  # before: read as unset, model.n_heads
     ({"bank_dtype": "int8"}, "memory.crossattn.bank_dtype", "cannot be trained"),
     ({"bank": "sharded", "bank_rank": 4}, "memory.crossattn.bank", "not the factors of memory.crossattn.bank_rank"),
     ({"bank": "sharded", "bank_dtype": "int8", "freeze_bank": True}, "memory.crossattn.bank", "int8 bank is frozen"),

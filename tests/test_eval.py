@@ -482,7 +482,8 @@ def test_eval_user_errors(runs, capsys):
         ((mem, f"checkpoint={overwritten}"), "is damaged: mp_rank_00_model_states.pt has xxh64 "),
         # --out checked before the evaluation: a folder, a path through a file (before: found only when the
         # report was written at the end)
-        ((mem, "--out", root), f"--out {root} is a folder; give the path of the JSON file to write"),
+        ((mem, "--out", root), f"--out {root} is a folder; give the path of the file to write, e.g. "
+                               f"{root / 'report.json'}"),
         ((mem, "--out", mem / "x.json"), f"--out {mem / 'x.json'}: {mem} is a file, not a folder"),
     ]
     for args, message in cases:

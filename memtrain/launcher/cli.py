@@ -291,6 +291,8 @@ def run(argv: Optional[list[str]] = None) -> int:
     recipe = load_recipe(args.recipe, overrides)
     if args.command in ("eval", "generate") and args.out is not None:
         check_out_file(args.out)
+    if args.command == "generate" and args.encoder is not None and not os.path.isfile(args.encoder):
+        check_out_file(args.encoder, "--encoder")  # written after the fit, which may take minutes
     if args.command == "train":
         from memtrain.launcher.train import train
 
@@ -329,30 +331,30 @@ def run(argv: Optional[list[str]] = None) -> int:
     return 0
 
 
-def check_out_file(out: str) -> None:
-    """Before an evaluation or generation that may run for hours: ``--out`` must be a file path whose folder
-    this user may write in. The nearest folder on its path that exists takes a probe file (created and removed
-    at once; folders that do not exist yet are made at the end, as before). :class:`MemtrainError` otherwise,
-    one line; nothing is left behind."""
+def check_out_file(out: str, flag: str = "--out") -> None:
+    """Before an evaluation or generation that may run for hours: ``--out`` (or another ``flag`` naming a file to
+    write) must be a file path whose folder this user may write in. The nearest folder on its path that exists
+    takes a probe file (created and removed at once; folders that do not exist yet are made at the end, as
+    before). :class:`MemtrainError` otherwise, one line; nothing is left behind."""
     import tempfile
     from pathlib import Path
 
     path = Path(out).expanduser().absolute()
     if path.is_dir():
-        raise MemtrainError(f"--out {out} is a folder; give the path of the JSON file to write, e.g. "
-                            f"{Path(out) / 'report.json'}")
+        example = Path(out) / ("report.json" if flag == "--out" else "encoder.pt")
+        raise MemtrainError(f"{flag} {out} is a folder; give the path of the file to write, e.g. {example}")
     folder = path.parent
     while not folder.exists():
         folder = folder.parent
     if not folder.is_dir():
-        raise MemtrainError(f"--out {out}: {folder} is a file, not a folder; choose another --out")
+        raise MemtrainError(f"{flag} {out}: {folder} is a file, not a folder; choose another {flag}")
     try:
         fd, probe = tempfile.mkstemp(prefix=".memtrain-out-probe-", dir=folder)
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
         if is_path_failure(e) or is_storage_failure(e):
-            raise MemtrainError(f"--out {out} cannot be written: {e.strerror} in {folder}; choose another --out, or "
+            raise MemtrainError(f"{flag} {out} cannot be written: {e.strerror} in {folder}; choose another {flag}, or "
                                 "fix that folder (its permissions, or space on its file system)") from None
         raise
 

@@ -107,6 +107,10 @@ def _val_states(model: torch.nn.Module, recipe: Recipe, device: torch.device) ->
     return torch.cat(out)
 
 
+# The fix for an --encoder file that is not an encoder: it may be any file of the user's (a recipe, a checkpoint).
+_OTHER_ENCODER = "pass another --encoder path (where none exists, one is fitted and saved there)"
+
+
 def context_encoder(model: torch.nn.Module, recipe: Recipe, info: Any, device: torch.device, path: Optional[str],
                     steps: int, tokens_per_vector: Optional[int], echo: Callable[[str], None]) -> tuple[Any, dict]:
     """The context encoder for this checkpoint: loaded from ``path`` when it exists, else fitted on the
@@ -119,9 +123,9 @@ def context_encoder(model: torch.nn.Module, recipe: Recipe, info: Any, device: t
             saved = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001 - any unreadable file is the same user error
             raise CheckpointError(f"--encoder {path} is not a context encoder file (unreadable: {type(e).__name__}); "
-                                  "delete it to fit a new one there") from None
+                                  f"{_OTHER_ENCODER}") from None
         if not isinstance(saved, dict) or saved.get("format") != ENCODER_FORMAT:
-            raise CheckpointError(f"--encoder {path} is not a context encoder file; delete it to fit a new one there")
+            raise CheckpointError(f"--encoder {path} is not a context encoder file; {_OTHER_ENCODER}")
         cfg = saved["config"]
         if saved.get("checkpoint") != str(info.path.resolve()) or cfg["d_model"] != d:
             raise CheckpointError(f"--encoder {path} was fitted on the hidden states of {saved.get('checkpoint')}, "
@@ -162,10 +166,13 @@ def context_encoder(model: torch.nn.Module, recipe: Recipe, info: Any, device: t
     if path is not None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(f"{path}.tmp")
-        torch.save({"format": ENCODER_FORMAT, "version": 1, "config": encoder.config(),
-                    "checkpoint": str(info.path.resolve()), "step": info.step, "loss_first": first, "loss_last": last,
-                    "state": {k: v.cpu() for k, v in encoder.state_dict().items()}}, tmp)
-        tmp.replace(path)
+        try:
+            torch.save({"format": ENCODER_FORMAT, "version": 1, "config": encoder.config(),
+                        "checkpoint": str(info.path.resolve()), "step": info.step, "loss_first": first,
+                        "loss_last": last, "state": {k: v.cpu() for k, v in encoder.state_dict().items()}}, tmp)
+            tmp.replace(path)
+        finally:
+            tmp.unlink(missing_ok=True)  # a failed save leaves nothing
         echo(f"context encoder: saved to {path}")
     return encoder, {"source": "fitted", "steps": steps, "tokens": int(states.shape[0] * states.shape[1]),
                      "seconds": round(seconds, 3), "loss_first": first, "loss_last": last}

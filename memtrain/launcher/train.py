@@ -455,6 +455,18 @@ def _verify_data(recipe: Recipe, rank: int, world: int, device: torch.device) ->
     _log(f"data checksums verified in {time.perf_counter() - t0:.1f} s", rank)
 
 
+def routing_note(recipe: Recipe) -> Optional[str]:
+    """The start-of-run note for routed cross-attention memory under sequence routing: the default (eq. 8 as the
+    crossattn-memory-banks paper writes it), and an easy one to get by accident when turning routing on
+    (``top_k``), though it is not causal. None otherwise."""
+    c = recipe.memory.crossattn
+    if not (recipe.memory.is_crossattn and c is not None and c.top_k and c.routing == "sequence"):
+        return None
+    return ("note: sequence routing pools each whole training sequence, the tokens every position predicts "
+            "included, so the router sees the future and the language-model loss is optimistic; "
+            "memory.crossattn.routing: token is causal (Section 4.4)")
+
+
 def _lock_run_dir(run_dir, rank: int, device: torch.device):
     """Rank 0 takes the run directory's lock; a refusal is raised on every rank. Returns the lock (rank 0)."""
     from memtrain.parallel.run_lock import RunLock
@@ -676,6 +688,9 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
              f"({counts['bank']:,} bank parameters, {counts['per_layer']:,} per layer)"
              + (f", {mem.crossattn.chapters} chapters, top-{mem.crossattn.top_k} per {mem.crossattn.routing}"
                 if mem.crossattn.top_k else ""), rank)
+        note = routing_note(recipe)
+        if note:
+            _log(note, rank)
     if hasattr(model, "describe"):  # MemoryLlama, memory adapters: what trains at which learning rate
         for line in model.describe():
             _log(line, rank)
