@@ -456,6 +456,15 @@ def test_prepare_verify_command(plain, tmp_path, capsys):
     assert lines[0].startswith(f"memtrain: 1 damaged file(s) in {copy.data_dir}: {_rel(copy.data_dir, shard)}: xxh64 ")
     assert lines[0].endswith(f"prepare the data again with `memtrain prepare {path} --force`, or restore the folder "
                              "from a good copy")
+    # given with overrides, the fix repeats them (before, `memtrain prepare RECIPE --force` without data.dir= would
+    # have prepared the recipe's own folder and left the damaged one as it was)
+    other = _copy(recipe, tmp_path / "other data dir")
+    other_shard = _largest_shard(other.data_dir)
+    other_shard.write_bytes(bytes(data))
+    assert main(["prepare", str(path), f"data.dir={other.data_dir}", "--verify"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith(f"`memtrain prepare {path} 'data.dir={other.data_dir}' --force`, or restore the folder from "
+                        "a good copy"), err
 
     empty = tmp_path / "nothing"
     assert main(["prepare", str(path), f"data.dir={empty}", "--verify"]) == 2

@@ -553,6 +553,22 @@ def test_a_nonfinite_step_is_skipped_by_every_rank_and_training_goes_on(workdir,
     assert state["nonfinite_steps"] == 1 and state["nonfinite_run"] == 0
 
 
+def test_the_divergence_advice_names_the_memorys_learning_rate():
+    """A memory trains at its own learning rate, which may be the one too high (memory.optimizer.lr=1e6 diverged and
+    was told to lower train.optimizer.lr): the advice names every learning rate the recipe trains with."""
+    from memtrain.config import recipe_from_dict
+    from memtrain.launcher.train import _last_good
+
+    plain = _last_good(None, recipe_from_dict({}))
+    assert "lower train.optimizer.lr (or raise" in plain and "memory." not in plain
+    ffn = recipe_from_dict({"data": {"clustering": {"enabled": True, "depth": 2}},
+                            "memory": {"type": "ffn", "levels": [2, 1]}})
+    assert "lower train.optimizer.lr or memory.optimizer.lr (or raise" in _last_good(None, ffn)
+    xattn = recipe_from_dict({"memory": {"type": "crossattn", "crossattn": {"tokens": 8, "bank_lr": 1e-4}}})
+    assert "lower train.optimizer.lr or memory.optimizer.lr or memory.crossattn.bank_lr (or raise" in _last_good(
+        None, xattn)
+
+
 def test_a_diverged_run_stops_with_one_error_and_keeps_its_good_checkpoints(workdir):
     """train.optimizer.lr=1e3 (the quickstart went nan at step 3, trained on and exited 0 with every
     checkpoint nan): the run stops after train.max_nonfinite_steps skipped steps in a row, exit code 3,

@@ -298,7 +298,10 @@ def run(argv: Optional[list[str]] = None) -> int:
 
         train(recipe)
     elif args.command == "prepare" and args.verify:
-        print(prepare_verify(recipe, args.recipe), flush=True)
+        import shlex
+
+        # the fix names the command as given: without its overrides it would prepare another data.dir
+        print(prepare_verify(recipe, " ".join(shlex.quote(a) for a in (args.recipe, *args.overrides))), flush=True)
     elif args.command == "prepare":
         from memtrain.data.prepare import prepare
 

@@ -804,7 +804,7 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
         if not _finite_weights(engine, step_bank, device):
             good = ckpt.latest_checkpoint(run_dir)
             raise DivergenceError(f"the weights are not finite at step {at_step} (the loss and gradient norms were); "
-                                  f"no checkpoint was written. {_last_good(good)}")
+                                  f"no checkpoint was written. {_last_good(good, recipe)}")
         loader_state = train_batches.state_dict()
         write_bank = None
         if step_bank is not None:  # replicated: rank 0 writes it; sharded: every rank its rows
@@ -975,7 +975,7 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
                 raise DivergenceError(
                     f"training diverged: the loss or gradient norm was not finite at steps {step - nonfinite_run + 1}"
                     f"-{step} ({nonfinite_run} in a row, train.max_nonfinite_steps {max_nonfinite}); their updates "
-                    f"were skipped. {_last_good(ckpt.latest_checkpoint(run_dir))}")
+                    f"were skipped. {_last_good(ckpt.latest_checkpoint(run_dir), recipe)}")
 
             stopping = _any(stop.raised, device)
             if (ckpt_every and step % ckpt_every == 0) or step == max_steps or stopping:
@@ -999,11 +999,16 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
     return last
 
 
-def _last_good(info) -> str:
+def _last_good(info, recipe: Recipe) -> str:
+    lr = "train.optimizer.lr"
+    if recipe.memory.type != "none":  # memories train at their own learning rate, which may be the one too high
+        lr += " or memory.optimizer.lr"
+    if recipe.memory.crossattn is not None and recipe.memory.crossattn.bank_lr is not None:
+        lr += " or memory.crossattn.bank_lr"
     if info is None:
-        return ("No checkpoint was written before; lower train.optimizer.lr (or raise train.schedule.warmup, "
-                "lower train.grad_clip) and start again")
-    return (f"The last good checkpoint is {info.path} (step {info.step}); lower train.optimizer.lr (or raise "
+        return (f"No checkpoint was written before; lower {lr} (or raise train.schedule.warmup, lower "
+                "train.grad_clip) and start again")
+    return (f"The last good checkpoint is {info.path} (step {info.step}); lower {lr} (or raise "
             "train.schedule.warmup, lower train.grad_clip) and run again to resume from it, or start a new run.dir")
 
 
