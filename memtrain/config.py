@@ -618,7 +618,24 @@ def _to_plain(obj: Any) -> Any:
 
 class RecipeLoader(yaml.SafeLoader):
     """``yaml.safe_load`` without YAML 1.1's base-60 integers: ``24:00:00`` and ``30:00`` (Slurm times)
-    stay strings instead of becoming 86400 and 1800."""
+    stay strings instead of becoming 86400 and 1800; and a key given twice in one mapping is an error (YAML
+    keeps the last silently, so ``max_steps: 10`` above ``max_steps: 20`` trained 20 steps without a word)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, Any] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`: its keys may be overridden here
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.setdefault(key, key_node.start_mark)
+            except TypeError:  # an unhashable key: SafeLoader's own error follows
+                break
+            if first is not key_node.start_mark:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key {key!r} is given twice (first at line {first.line + 1}); keep one",
+                    key_node.start_mark)
+        return super().construct_mapping(node, deep=deep)
 
 
 RecipeLoader.yaml_implicit_resolvers = {
@@ -1232,6 +1249,9 @@ def recipe_from_dict(data: dict, overrides: Optional[list[str]] = None) -> Recip
 def load_recipe(path: str | Path, overrides: Optional[list[str]] = None) -> Recipe:
     """Load ``path``, apply ``key=value`` overrides and validate; raises :class:`RecipeError`."""
     path = Path(path)
+    if path.is_dir():
+        raise RecipeError("", f"recipe {str(path)!r} is a folder; pass a YAML recipe file such as "
+                          "recipes/quickstart.yaml")
     if not path.is_file():
         raise RecipeError("", f"recipe file {str(path)!r} does not exist; pass a YAML recipe such as "
                           "recipes/quickstart.yaml")

@@ -112,3 +112,32 @@ def test_broken_yaml_is_one_line_naming_the_position(tmp_path):
         load_recipe(path)
     message = str(err.value)
     assert "\n" not in message and "not valid YAML at line 1, column 42" in message
+
+
+def test_a_key_given_twice_is_one_line_naming_both_lines(tmp_path):
+    """YAML keeps the last of two equal keys without a word (`max_steps: 10` above `max_steps: 20` trained 20
+    steps); memtrain's loader refuses them, nested ones too. A merge key's entries may still be overridden."""
+    from memtrain.config import load_recipe
+
+    path = tmp_path / "dup.yaml"
+    path.write_text("run: {name: x}\ntrain:\n  max_steps: 10\n  global_batch_tokens: 4096\n  max_steps: 20\n")
+    with pytest.raises(RecipeError) as err:
+        load_recipe(path)
+    assert str(err.value) == (f"recipe error: {path} is not valid YAML at line 5, column 3: the key 'max_steps' is "
+                              "given twice (first at line 3); keep one")
+    path.write_text("run: {name: x, seed: 1, seed: 2}\n")
+    with pytest.raises(RecipeError, match="the key 'seed' is given twice"):
+        load_recipe(path)
+    path.write_text("x-common: &common {max_steps: 10, micro_batch_size: 4}\ntrain:\n  <<: *common\n  max_steps: 30\n")
+    import yaml
+
+    from memtrain.config import RecipeLoader
+
+    assert yaml.load(path.read_text(), Loader=RecipeLoader)["train"] == {"max_steps": 30, "micro_batch_size": 4}
+
+
+def test_a_recipe_that_is_a_folder_says_so(tmp_path):
+    from memtrain.config import load_recipe
+
+    with pytest.raises(RecipeError, match=rf"recipe '{tmp_path}' is a folder; pass a YAML recipe file"):
+        load_recipe(tmp_path)
