@@ -553,6 +553,24 @@ def test_a_nonfinite_step_is_skipped_by_every_rank_and_training_goes_on(workdir,
     assert state["nonfinite_steps"] == 1 and state["nonfinite_run"] == 0
 
 
+def test_a_model_too_large_for_host_memory_is_one_line(workdir):
+    """A bank too large for the host (memory.crossattn.tokens=2^27 asked torch's CPU allocator for 64 GiB): one line
+    with the size asked, the memory available and the fixes, exit 2 and no run directory; before, a RuntimeError
+    traceback. The allocator's refusal is simulated (a real one would need the memory to be missing here)."""
+    prelude = ("import memtrain.model as t\n"
+               "def refuse(*args, **kwargs):\n"
+               "    raise RuntimeError('[enforce fail at alloc_cpu.cpp:121] data. DefaultCPUAllocator: can\\'t allocate "
+               "memory: you tried to allocate 68719476736 bytes. Error code 12 (Cannot allocate memory)')\n"
+               "t.build = refuse")
+    out = train(workdir, "too-large", prelude=prelude, check=False)
+    assert out.returncode == 2, out.stderr[-3000:]
+    err = out.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("memtrain: building the model ran out of host memory (one tensor of "
+                                               "64.0 GiB; "), out.stderr
+    assert "GiB available); `memtrain recipe show RECIPE` counts its parameters" in err[0]
+    assert not (workdir / "runs" / "too-large").exists()
+
+
 def test_the_divergence_advice_names_the_memorys_learning_rate():
     """A memory trains at its own learning rate, which may be the one too high (memory.optimizer.lr=1e6 diverged and
     was told to lower train.optimizer.lr): the advice names every learning rate the recipe trains with."""

@@ -455,6 +455,20 @@ def _verify_data(recipe: Recipe, rank: int, world: int, device: torch.device) ->
     _log(f"data checksums verified in {time.perf_counter() - t0:.1f} s", rank)
 
 
+def _allocation(error: RuntimeError) -> str:
+    """The size torch's allocator could not get, from its message ("you tried to allocate 68719476736 bytes")."""
+    import re
+
+    found = re.search(r"allocate (\d+) bytes", str(error))
+    return f"one tensor of {int(found.group(1)) / 2**30:.1f} GiB" if found else str(error).splitlines()[0][:200]
+
+
+def _available_gib() -> float:
+    import psutil
+
+    return psutil.virtual_memory().available / 2**30
+
+
 def routing_note(recipe: Recipe) -> Optional[str]:
     """The start-of-run note for routed cross-attention memory under sequence routing: the default (eq. 8 as the
     crossattn-memory-banks paper writes it), and an easy one to get by accident when turning routing on
@@ -662,7 +676,15 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
     set_library_log_levels(verbose)  # rank 0's console: memtrain's lines (logging.verbose shows the libraries')
 
     torch.manual_seed(recipe.run.seed)  # identical initial weights on every rank
-    model = build(recipe.model, recipe.memory, recipe.data.clustering.branching)
+    try:
+        model = build(recipe.model, recipe.memory, recipe.data.clustering.branching)
+    except RuntimeError as e:  # torch's CPU allocator: "DefaultCPUAllocator: can't allocate memory: ..."
+        if "can't allocate memory" not in str(e):
+            raise
+        raise LaunchError(f"building the model ran out of host memory ({_allocation(e)}; "
+                          f"{_available_gib():.1f} GiB available); `memtrain recipe show RECIPE` counts its "
+                          "parameters: make the memory smaller (memory.crossattn.tokens, memory.levels) or "
+                          "row-shard it over the ranks (memory.crossattn.bank: sharded, memory.bank: sharded)") from None
     if recipe.model.init_from and latest is None:
         source = ckpt.load_anchor(model, recipe.model.init_from, rank, world)  # ranks share the checksums
         _log(f"anchor initialised from {source.path} (step {source.step})", rank)
