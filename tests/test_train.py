@@ -808,3 +808,30 @@ def test_a_frozen_rank_ends_the_run_with_one_error_within_the_timeout(workdir):
     assert "another rank is hung or has died (parallel.timeout_minutes 0.1 per training step" in last
     assert "step 3/20" in out and "step 4/20" not in out
     assert waited < 300  # seconds: the guard, not torch's 30 minutes, ended it
+
+
+def test_deepspeeds_deprecation_warnings_stay_off_the_console_unless_verbose():
+    """torch warns on every ZeRO-3 step that DeepSpeed calls a deprecated collective (24 lines in a 12-step
+    quickstart run): hidden with the libraries' other output, shown with logging.verbose; other warnings stay."""
+    import warnings
+
+    from memtrain.launcher.console import set_library_log_levels
+
+    deprecated = ("`torch.distributed.reduce_scatter_tensor` is deprecated. Please use "
+                  "`torch.distributed.reduce_scatter_single` instead.")
+    import logging
+
+    from memtrain.launcher.console import LIBRARY_LOGGERS
+
+    levels = {name: logging.getLogger(name).level for name in LIBRARY_LOGGERS}
+    try:
+        for verbose, shown in ((False, ["another"]), (True, [deprecated, "another"])):
+            with warnings.catch_warnings(record=True) as caught:  # the filters are restored on leaving
+                warnings.simplefilter("always")
+                set_library_log_levels(verbose)
+                warnings.warn(deprecated, FutureWarning)
+                warnings.warn("another", FutureWarning)
+            assert [str(w.message) for w in caught] == shown, verbose
+    finally:
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
