@@ -530,7 +530,9 @@ def check_kernels(recipe: Recipe, device: torch.device) -> None:
         try:
             use_triton("triton", torch.empty(0, device=device))
         except RuntimeError as err:
-            raise RecipeError("memory.crossattn.kernel", f"{err}; or set memory.crossattn.kernel: auto") from None
+            # the kernel's own message ends with what to use instead ("use 'auto' or 'torch' on CPU")
+            raise RecipeError("memory.crossattn.kernel",
+                              f"{err} (memory.crossattn.kernel: auto picks by device)") from None
     titans = []  # (key, depth, head size, hidden width or None) of Titans memories whose recipe forces the kernels
     t = recipe.model.titans
     if recipe.model.type == "titans" and t is not None and t.kernel == "triton":
@@ -684,7 +686,8 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
         raise LaunchError(f"building the model ran out of host memory ({_allocation(e)}; "
                           f"{_available_gib():.1f} GiB available); `memtrain recipe show RECIPE` counts its "
                           "parameters: make the memory smaller (memory.crossattn.tokens, memory.levels) or "
-                          "row-shard it over the ranks (memory.crossattn.bank: sharded, memory.bank: sharded)") from None
+                          "row-shard it over the ranks (memory.crossattn.bank: sharded, memory.bank: sharded)"
+                          ) from None
     if recipe.model.init_from and latest is None:
         source = ckpt.load_anchor(model, recipe.model.init_from, rank, world)  # ranks share the checksums
         _log(f"anchor initialised from {source.path} (step {source.step})", rank)
