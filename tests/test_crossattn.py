@@ -1,11 +1,12 @@
 """Cross-attention memory banks (memtrain.model.crossattn; crossattn-memory-banks paper Sections 3-5):
 routed attention against its definition, the router's gradients and balancing loss, compressed banks'
-sizes, placement, no effect at initialisation, causality of the two routing modes, and recipe errors.
-CPU, float64 references, a few seconds."""
+sizes, placement, no effect at initialisation, causality of the two routing modes, recipe errors, and
+model.init_from of a memory-less anchor. CPU, float64 references, a few seconds."""
 
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -367,3 +368,79 @@ def test_crossattn_shipped_recipes_resolve_to_their_sizes(name, bank, layers, pe
         base = load_recipe(path.with_name("crossattn-100m-baseline.yaml"))
         with torch.device("meta"):
             assert count_parameters(m) - counts["total"] == count_parameters(build(base.model)) == 123_704_064
+
+
+# --------------------------------------------------------------------------------------------------
+# model.init_from: a cross-attention model started from a memory-less anchor checkpoint
+
+
+def _checkpoint(run_dir, state: dict, step: int = 2):
+    """A complete checkpoint of module state ``state`` as the trainer writes it under ZeRO 0-2 (the model
+    states file and the marker with its checksum), in run directory ``run_dir``."""
+    from memtrain.parallel import checkpoint as ckpt
+    from memtrain.parallel.checkpoint_folder import hash_files, mark_complete
+
+    folder = ckpt.checkpoint_root(run_dir) / ckpt.tag_for(step)
+    folder.mkdir(parents=True)
+    torch.save({"module": state}, folder / "mp_rank_00_model_states.pt")
+    mark_complete(folder, step, False, 1, hash_files(folder, ["mp_rank_00_model_states.pt"]))
+    return folder
+
+
+@pytest.mark.parametrize("crossattn", [
+    {"tokens": 24, "chapters": 6, "top_k": 2, "routing": "token"},
+    {"tokens": 24, "chapters": 6, "top_k": 2, "routing": "sequence", "bank_rank": 4},
+    {"tokens": 16, "variant": "B", "shared": False, "dim": 8, "heads": 2, "placement": "last", "placement_k": 2},
+])
+def test_crossattn_init_from_a_memoryless_anchor_starts_as_the_anchor(tmp_path, crossattn):
+    """model.init_from of an anchor-only checkpoint (memory.type none): every anchor weight is loaded and
+    the whole cross-attention memory keeps its fresh initialisation, W_O (and variant B's MLP output) at
+    zero (eq. 21), so the model's logits and loss at step 0 are exactly the anchor checkpoint's on the same
+    batch; the log says so in one line. Until 2026-11-29 the missing memory keys were refused ("the
+    anchor settings differ")."""
+    from memtrain.parallel import checkpoint as ckpt
+
+    trained = anchor(seed=7)  # weights other than the memory model's own anchor draw
+    run = tmp_path / "anchor"
+    _checkpoint(run, trained.state_dict())
+    m = model_of(seed=0, **crossattn)
+    fresh = {k: v.clone() for k, v in m.crossattn.state_dict().items()}
+    lines: list[str] = []
+    assert ckpt.load_anchor(m, run, log=lines.append).step == 2
+    assert len(lines) == 1 and "holds no cross-attention memory" in lines[0], lines
+    assert f"{len(fresh)} tensors" in lines[0] and "keep their fresh initialisation" in lines[0]
+    assert all(torch.equal(v, m.crossattn.state_dict()[k]) for k, v in fresh.items())
+    assert not any(part.attn.wo.weight.any() for part in m.crossattn.parts.values())
+    assert all(torch.equal(p, trained.state_dict()[k]) for k, p in m.state_dict().items() if k in trained.state_dict())
+    x, y = tokens(seed=3), tokens(seed=4)
+    with torch.no_grad():
+        assert torch.equal(m(x).logits, trained(x).logits)
+        assert torch.equal(m(x, labels=y).loss_sum, trained(x, labels=y).loss_sum)
+
+
+def test_crossattn_init_from_refuses_what_does_not_fit(tmp_path):
+    """Only a cross-attention memory wholly absent from the checkpoint starts fresh: a missing anchor key,
+    a shape that differs (anchor or memory) and a checkpoint holding part of the memory stay refused; a
+    checkpoint holding the whole memory loads it (no line)."""
+    from memtrain.errors import CheckpointError
+    from memtrain.parallel import checkpoint as ckpt
+
+    base = anchor(seed=7).state_dict()
+    memory = model_of(seed=3, tokens=16).state_dict()
+    cases = [
+        ({k: v for k, v in base.items() if k != "blocks.1.ffn.w1.weight"}, "missing ['blocks.1.ffn.w1.weight']"),
+        ({**base, "blocks.0.ffn.w1.weight": torch.zeros(65, 32)},
+         "blocks.0.ffn.w1.weight has shape (65, 32) there but (64, 32) in this recipe's model"),
+        ({k: v for k, v in memory.items() if not k.startswith("crossattn.parts.2.")}, "missing ['crossattn.parts.2."),
+        (model_of(seed=3, tokens=24).state_dict(), "crossattn.banks.0.weight has shape (24, 32) there but (16, 32)"),
+    ]
+    for i, (state, message) in enumerate(cases):
+        _checkpoint(tmp_path / str(i), state)
+        lines: list[str] = []
+        with pytest.raises(CheckpointError, match=re.escape(message)):
+            ckpt.load_anchor(model_of(seed=0, tokens=16), tmp_path / str(i), log=lines.append)
+        assert lines == []
+    _checkpoint(tmp_path / "whole", memory)
+    m, lines = model_of(seed=0, tokens=16), []
+    ckpt.load_anchor(m, tmp_path / "whole", log=lines.append)
+    assert lines == [] and all(torch.equal(v, memory[k]) for k, v in m.state_dict().items())

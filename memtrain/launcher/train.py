@@ -689,7 +689,8 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
                           "row-shard it over the ranks (memory.crossattn.bank: sharded, memory.bank: sharded)"
                           ) from None
     if recipe.model.init_from and latest is None:
-        source = ckpt.load_anchor(model, recipe.model.init_from, rank, world)  # ranks share the checksums
+        source = ckpt.load_anchor(model, recipe.model.init_from, rank, world,  # ranks share the checksums
+                                  log=lambda line: _log(line, rank))
         _log(f"anchor initialised from {source.path} (step {source.step})", rank)
     mem = recipe.memory
     if mem.freeze_anchor:

@@ -455,11 +455,19 @@ def load_module_state(info: CheckpointInfo) -> dict[str, torch.Tensor]:
                               f"(checkpoint=PATH), or {fallback(info)}") from None
 
 
-def load_anchor(model: torch.nn.Module, path: str | Path, rank: int = 0, world: int = 1) -> CheckpointInfo:
+# The cross-attention memory's state-dict keys (``DecoderLM.crossattn``, crossattn-memory-banks paper).
+CROSSATTN_PREFIX = "crossattn."
+
+
+def load_anchor(model: torch.nn.Module, path: str | Path, rank: int = 0, world: int = 1,
+                log: Optional[Callable[[str], None]] = None) -> CheckpointInfo:
     """Load ``model.init_from``: every anchor weight must be present with its shape; memory parameters
-    (the generic memory) missing from an anchor-only checkpoint keep their initial values. The files are
-    verified against their checksums first (collective over ``world`` ranks when given, else each
-    caller checks all), and the folder is held against pruning while it is read."""
+    missing from an anchor-only checkpoint keep their initial values: the generic memory's, and the whole
+    cross-attention memory when the checkpoint holds none of it (banks, memory layers, routers; ``W_O``
+    starts at zero, eq. 21 of the crossattn-memory-banks paper, so the model starts as the anchor; ``log``
+    gets one line saying so). A checkpoint holding part of a cross-attention memory does not fit. The
+    files are verified against their checksums first (collective over ``world`` ranks when given, else
+    each caller checks all), and the folder is held against pruning while it is read."""
     info = resolve(path)
     with reading(info):
         verify(info, rank, world)
@@ -470,13 +478,21 @@ def load_anchor(model: torch.nn.Module, path: str | Path, rank: int = 0, world: 
         k = mismatched[0]
         raise CheckpointError(f"model.init_from {info.path}: {k} has shape {tuple(state[k].shape)} there but "
                               f"{tuple(own[k].shape)} in this recipe's model; the anchor settings differ")
+    memory_less = not any(k.startswith(CROSSATTN_PREFIX) for k in state)
+    fresh = [k for k in own if k.startswith(CROSSATTN_PREFIX)] if memory_less else []
     result = model.load_state_dict(state, strict=False)
-    missing = [k for k in result.missing_keys if not k.startswith("generic_memory.") and k != "lm_head.weight"]
+    missing = [k for k in result.missing_keys
+               if not k.startswith("generic_memory.") and k != "lm_head.weight" and k not in fresh]
     unexpected = [k for k in result.unexpected_keys if not k.startswith("generic_memory.")]
     if missing or unexpected:
         what = f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}"
         raise CheckpointError(f"model.init_from {info.path}: the checkpoint's weights do not fit this model ({what}); "
                               "the anchor settings differ")
+    if fresh and log is not None:
+        numel = sum(own[k].numel() for k in fresh)
+        log(f"model.init_from: {info.path} holds no cross-attention memory: the memory's {len(fresh)} tensors "
+            f"({numel:,} parameters: banks, memory layers, routers) keep their fresh initialisation (W_O = 0: the "
+            "model starts as the anchor)")
     return info
 
 
