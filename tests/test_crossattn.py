@@ -1,7 +1,8 @@
 """Cross-attention memory banks (memtrain.model.crossattn; crossattn-memory-banks paper Sections 3-5):
 routed attention against its definition, the router's gradients and balancing loss, compressed banks'
-sizes, placement, no effect at initialisation, causality of the two routing modes, recipe errors, and
-model.init_from of a memory-less anchor. CPU, float64 references, a few seconds."""
+sizes, placement, no effect at initialisation, causality of the two routing modes, recipe errors,
+model.init_from of a memory-less anchor, and evaluation batches of sequence-routed models. CPU, float64
+references, a few seconds."""
 
 from __future__ import annotations
 
@@ -444,3 +445,66 @@ def test_crossattn_init_from_refuses_what_does_not_fit(tmp_path):
     m, lines = model_of(seed=0, tokens=16), []
     ckpt.load_anchor(m, tmp_path / "whole", log=lines.append)
     assert lines == [] and all(torch.equal(v, memory[k]) for k, v in m.state_dict().items())
+
+
+# --------------------------------------------------------------------------------------------------
+# Evaluation of sequence-routed models: a sequence's result does not depend on its batch
+
+
+def _sequence_routed(seed: int = 0):
+    m = model_of(seed, tokens=24, chapters=6, top_k=2, routing="sequence").double().eval()
+    open_outputs(m)
+    return m
+
+
+def _distinct(lengths, seed: int = 1) -> list[list[int]]:
+    """Random sequences of ``lengths``; sequence i starts with token i + 1, so a batch row names its sequence."""
+    g = torch.Generator().manual_seed(seed)
+    return [[i + 1] + torch.randint(1, 97, (n - 1,), generator=g).tolist() for i, n in enumerate(lengths)]
+
+
+def test_crossattn_sequence_routed_probe_scores_do_not_depend_on_the_batch():
+    """Sequence routing (eq. 8) mean-pools the whole row, right padding included, so a padded batch moved a
+    sequence's logits by what shared its batch (reported: 0.24-0.37 on 20 real tokens with 5-100 pad tokens).
+    score_sequences (memtrain eval's fact probes) batches such a model by equal length: every row's logits
+    equal its sequence's logits alone, and the results equal scoring each probe alone."""
+    from memtrain.eval.common import padding_changes_logits
+    from memtrain.eval.hierarchical import score_sequences
+
+    m = _sequence_routed()
+    assert padding_changes_logits(m)
+    assert not padding_changes_logits(model_of(tokens=24, chapters=6, top_k=2, routing="token"))
+    assert not padding_changes_logits(model_of(tokens=16)) and not padding_changes_logits(anchor())
+    seqs = _distinct([20, 5, 31, 20, 9, 31, 12, 20])
+    starts = [len(s) - 3 for s in seqs]
+    seen = []
+    hook = m.register_forward_hook(lambda module, args, out: seen.append((args[0].clone(), out.logits.clone())))
+    batched = score_sequences(m, seqs, starts, batch_size=3, pad_id=0)
+    hook.remove()
+    with torch.no_grad():
+        alone = [m(torch.tensor([s])).logits[0] for s in seqs]
+    rows = 0
+    for batch, logits in seen:
+        for row, out in zip(batch, logits):
+            s = seqs[int(row[0]) - 1]
+            torch.testing.assert_close(out[:len(s)], alone[int(row[0]) - 1], rtol=0, atol=1e-12)
+            rows += 1
+    assert rows == len(seqs) and len(seen) == 5  # lengths 5, 9, 12, 20 (3 + 1 rows), 31
+    assert batched.tolist() == [bool(score_sequences(m, [s], [c])[0]) for s, c in zip(seqs, starts)]
+
+
+def test_crossattn_sequence_routed_generation_does_not_depend_on_the_batch():
+    """greedy_generate (memtrain eval's long-context tasks) batches a sequence-routed model's prompts by
+    equal length, so no row is padded and each prompt generates what it generates alone."""
+    from memtrain.eval.longctx import greedy_generate
+
+    m = _sequence_routed()
+    prompts = _distinct([3, 9, 14, 9, 20, 3])
+    seen = []
+    hook = m.register_forward_hook(lambda module, args, out: seen.append(args[0].clone()))
+    out, cut = greedy_generate(m, prompts, 6, eot_id=0, max_context=32, batch_size=8, pad_id=0)
+    hook.remove()
+    assert not any(cut)
+    for batch in seen:
+        assert len({len(prompts[int(row[0]) - 1]) for row in batch}) == 1  # one prompt length per forward
+    assert out == [greedy_generate(m, [p], 6, eot_id=0, max_context=32)[0][0] for p in prompts]

@@ -31,9 +31,20 @@ def batch_memory(bank: Any, mode: str, batch_size: int, ids: Optional[torch.Tens
     return bank.fetch(ids.to(device), count=False)
 
 
+def padding_changes_logits(model: Any) -> bool:
+    """Whether right padding changes the logits of the sequence it pads: a cross-attention memory with
+    sequence routing, whose router mean-pools every position of a row, padding included
+    (crossattn-memory-banks paper, eq. 8; :attr:`memtrain.model.crossattn.CrossAttnMemory.pools_sequence`).
+    Every other model is causal, so padding after a sequence never changes its logits. The evaluations
+    batch such a model's sequences by equal length (no padding), so that a sequence's result does not
+    depend on what else shares its batch."""
+    modules = model.modules() if isinstance(model, torch.nn.Module) else ()  # also inside a wrapper
+    return any(getattr(m, "pools_sequence", False) is True for m in modules)
+
+
 def right_padded(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One batch of token lists, right-padded with ``pad_id``: (tokens ``[B, T]`` long, lengths ``[B]``).
-    The models are causal, so padding after a sequence never changes its logits."""
+    Padding after a sequence never changes its logits unless :func:`padding_changes_logits`."""
     lengths = torch.tensor([len(s) for s in seqs], dtype=torch.long)
     tokens = torch.full((len(seqs), int(lengths.max()) if len(seqs) else 0), pad_id, dtype=torch.long)
     for row, s in enumerate(seqs):
@@ -74,4 +85,5 @@ class PromptEncoder:
         return self.prefix + [int(t) for t in self.tokenizer.encode(text)]
 
 
-__all__ = ["PromptEncoder", "accuracy_cell", "batch_memory", "right_padded", "write_json_atomic"]
+__all__ = ["PromptEncoder", "accuracy_cell", "batch_memory", "padding_changes_logits", "right_padded",
+           "write_json_atomic"]

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from memtrain.config import Recipe, RecipeError
 from memtrain.errors import DataError
-from memtrain.eval.common import accuracy_cell, batch_memory, right_padded
+from memtrain.eval.common import accuracy_cell, batch_memory, padding_changes_logits, right_padded
 
 BUCKETS = ("head", "torso", "tail")
 PROBE_SEED = 0  # the builtin:longtail source is generated with seed 0 (memtrain.data.sources)
@@ -172,8 +172,10 @@ def score_sequences(model: torch.nn.Module, sequences: Sequence[Sequence[int]], 
     probe i is correct when ``argmax logits[t - 1] == tokens[t]`` for every answer position t in
     c..len-1, which holds exactly when greedy generation from the prompt produces the answer's tokens
     first. Batches are right-padded with ``pad_id`` (causal attention: padding after a sequence never
-    changes its logits) and run with one forward each; ``memory_fn(indices)`` gives the ``memory``
-    argument for the probes ``indices`` of a batch. ``max_len``: longer sequences keep their last
+    changes its logits) and run with one forward each; a model whose logits padding changes (sequence
+    routing: :func:`~memtrain.eval.common.padding_changes_logits`) gets batches of equal-length sequences
+    instead, no padding, so a probe's result never depends on the others in its batch. ``memory_fn(indices)``
+    gives the ``memory`` argument for the probes ``indices`` of a batch. ``max_len``: longer sequences keep their last
     ``max_len`` tokens (the answer must fit). Probes with no answer token, or whose answer starts at
     position 0 (nothing to predict it from), count as incorrect. Returns a bool array."""
     n = len(sequences)
@@ -189,8 +191,17 @@ def score_sequences(model: torch.nn.Module, sequences: Sequence[Sequence[int]], 
         cs.append(c)
     correct = np.zeros(n, bool)
     device = torch.device(device)
-    for lo in range(0, n, batch_size):
-        idx = np.arange(lo, min(n, lo + batch_size))
+    if padding_changes_logits(model):
+        batches: list[list[int]] = []
+        for i in sorted(range(n), key=lambda i: (len(seqs[i]), i)):
+            if batches and len(batches[-1]) < batch_size and len(seqs[batches[-1][0]]) == len(seqs[i]):
+                batches[-1].append(i)
+            else:
+                batches.append([i])
+    else:
+        batches = [list(range(lo, min(n, lo + batch_size))) for lo in range(0, n, batch_size)]
+    for rows in batches:
+        idx = np.asarray(rows, dtype=np.int64)
         tokens, lengths = right_padded([seqs[i] for i in idx], pad_id)
         T = tokens.shape[1]
         if T < 2:

@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 
 from memtrain.config import Recipe, RecipeError
-from memtrain.eval.common import PromptEncoder, accuracy_cell, batch_memory, right_padded
+from memtrain.eval.common import PromptEncoder, accuracy_cell, batch_memory, padding_changes_logits, right_padded
 
 # --------------------------------------------------------------------------------------------------
 # Long-context tasks: S-NIAH and BABILong-style qa1-qa5 (memtrain.data.tasks), greedy
@@ -234,8 +234,11 @@ def greedy_generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], ma
       ``max_context - max_new_tokens + 1`` tokens keeps its last that many (left truncation, flagged),
       so every forward fits ``max_context`` (None: no limit, every prompt is read whole). Prompts are
       sorted by length and batched right-padded (``pad_id``, default ``eot_id``; the models are causal,
-      so padding after a row never changes its logits); each row's next token is read at its own last position. ``memory_fn(batch)`` is the
-      ``memory`` argument (e.g. the generic memory of a hierarchical-memory model).
+      so padding after a row never changes its logits); each row's next token is read at its own last
+      position. A model whose logits padding changes (sequence routing:
+      :func:`~memtrain.eval.common.padding_changes_logits`) batches prompts of equal length only, so no row
+      is padded. ``memory_fn(batch)`` is the ``memory`` argument (e.g. the generic memory of a
+      hierarchical-memory model).
     - **stream** (``stream_tokens`` = C: Titans): every sample starts from a fresh memory; while the
       unread part of a sequence exceeds ``max_context`` its first C tokens are run and the memory state
       the model returns (``output.memory``) is carried into the next call, so nothing is truncated.
@@ -278,7 +281,8 @@ def greedy_generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], ma
 
     order = sorted(range(n), key=lambda i: (-lengths[i], i))
     outputs: list[list[int]] = [[] for _ in range(n)]
-    for rows in _batches(order, lengths, batch_size, max_rows, same_length=stream_tokens is not None):
+    same_length = stream_tokens is not None or padding_changes_logits(model)  # no padding in a batch
+    for rows in _batches(order, lengths, batch_size, max_rows, same_length):
         if stream_tokens is None:
             _generate_window(model, rows, seqs, outputs, max_new_tokens, eot_id, pad, memory_fn, device)
         else:

@@ -237,6 +237,15 @@ class CrossAttnMemory(nn.Module):
         """Decoder layer ``layer``'s memory read on residual stream ``x``: ``(new x, routing loss)``."""
         return self.parts[str(layer)](x, self.bank_for(layer), self.stats)
 
+    @property
+    def pools_sequence(self) -> bool:
+        """Whether a memory layer routes on the mean-pooled sequence (``sequence`` routing, eq. 8): a
+        position's output then depends on every position of its row, later ones and right padding
+        included, so evaluation batches only sequences of equal length
+        (:func:`memtrain.eval.common.padding_changes_logits`)."""
+        return any(part.attn.router is not None and part.attn.router.mode == "sequence"
+                   for part in self.parts.values())
+
     def bank_parameters(self) -> list[nn.Parameter]:
         """The bank tokens and every layer's ``W_K``, ``W_V`` (Section 5.5: what ``freeze_bank`` and
         ``freeze_bank_at`` freeze and ``bank_lr`` sets)."""
