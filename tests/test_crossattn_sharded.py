@@ -390,6 +390,15 @@ def test_crossattn_sharded_bank_trains_like_replicated_and_resumes_on_one_rank(r
     model, _ = load_model(r, resolve(ckpt), torch.device("cpu"))
     for key, table in latent_bank_state(ckpt, width=32).items():
         assert torch.equal(model.state_dict()[key], table), key
+    # and into a new run's model through model.init_from (before: "missing ['crossattn.banks.0.weight']", as the
+    # module state holds no bank, though resuming with another memory.crossattn.bank points there)
+    from memtrain.model import build
+    from memtrain.parallel.checkpoint import load_anchor
+
+    fresh = build(r.model, r.memory)
+    load_anchor(fresh, ckpt)
+    for key, value in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[key], value), key
     # Interrupted after step 2, resumed on one rank (the bank resharded from 2 ranks to 1).
     shutil.copytree(root / "runs" / "sh2", root / "runs" / "sh2-to-1")
     shutil.rmtree(root / "runs" / "sh2-to-1" / "checkpoints" / "global_step4")

@@ -465,13 +465,22 @@ def load_anchor(model: torch.nn.Module, path: str | Path, rank: int = 0, world: 
     missing from an anchor-only checkpoint keep their initial values: the generic memory's, and the whole
     cross-attention memory when the checkpoint holds none of it (banks, memory layers, routers; ``W_O``
     starts at zero, eq. 21 of the crossattn-memory-banks paper, so the model starts as the anchor; ``log``
-    gets one line saying so). A checkpoint holding part of a cross-attention memory does not fit. The
-    files are verified against their checksums first (collective over ``world`` ranks when given, else
+    gets one line saying so). A checkpoint holding part of a cross-attention memory does not fit; a sharded
+    chapter bank's rows are read from the checkpoint's bank folder. The files are verified against their checksums first (collective over ``world`` ranks when given, else
     each caller checks all), and the folder is held against pruning while it is read."""
     info = resolve(path)
     with reading(info):
         verify(info, rank, world)
         state = load_module_state(info)
+        saved = read_trainer_state(info).get("recipe") or {}
+        saved_c = (saved.get("memory") or {}).get("crossattn") or {}
+        if saved_c.get("bank") == "sharded":
+            # A sharded chapter bank is saved in the checkpoint's DCP bank folder, not in DeepSpeed's module
+            # state (as memtrain eval's load_model merges it).
+            from memtrain.parallel.chapter_bank import latent_bank_state
+
+            width = saved_c.get("dim") or (saved.get("model") or {}).get("d_model")
+            state = {**state, **latent_bank_state(info.path, width=int(width))}
     own = model.state_dict()
     mismatched = [k for k, v in state.items() if k in own and tuple(own[k].shape) != tuple(v.shape)]
     if mismatched:
