@@ -38,11 +38,82 @@ def test_latest_ignores_incomplete_tags_and_partial_folders(tmp_path):
         ckpt.resolve(partial)
 
 
-def test_corrupt_marker_counts_as_incomplete(tmp_path):
+def _real_marker(run_dir, step):
+    """A checkpoint folder with one file and the marker a save writes (with its checksum table)."""
+    path = ckpt.checkpoint_root(run_dir) / ckpt.tag_for(step)
+    path.mkdir(parents=True)
+    (path / "weights.bin").write_bytes(bytes(range(256)) * 4)
+    checkpoint_folder.mark_complete(path, step, False, 1, checkpoint_folder.hash_files(path, ["weights.bin"]))
+    return path
+
+
+def test_a_damaged_marker_stops_resume_and_evaluation_and_is_never_pruned(tmp_path):
+    """A COMPLETE.json that exists but cannot be parsed (cut to 100 bytes, as a full disk or a bad copy leaves
+    it) used to count as no marker: the run resumed from the older checkpoint, logged "no COMPLETE.json", and
+    the next save's retention deleted the damaged folder. It is a damaged checkpoint: the newest one stops the
+    resume and evaluation's discovery with one line naming the marker and the fallback; none is pruned."""
+    from memtrain.eval.evaluate import find_checkpoint
+
+    _fake(tmp_path, 10)
+    bad = _real_marker(tmp_path, 20)
+    marker = bad / ckpt.MARKER
+    marker.write_bytes(marker.read_bytes()[:100])
+    want = (rf"^checkpoint {bad} is damaged: COMPLETE.json cannot be parsed \(.*\); delete {marker} to resume "
+            rf"from {bad.parent / 'global_step10'}$")
+    with pytest.raises(CheckpointError, match=want):
+        ckpt.latest_checkpoint(tmp_path)
+    for path in (tmp_path, bad):  # eval / generate / model.init_from, given the run.dir or the folder
+        with pytest.raises(CheckpointError, match=want):
+            ckpt.resolve(path)
+    with pytest.raises(CheckpointError, match=want):
+        find_checkpoint(recipe_from_dict({"run": {"dir": str(tmp_path)}}))
+    complete, incomplete = ckpt.list_checkpoints(tmp_path)
+    assert [c.step for c in complete] == [10] and incomplete == []  # not "incomplete"
+    assert [(d.step, d.path) for d in ckpt.damaged_checkpoints(tmp_path)] == [(20, bad)]
+    assert ckpt.latest_checkpoint(tmp_path, strict=False).step == 10  # error messages' "last good checkpoint"
+    _fake(tmp_path, 30)  # a newer complete one (the damaged one is older now) ...
+    ckpt.prune(tmp_path, keep_last=1)  # ... and retention: the damaged folder stays, untouched
+    assert marker.is_file() and (bad / "weights.bin").is_file() and ckpt.latest_checkpoint(tmp_path).step == 30
+    marker.unlink()  # the fix the message names: then it is incomplete, and retention takes it
+    assert ckpt.list_checkpoints(tmp_path)[1] == [bad] and ckpt.damaged_checkpoints(tmp_path) == []
+    ckpt.prune(tmp_path, keep_last=1)
+    assert not bad.exists()
+
+
+@pytest.mark.parametrize("content, problem", [
+    (b"[1, 2]", "COMPLETE.json is not a JSON object"),
+    (b'{"step": 20, "permanent": false}', "COMPLETE.json lacks world_size"),
+    (b'{"step": 12, "permanent": false, "world_size": 1}', "COMPLETE.json records step 12 in the folder of step 20"),
+    (b'{"step": 20, "permanent": false, "world_size": "2"}', "COMPLETE.json records world_size '2'"),
+    (b'{"step": 20, "permanent": false, "world_size": 1, "files": []}', "COMPLETE.json records files as list"),
+    (b"\xff\xfe\x00garbage", "COMPLETE.json cannot be parsed ('utf-8' codec can't decode"),
+    (b"", "COMPLETE.json cannot be parsed (Expecting value"),
+])
+def test_markers_without_their_fields_are_damaged(tmp_path, content, problem):
     _fake(tmp_path, 10)
     bad = _fake(tmp_path, 20)
-    (bad / ckpt.MARKER).write_text("{not json")
-    assert ckpt.latest_checkpoint(tmp_path).step == 10
+    (bad / ckpt.MARKER).write_bytes(content)
+    (found,) = ckpt.damaged_checkpoints(tmp_path)
+    assert found.path == bad and found.problem.startswith(problem)
+    with pytest.raises(CheckpointError, match=f"^checkpoint {bad} is damaged: "):
+        ckpt.latest_checkpoint(tmp_path)
+
+
+def test_the_fallback_past_damaged_markers_names_every_marker_to_delete(tmp_path):
+    _fake(tmp_path, 10)
+    for step in (20, 30):
+        (_fake(tmp_path, step) / ckpt.MARKER).write_text("{")
+    root = ckpt.checkpoint_root(tmp_path)
+    with pytest.raises(CheckpointError, match=rf"global_step30 is damaged: .*; delete {root / 'global_step30'}/"
+                                              rf"COMPLETE.json and {root / 'global_step20'}/COMPLETE.json to "
+                                              rf"resume from {root / 'global_step10'}$"):
+        ckpt.latest_checkpoint(tmp_path)
+    ckpt.prune(tmp_path, keep_last=1)
+    assert [d.step for d in ckpt.damaged_checkpoints(tmp_path)] == [20, 30]
+    (root / "global_step10" / ckpt.MARKER).write_text("{")  # no complete checkpoint left to fall back to
+    with pytest.raises(CheckpointError, match=r"global_step30 is damaged: .*; the run has no complete checkpoint "
+                                              r"older than .*global_step30: start a new run.dir$"):
+        ckpt.latest_checkpoint(tmp_path)
 
 
 def test_prune_keeps_last_n_and_permanent(tmp_path):

@@ -144,6 +144,68 @@ def test_status_states(tmp_path):
     assert (s["state"], s["restarts"], s["attempts"][-1]["world_size"]) == ("crashed", 2, 4)
 
 
+def test_status_names_a_damaged_marker_apart_from_incomplete_ones(tmp_path):
+    """A checkpoint whose COMPLETE.json exists but cannot be parsed is damaged, not "incomplete (no COMPLETE.json)":
+    status lists it with the problem and, for one newer than every complete checkpoint, the fallback the trainer
+    names when it refuses to resume."""
+    run = _status_run(tmp_path)
+    _checkpoint(run, 30, 2)
+    _checkpoint(run, 45, 2)
+    for step in (30, 45):
+        marker = run / "checkpoints" / tag_for(step) / "COMPLETE.json"
+        marker.write_bytes(marker.read_bytes()[:30])
+    s = run_status(run)
+    assert [c["step"] for c in s["checkpoints"]] == [20, 40]
+    assert [Path(p).name for p in s["incomplete_checkpoints"]] == ["global_step50"]
+    old, new = s["damaged_checkpoints"]
+    assert (old["step"], old["fix"]) == (30, None) and old["problem"].startswith("COMPLETE.json cannot be parsed (")
+    root = run / "checkpoints"
+    assert new["step"] == 45 and new["fix"] == f"delete {root / 'global_step45' / 'COMPLETE.json'} to resume from " \
+                                               f"{root / 'global_step40'}"
+    text = format_status(s, now=2000.0)
+    damaged = [line for line in text.splitlines() if "global_step30:" in line or "global_step45:" in line]
+    assert damaged[0].startswith("damaged ") and "global_step30: COMPLETE.json cannot be parsed (" in damaged[0]
+    assert damaged[0].endswith("older than the newest complete checkpoint: kept, never resumed from or pruned")
+    assert damaged[1].endswith(f"; {new['fix']}")
+    assert "global_step50 (no COMPLETE.json: never resumed from)" in text
+
+
+def test_a_record_after_a_torn_line_starts_a_line_of_its_own(tmp_path):
+    """A crash mid-write leaves attempts.jsonl without its last newline; the next attempt's records used to be
+    appended to that line, unreadable, and status reported the old attempt's state. The fragment stays one
+    unreadable line (skipped, like a torn metrics.jsonl row) and the new records are read."""
+    from memtrain.launcher.train import _record_attempt
+
+    run = _status_run(tmp_path)
+    with open(run / "attempts.jsonl", "a", encoding="utf-8") as f:
+        f.write('{"event": "end", "ti')  # the second attempt's end, cut short
+    _record_attempt(run, _start(3000.0, 4, 40, pid=333))
+    _record_attempt(run, {"event": "end", "time": 3100.0, "state": "complete", "step": 100})
+    lines = (run / "attempts.jsonl").read_text(encoding="utf-8").splitlines()
+    assert lines[-3] == '{"event": "end", "ti' and json.loads(lines[-2])["pid"] == 333
+    s = run_status(run)
+    assert (s["state"], s["restarts"], s["attempts"][-1]["pid"]) == ("complete", 2, 333)
+    assert s["attempts"][1]["end"] is None  # the torn end stays unknown
+    _record_attempt(run, {"event": "end", "time": 3200.0, "state": "failed", "step": 100})  # a file that ends well
+    assert (run / "attempts.jsonl").read_text(encoding="utf-8").count("\n\n") == 0
+
+
+def test_an_end_without_its_start_is_an_attempt(tmp_path):
+    """An end record whose start line was lost (torn, or appended to a torn line by an older trainer) is an attempt
+    of its own: it was dropped, so status showed the previous attempt's end as the run's state and one restart
+    too few."""
+    run = _status_run(tmp_path)
+    _jsonl(run / "attempts.jsonl", [{"event": "end", "time": 1500.0, "state": "preempted", "step": 30}])
+    with open(run / "attempts.jsonl", "a", encoding="utf-8") as f:
+        f.write('{"event": "end", "ti{"event": "start", "time": 1600.0}\n')  # a start swallowed by a torn line
+    _jsonl(run / "attempts.jsonl", [{"event": "end", "time": 1700.0, "state": "complete", "step": 100}])
+    s = run_status(run)
+    assert (s["state"], s["state_detail"], s["restarts"]) == ("complete", "at step 100", 2)
+    assert s["attempts"][-1] == {"start_lost": True, "end": {"time": 1700.0, "state": "complete", "step": 100}}
+    text = format_status(s, now=2000.0)
+    assert "#3 " in text and "start not recorded (torn or missing line) -> complete at step 100" in text
+
+
 def test_status_without_steps_or_attempts(tmp_path):
     run = tmp_path / "fresh"
     _write_recipe(run, _recipe(run, max_steps="1M tokens"))

@@ -214,6 +214,63 @@ def test_damaged_checkpoint_is_one_clear_error(workdir, reference):
     assert "global_step4 (step 4" in out.stdout
 
 
+def test_a_damaged_marker_stops_the_resume_and_is_never_pruned(workdir, reference):
+    """COMPLETE.json cut to 100 bytes (a full disk, a bad copy) used to read as no marker: "ignoring incomplete
+    checkpoint .../global_step8 (no COMPLETE.json)", a resume from step 4, and the next save's retention deleting
+    the folder. The newest one damaged: one line naming the marker and the fallback, exit 2, nothing written; an
+    older one damaged: the run resumes from the newest, says it keeps the damaged one, and retention keeps it."""
+    import shutil
+
+    run = workdir / "runs" / "marker"
+    shutil.copytree(workdir / "runs" / "ref", run)
+    tags = {step: run / "checkpoints" / f"global_step{step}" for step in (4, 8)}
+    intact = (tags[8] / "COMPLETE.json").read_bytes()
+    (tags[8] / "COMPLETE.json").write_bytes(intact[:100])
+    before = _snapshot(run)
+    out = train(workdir, "marker", "train.max_steps=10", check=False)
+    assert out.returncode == 2, out.stderr[-3000:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    named = Path("runs", "marker", "checkpoints")
+    assert lines[0].startswith(f"memtrain: checkpoint {named / 'global_step8'} is damaged: COMPLETE.json cannot be "
+                               "parsed (")
+    assert lines[0].endswith(f"; delete {named / 'global_step8' / 'COMPLETE.json'} to resume from "
+                             f"{named / 'global_step4'}")
+    assert _snapshot(run) == before
+    status = subprocess.run([sys.executable, "-m", "memtrain", "status", "runs/marker"], cwd=workdir, env=_env(),
+                            capture_output=True, text=True, timeout=300)
+    assert status.returncode == 0 and "global_step8: COMPLETE.json cannot be parsed (" in status.stdout
+    assert "incomplete" not in status.stdout
+
+    (tags[8] / "COMPLETE.json").write_bytes(intact)
+    marker4 = (tags[4] / "COMPLETE.json").read_bytes()
+    (tags[4] / "COMPLETE.json").write_bytes(marker4[:100])
+    listing = sorted(p.name for p in tags[4].iterdir())
+    out = train(workdir, "marker", "train.max_steps=10")
+    assert f"keeping damaged checkpoint {named / 'global_step4'} (COMPLETE.json cannot be parsed (" in out.stdout
+    assert "ignoring incomplete" not in out.stdout and "global_step8 (step 8" in out.stdout
+    assert "step 10/10" in out.stdout and (run / "checkpoints" / "global_step10" / "COMPLETE.json").is_file()
+    assert sorted(p.name for p in tags[4].iterdir()) == listing  # the save's retention left it alone
+    assert (tags[4] / "COMPLETE.json").read_bytes() == marker4[:100]
+
+
+def test_a_run_already_complete_writes_nothing(workdir, reference):
+    """`memtrain train` on a finished run used to rewrite recipe.yaml with the command's overrides (recorded,
+    though nothing trained with them), append a start and an end to attempts.jsonl (status counted a restart
+    that never ran) and add a TensorBoard event file. It says so and leaves the run directory as it was."""
+    import shutil
+
+    run = workdir / "runs" / "finished"
+    shutil.copytree(workdir / "runs" / "ref", run)
+    recipe, attempts = (run / "recipe.yaml").read_text(), (run / "attempts.jsonl").read_text()
+    before = _snapshot(run)
+    out = train(workdir, "finished", "run.seed=8", "train.optimizer.lr=5e-3")
+    done = Path("runs", "finished", "checkpoints", "global_step8")
+    assert f"run already complete at step 8 (train.max_steps 8, checkpoint {done}); nothing to do" in out.stdout
+    assert _snapshot(run) == before
+    assert (run / "recipe.yaml").read_text() == recipe and (run / "attempts.jsonl").read_text() == attempts
+
+
 def test_a_save_on_a_full_disk_stops_in_one_line_and_the_run_resumes(workdir, reference):
     """The disk fills while step 8's checkpoint is written (torch.save of the rank-state file raises ENOSPC, as a
     real full disk does for a small file; a real full tmpfs is in the README): exit 2 and one line naming the

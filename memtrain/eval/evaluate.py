@@ -51,7 +51,8 @@ def pick_device(recipe: Recipe) -> torch.device:
 
 def find_checkpoint(recipe: Recipe, path: Optional[str | Path] = None) -> Any:
     """The checkpoint to evaluate: ``path`` (a run dir or a ``checkpoints/global_stepN`` folder) or the
-    newest complete checkpoint in ``run.dir``; CheckpointError when there is none."""
+    newest complete checkpoint in ``run.dir``; CheckpointError when there is none, or when a damaged one (a
+    marker that cannot be parsed) is newer: it is named with its fallback rather than silently passed over."""
     from memtrain.parallel import checkpoint as ckpt
 
     if path is not None:

@@ -27,6 +27,20 @@ from typing import Optional, TextIO
 ATTEMPTS = "attempts.jsonl"
 
 
+def append_jsonl(path: Path, row: dict) -> None:
+    """Append ``row`` to ``path`` as one JSON line, on a line of its own: a file that does not end with a newline
+    (a kill mid-write left half a line) gets one first, so the torn fragment stays one unparsable line, which
+    readers skip as they skip torn ``metrics.jsonl`` rows (``memtrain status``), instead of swallowing the new row.
+    One write in append mode, so the row itself is never interleaved."""
+    data = (json.dumps(row) + "\n").encode("utf-8")
+    with open(path, "a+b") as f:
+        if f.seek(0, os.SEEK_END) > 0:
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                data = b"\n" + data
+        f.write(data)  # append mode: at the end, wherever the read left the position
+
+
 class MetricsWriter:
     def __init__(self, run_dir: Path, *, enabled: bool, tensorboard: bool, resume_step: Optional[int],
                  stream: TextIO = sys.stdout):

@@ -38,7 +38,9 @@ import yaml
 
 from memtrain.errors import MemtrainError
 from memtrain.launcher.metrics import ATTEMPTS
-from memtrain.parallel.checkpoint_folder import latest_checkpoint, list_checkpoints
+from memtrain.parallel.checkpoint_folder import (
+    MARKER, damaged_checkpoints, fallback, latest_checkpoint, list_checkpoints,
+)
 from memtrain.parallel.run_lock import LOCK, stale_reason
 
 METRICS = "metrics.jsonl"
@@ -149,14 +151,20 @@ def _lock_state(run_dir: Path) -> Optional[dict]:
 
 def _attempts(run_dir: Path) -> list[dict]:
     """The starts of ``attempts.jsonl``, each with its ``end`` (the next end event before the next start),
-    or None when it has none."""
+    or None when it has none. An end with no start of its own (its start line torn or lost) is an attempt
+    too, marked ``"start_lost": True`` with no start fields: dropping it counted one restart too few and
+    reported the previous attempt's end as the run's state."""
     out: list[dict] = []
     for event in _read_jsonl(run_dir / ATTEMPTS):
         kind = event.get("event")
         if kind == "start":
             out.append({**{k: v for k, v in event.items() if k != "event"}, "end": None})
-        elif kind == "end" and out and out[-1]["end"] is None:
-            out[-1]["end"] = {k: v for k, v in event.items() if k != "event"}
+        elif kind == "end":
+            end = {k: v for k, v in event.items() if k != "event"}
+            if out and out[-1]["end"] is None:
+                out[-1]["end"] = end
+            else:
+                out.append({"start_lost": True, "end": end})
     return out
 
 
@@ -186,8 +194,11 @@ def run_status(run_dir: str | Path) -> dict[str, Any]:
     ``tokens_per_sec`` / ``tokens_per_sec_device`` / ``mfu`` / ``step_time_s`` / ``data_wait_frac`` (means
     over the last :data:`THROUGHPUT_WINDOW` logged steps; None when not logged), ``checkpoints`` (complete:
     ``{"step", "permanent", "world_size", "path"}`` by step), ``incomplete_checkpoints`` (folder paths),
-    ``attempts`` (each start's fields with its ``end`` or None), ``restarts`` (starts minus one), ``state``
-    and ``state_detail``. Raises :class:`ReportError` for a missing or empty run directory."""
+    ``damaged_checkpoints`` (``{"step", "path", "problem", "fix"}`` by step: a marker that exists but cannot be
+    used; ``fix`` is the fallback a resume would name, or None for one older than the newest complete
+    checkpoint), ``attempts`` (each start's fields with its ``end`` or None; ``start_lost`` for an end whose
+    start line is torn), ``restarts`` (attempts minus one), ``state`` and ``state_detail``. Raises
+    :class:`ReportError` for a missing or empty run directory."""
     run_dir = Path(run_dir)
     _check_run_dir(run_dir)
     recipe = _read_recipe(run_dir)
@@ -196,6 +207,7 @@ def run_status(run_dir: str | Path) -> dict[str, Any]:
     loss, loss_step = _last_value(rows, "loss/train")
     val, val_step = _last_value(rows, "loss/val")
     complete, incomplete = list_checkpoints(run_dir)
+    damaged = damaged_checkpoints(run_dir)
     attempts = _attempts(run_dir)
     state, detail = _run_state(attempts, _lock_state(run_dir))
     name = ((recipe or {}).get("run") or {}).get("name") or run_dir.resolve().name
@@ -219,6 +231,10 @@ def run_status(run_dir: str | Path) -> dict[str, Any]:
         "checkpoints": [{"step": c.step, "permanent": c.permanent, "world_size": c.world_size, "path": str(c.path)}
                         for c in complete],
         "incomplete_checkpoints": [str(p) for p in incomplete],
+        # What a resume says of a damaged one newer than every complete one (it stops there); older ones are kept.
+        "damaged_checkpoints": [{"step": d.step, "path": str(d.path), "problem": d.problem,
+                                 "fix": fallback(d) if not complete or d.step > complete[-1].step else None}
+                                for d in damaged],
         "attempts": attempts,
         "restarts": max(len(attempts) - 1, 0),
         "state": state,
@@ -253,15 +269,21 @@ def _ago(t: Any, now: float) -> str:
     return f"{s:.0f} s ago"
 
 
+def _outcome(end: Optional[dict]) -> str:
+    return f"{end.get('state', '?')} at step {end.get('step', '?')}" if end else "no end recorded"
+
+
 def _attempt_line(i: int, a: dict) -> str:
+    if a.get("start_lost"):
+        end = a["end"]
+        return f"#{i} {_when(end.get('time'))}  start not recorded (torn or missing line) -> {_outcome(end)}"
     where = f"{a.get('host', '?')} pid {a.get('pid', '?')}"
     if a.get("slurm_job_id"):
         where += f" job {a['slurm_job_id']}"
         if a.get("slurm_restart_count") is not None:
             where += f" restart {a['slurm_restart_count']}"
     start = "resumed at step {}".format(a["resumed_from_step"]) if a.get("resumed_from_step") is not None else "fresh"
-    end = a.get("end")
-    outcome = f"{end.get('state', '?')} at step {end.get('step', '?')}" if end else "no end recorded"
+    outcome = _outcome(a.get("end"))
     return f"#{i} {_when(a.get('time'))}  {where}, {a.get('world_size', '?')} ranks, {start} -> {outcome}"
 
 
@@ -310,7 +332,10 @@ def format_status(status: dict[str, Any], now: Optional[float] = None) -> str:
         lines.append(("checkpoints", "none complete"))
     if s["incomplete_checkpoints"]:
         lines.append(("incomplete", ", ".join(Path(p).name for p in s["incomplete_checkpoints"])
-                      + " (no COMPLETE.json: never resumed from)"))
+                      + f" (no {MARKER}: never resumed from)"))
+    for i, d in enumerate(s.get("damaged_checkpoints", [])):
+        fix = d["fix"] or "older than the newest complete checkpoint: kept, never resumed from or pruned"
+        lines.append(("damaged" if i == 0 else "", f"{Path(d['path']).name}: {d['problem']}; {fix}"))
     shown = s["attempts"][-5:]
     first = len(s["attempts"]) - len(shown) + 1
     for i, a in enumerate(shown):
@@ -399,7 +424,7 @@ def _run_scaling(run_dir: Path, notes: list[str]) -> dict[str, Any]:
         steps = [s for s in steps if world_of.get(s) == final_world]
         world = final_world
     else:
-        ckpt = latest_checkpoint(run_dir)
+        ckpt = latest_checkpoint(run_dir, strict=False)  # its world size only
         starts = [a for a in _attempts(run_dir) if isinstance(a.get("world_size"), int)]
         if ckpt is not None:
             world, source = ckpt.world_size, "newest checkpoint"

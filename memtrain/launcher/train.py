@@ -51,7 +51,7 @@ from memtrain.errors import (CheckpointError, CollectiveError, DivergenceError, 
                              is_path_failure, is_storage_failure, path_line)
 from memtrain.parallel import dist
 from memtrain.launcher.console import library_output, set_library_log_levels
-from memtrain.launcher.metrics import ATTEMPTS, MetricsWriter, format_line
+from memtrain.launcher.metrics import ATTEMPTS, MetricsWriter, append_jsonl, format_line
 
 
 IGNORE_INDEX = -100  # labels the loss skips (memtrain.data.loader.IGNORE_INDEX, cross_entropy's default)
@@ -406,7 +406,7 @@ def _storage_error(e: OSError, recipe: Recipe) -> Exception:
     where = e.filename or f"to run.dir {run_dir}"
     free = free_bytes(run_dir if run_dir.exists() else run_dir.parent)
     space = f"; its file system has {free / 2**20:,.1f} MiB free" if free != float("inf") else ""
-    last = latest_checkpoint(run_dir)
+    last = latest_checkpoint(run_dir, strict=False)
     resume = (f"Running the same command resumes from {last.path} (step {last.step})" if last is not None else
               "Running the same command starts the run")
     return StorageError(f"writing {where} failed: {e.strerror or e}{space}. {resume} once the storage is fixed (free "
@@ -415,11 +415,9 @@ def _storage_error(e: OSError, recipe: Recipe) -> Exception:
 
 def _record_attempt(run_dir, event: dict) -> None:
     """Append one start or end event to ``<run.dir>/attempts.jsonl`` (rank 0): `memtrain status` counts
-    restarts and tells how each attempt ended (complete, preempted, diverged, failed)."""
-    import json
-
-    with open(run_dir / ATTEMPTS, "a", encoding="utf-8") as f:
-        f.write(json.dumps(event) + "\n")
+    restarts and tells how each attempt ended (complete, preempted, diverged, failed). On a line of its own
+    (:func:`memtrain.launcher.metrics.append_jsonl`): a record torn by a crash does not swallow the next one."""
+    append_jsonl(run_dir / ATTEMPTS, event)
 
 
 def _start_resource_tracker_ignoring_signals() -> None:
@@ -668,6 +666,20 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
     rank, world = dist_env.rank, dist_env.world_size
     run_dir = recipe.run_dir
     latest = ckpt.latest_checkpoint(run_dir)  # again, now under the lock
+    saved: dict = {}
+    if latest is not None:
+        saved = ckpt.read_trainer_state(latest)
+        ckpt.check_compatible(latest, saved, recipe, world)
+        ckpt.check_token_durations(latest, saved, recipe)
+        ckpt.verify(latest, rank, world)  # the files against COMPLETE.json's checksums, before anything reads them
+        done = int(saved.get("step", latest.step))
+        if done >= recipe.max_steps:
+            # Before anything touches run.dir: a command that trains nothing records no recipe (its overrides never
+            # trained), no attempt (`memtrain status` would count a restart), no metrics or TensorBoard file, no
+            # universal conversion. The run lock alone came and went.
+            _log(f"run already complete at step {done} (train.max_steps {recipe.max_steps}, checkpoint "
+                 f"{latest.path}); nothing to do", rank)
+            return {"step": done, "tokens_seen": int(saved.get("tokens_seen", 0)), "resumed": True}
     if rank == 0:  # saves a failure or a kill cut short: no save is in progress under the lock, so their space returns
         for old in ckpt.leftovers(run_dir):
             shutil.rmtree(old, ignore_errors=True)
@@ -736,12 +748,8 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
 
     universal = False
     aligned = True  # a new run cuts its parameter groups for aligned flat buffers (memtrain.parallel.engine)
-    if latest is not None:
-        saved = ckpt.read_trainer_state(latest)
+    if latest is not None:  # read, checked and verified above
         aligned = ckpt.param_groups_aligned(saved)  # the layout the checkpoint's optimizer state was written in
-        ckpt.check_compatible(latest, saved, recipe, world)
-        ckpt.check_token_durations(latest, saved, recipe)
-        ckpt.verify(latest, rank, world)  # the files against COMPLETE.json's checksums, before anything reads them
         if ckpt.needs_universal(latest, saved, recipe, world):
             # The partitioned optimizer state was written for another data-parallel size or ZeRO stage:
             # DeepSpeed's universal checkpoint re-partitions it for this one.
@@ -776,6 +784,9 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
         _, incomplete = ckpt.list_checkpoints(run_dir)
         for p in incomplete:
             _log(f"ignoring incomplete checkpoint {p} (no {ckpt.MARKER})", rank)
+        for d in ckpt.damaged_checkpoints(run_dir):  # older than `latest` (a newer one stopped the run at the start)
+            _log(f"keeping damaged checkpoint {d.path} ({d.problem}): older than {latest.tag}, never resumed from "
+                 f"or pruned; delete it, or its {ckpt.MARKER} for the retention to remove it", rank)
         with library_output(verbose):
             state, rank_state = ckpt.load(engine, latest, rank, universal=universal)
         if step_bank is not None:
@@ -828,7 +839,7 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
 
     def save(at_step: int) -> None:
         if not _finite_weights(engine, step_bank, device):
-            good = ckpt.latest_checkpoint(run_dir)
+            good = ckpt.latest_checkpoint(run_dir, strict=False)
             raise DivergenceError(f"the weights are not finite at step {at_step} (the loss and gradient norms were); "
                                   f"no checkpoint was written. {_last_good(good, recipe)}")
         loader_state = train_batches.state_dict()
@@ -845,10 +856,6 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
         dist.set_timeout(recipe.parallel.timeout_minutes)
         _log(f"saved checkpoint {path}", rank)
 
-    if step >= max_steps:
-        _log(f"run already complete at step {step} (train.max_steps {max_steps}); nothing to do", rank)
-        writer.close()
-        return {"step": step, "tokens_seen": tokens_seen, "resumed": True}
     dist.set_timeout(recipe.parallel.timeout_minutes)  # the hang guard, per step (save() lengthens it)
 
     last: dict = {}
@@ -1001,7 +1008,7 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
                 raise DivergenceError(
                     f"training diverged: the loss or gradient norm was not finite at steps {step - nonfinite_run + 1}"
                     f"-{step} ({nonfinite_run} in a row, train.max_nonfinite_steps {max_nonfinite}); their updates "
-                    f"were skipped. {_last_good(ckpt.latest_checkpoint(run_dir), recipe)}")
+                    f"were skipped. {_last_good(ckpt.latest_checkpoint(run_dir, strict=False), recipe)}")
 
             stopping = _any(stop.raised, device)
             if (ckpt_every and step % ckpt_every == 0) or step == max_steps or stopping:

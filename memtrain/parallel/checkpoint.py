@@ -48,10 +48,10 @@ from memtrain.config import Recipe, recipe_hash_defaults, recipe_hash_fields
 from memtrain.errors import CheckpointError, StorageError
 from memtrain.parallel.bank_checkpoint import load_bank, read_bank_state, save_bank
 from memtrain.parallel.checkpoint_folder import (
-    LATEST, MARKER, TRAINER_STATE, CheckpointInfo, checkpoint_files, checkpoint_root, fallback, free_bytes,
-    hash_files, is_removed, latest_checkpoint, leftovers, list_checkpoints, mark_complete, partial_tag_for, previous_checkpoint,
-    prune, publish, read_trainer_state, reading, removed, resolve, summarize, tag_for, verify, write_json_atomic,
-    write_latest,
+    LATEST, MARKER, TRAINER_STATE, CheckpointInfo, DamagedCheckpoint, checkpoint_files, checkpoint_root,
+    damaged_checkpoints, fallback, free_bytes, hash_files, is_removed, latest_checkpoint, leftovers,
+    list_checkpoints, mark_complete, partial_tag_for, previous_checkpoint, prune, publish, read_trainer_state,
+    reading, removed, resolve, summarize, tag_for, verify, write_json_atomic, write_latest,
 )
 from memtrain.parallel.dist import barrier, gather_strings, is_collective_failure
 
@@ -508,10 +508,10 @@ def load_anchor(model: torch.nn.Module, path: str | Path, rank: int = 0, world: 
 # The checkpoint API of the trainer and of evaluation: this module's own functions plus the folder
 # helpers (:mod:`.checkpoint_folder`) and the bank's (:mod:`.bank_checkpoint`) it composes.
 __all__ = [
-    "LATEST", "MARKER", "TRAINER_STATE", "UNIVERSAL", "CheckpointInfo", "check_compatible", "check_token_durations",
-    "checkpoint_root", "token_durations",
-    "ensure_universal", "latest_checkpoint", "leftovers", "list_checkpoints", "load", "load_anchor", "load_bank",
-    "load_module_state", "needs_universal", "partial_tag_for", "previous_checkpoint", "prune", "read_bank_state",
-    "read_trainer_state", "reading", "resolve", "rng_state", "save", "save_bank", "set_rng_state", "summarize", "tag_for",
+    "LATEST", "MARKER", "TRAINER_STATE", "UNIVERSAL", "CheckpointInfo", "DamagedCheckpoint", "check_compatible",
+    "check_token_durations", "checkpoint_root", "damaged_checkpoints", "ensure_universal", "latest_checkpoint",
+    "leftovers", "list_checkpoints", "load", "load_anchor", "load_bank", "load_module_state", "needs_universal",
+    "partial_tag_for", "previous_checkpoint", "prune", "read_bank_state", "read_trainer_state", "reading",
+    "resolve", "rng_state", "save", "save_bank", "set_rng_state", "summarize", "tag_for", "token_durations",
     "verify", "write_latest",
 ]

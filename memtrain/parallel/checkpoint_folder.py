@@ -8,7 +8,10 @@ never matches); rank 0 then hashes the files (the ranks share the work), writes 
 tools such as ``zero_to_fp32.py`` read). A folder is a checkpoint only once it has its name and its
 marker; a ``global_step<N>`` without the marker (an older save cut off, or a marker deleted to fall
 back) is incomplete and never resumed from, and partial folders of killed saves are removed at the next
-save.
+save. A marker that exists but cannot be parsed (or lacks its step, permanence or world size) makes the
+folder *damaged* (:class:`DamagedCheckpoint`): the save wrote it complete, so it is neither skipped as
+incomplete nor ever pruned; a resume or evaluation that would have taken it stops with one line naming the
+marker and the fallback (:func:`latest_checkpoint`).
 
 :func:`verify` checks the files against the marker's checksums (collective over the ranks, each
 hashing its share). Readers hold a shared ``flock`` on the marker while they read (:func:`reading`);
@@ -77,6 +80,20 @@ class CheckpointInfo:
         return self.path.name
 
 
+@dataclass(frozen=True)
+class DamagedCheckpoint:
+    """A ``global_step<N>`` folder whose marker exists but cannot be used: ``problem`` says why (it cannot be
+    read or parsed, or lacks a field). Only a save writes the marker, after every file: such a folder was
+    complete, and treating it as incomplete (resuming from an older one, then pruning it) lost it."""
+    path: Path
+    step: int
+    problem: str
+
+    @property
+    def tag(self) -> str:
+        return self.path.name
+
+
 # --------------------------------------------------------------------------------------------------
 # Atomic small files
 
@@ -137,31 +154,73 @@ def write_latest(run_dir: Path, tag: str) -> None:
 # Listing
 
 
-def list_checkpoints(run_dir: Path) -> tuple[list[CheckpointInfo], list[Path]]:
-    """(complete checkpoints sorted by step, incomplete tag folders). Partial folders of saves in
-    progress or killed (:func:`partial_tag_for`) are neither."""
+def _marker_problem(data: Any, step: int) -> Optional[str]:
+    """What makes parsed marker ``data`` of folder ``global_step<step>`` unusable, or None: the fields
+    every memtrain version wrote (step, permanent, world_size), with their types, and ``files`` a table."""
+    if not isinstance(data, dict):
+        return f"{MARKER} is not a JSON object"
+    missing = [k for k in ("step", "permanent", "world_size") if k not in data]
+    if missing:
+        return f"{MARKER} lacks {', '.join(missing)}"
+    if type(data["step"]) is not int or data["step"] != step:
+        return f"{MARKER} records step {data['step']!r} in the folder of step {step}"
+    if type(data["world_size"]) is not int or data["world_size"] < 1:
+        return f"{MARKER} records world_size {data['world_size']!r}"
+    if not isinstance(data["permanent"], bool):
+        return f"{MARKER} records permanent {data['permanent']!r}"
+    if not isinstance(data.get("files", {}), dict):
+        return f"{MARKER} records files as {type(data['files']).__name__}, not a table"
+    return None
+
+
+def _scan(run_dir: Path) -> tuple[list[CheckpointInfo], list[Path], list[DamagedCheckpoint]]:
+    """(complete checkpoints by step, incomplete tag folders by name, damaged checkpoints by step)."""
     root = checkpoint_root(run_dir)
-    complete, incomplete = [], []
+    complete, incomplete, damaged = [], [], []
     if not root.is_dir():
-        return complete, incomplete
+        return complete, incomplete, damaged
     for child in root.iterdir():
         m = _TAG_RE.match(child.name)
         if not m or not child.is_dir():
             continue
-        marker = child / MARKER
+        step, marker = int(m.group(1)), child / MARKER
         if not marker.is_file():
             incomplete.append(child)
             continue
         try:
-            info = json.loads(marker.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError):
-            incomplete.append(child)
+            data = json.loads(marker.read_text(encoding="utf-8"))
+        except FileNotFoundError:  # deleted since is_file(): to fall back past it, or pruned
+            if child.is_dir():
+                incomplete.append(child)
             continue
-        complete.append(CheckpointInfo(child, int(m.group(1)), bool(info.get("permanent", False)),
-                                       int(info.get("world_size", 1))))
+        except OSError as e:
+            damaged.append(DamagedCheckpoint(child, step, f"{MARKER} cannot be read ({e.strerror or e})"))
+            continue
+        except ValueError as e:  # JSONDecodeError (cut short, overwritten), UnicodeDecodeError (binary garbage)
+            damaged.append(DamagedCheckpoint(child, step, f"{MARKER} cannot be parsed ({e})"))
+            continue
+        problem = _marker_problem(data, step)
+        if problem:
+            damaged.append(DamagedCheckpoint(child, step, problem))
+            continue
+        complete.append(CheckpointInfo(child, step, data["permanent"], data["world_size"]))
     complete.sort(key=lambda c: c.step)
     incomplete.sort(key=lambda p: p.name)
+    damaged.sort(key=lambda d: d.step)
+    return complete, incomplete, damaged
+
+
+def list_checkpoints(run_dir: Path) -> tuple[list[CheckpointInfo], list[Path]]:
+    """(complete checkpoints sorted by step, incomplete tag folders: those without a marker). Partial folders
+    of saves in progress or killed (:func:`partial_tag_for`) are neither, nor are damaged checkpoints
+    (:func:`damaged_checkpoints`)."""
+    complete, incomplete, _ = _scan(run_dir)
     return complete, incomplete
+
+
+def damaged_checkpoints(run_dir: Path) -> list[DamagedCheckpoint]:
+    """The tag folders of ``run_dir`` whose marker exists but cannot be used, by step."""
+    return _scan(run_dir)[2]
 
 
 def leftovers(run_dir: Path) -> list[Path]:
@@ -173,23 +232,42 @@ def leftovers(run_dir: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if _LEFTOVER_RE.match(p.name) and p.is_dir())
 
 
-def latest_checkpoint(run_dir: Path) -> Optional[CheckpointInfo]:
-    complete, _ = list_checkpoints(run_dir)
-    return complete[-1] if complete else None
+def latest_checkpoint(run_dir: Path, strict: bool = True) -> Optional[CheckpointInfo]:
+    """The newest complete checkpoint of ``run_dir``, or None. ``strict``: CheckpointError when a damaged
+    checkpoint (:class:`DamagedCheckpoint`) is newer than it, naming the marker and the fallback; resuming or
+    evaluating the older one instead would silently drop the damaged one's steps. Error messages that only
+    name the last good checkpoint pass ``strict=False``."""
+    complete, _, damaged = _scan(run_dir)
+    newest = complete[-1] if complete else None
+    newer = [d for d in damaged if newest is None or d.step > newest.step]
+    if strict and newer:
+        raise damaged_error(newer[-1])
+    return newest
 
 
-def previous_checkpoint(info: CheckpointInfo) -> Optional[CheckpointInfo]:
+def previous_checkpoint(info: CheckpointInfo | DamagedCheckpoint) -> Optional[CheckpointInfo]:
     """The newest complete checkpoint of ``info``'s run older than ``info``."""
     older = [c for c in list_checkpoints(info.path.parent.parent)[0] if c.step < info.step]
     return older[-1] if older else None
 
 
-def fallback(info: CheckpointInfo) -> str:
-    """The fix for a damaged checkpoint: fall back to the previous one, or start over."""
+def fallback(info: CheckpointInfo | DamagedCheckpoint) -> str:
+    """The fix for a damaged checkpoint: fall back to the previous complete one (deleting the markers of
+    damaged ones between them too), or start over."""
     prev = previous_checkpoint(info)
     if prev is not None:
-        return f"delete {info.path / MARKER} to resume from {prev.path}"
+        between = [d for d in damaged_checkpoints(info.path.parent.parent) if prev.step < d.step < info.step]
+        markers = " and ".join(str(p / MARKER) for p in [info.path] + [d.path for d in reversed(between)])
+        return f"delete {markers} to resume from {prev.path}"
+    if isinstance(info, DamagedCheckpoint):
+        return f"the run has no complete checkpoint older than {info.path}: start a new run.dir"
     return f"{info.path} is the run's only complete checkpoint: start a new run.dir"
+
+
+def damaged_error(damaged: DamagedCheckpoint) -> CheckpointError:
+    """The error for a damaged checkpoint's marker, as :func:`verify` reports a damaged file: the folder,
+    the problem, the fallback."""
+    return CheckpointError(f"checkpoint {damaged.path} is damaged: {damaged.problem}; {fallback(damaged)}")
 
 
 def removed(info: CheckpointInfo) -> CheckpointError:
@@ -208,9 +286,13 @@ def resolve(path: str | Path) -> CheckpointInfo:
     """A complete checkpoint from a ``global_stepN`` folder or a run directory (its newest one)."""
     p = Path(path)
     if (p / MARKER).is_file() and _TAG_RE.match(p.name):
-        found = [c for c in list_checkpoints(p.parent.parent)[0] if c.path == p]
+        complete, _, damaged = _scan(p.parent.parent)
+        found = [c for c in complete if c.path == p]
         if found:
             return found[0]
+        for d in damaged:
+            if d.path == p:
+                raise damaged_error(d)
     if p.is_dir():
         info = latest_checkpoint(p)
         if info is not None:
@@ -326,7 +408,7 @@ def verify(info: CheckpointInfo, rank: int = 0, world: int = 1) -> None:
             files = {}
     except FileNotFoundError:
         problems.append("")  # removed: reported below
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:  # ValueError: JSON cut short, or binary garbage (UnicodeDecodeError)
         problems.append(f"{MARKER} cannot be read ({e})")
     if problems and rank != 0:
         problems = []  # the marker is the same file for every rank: rank 0 reports it
@@ -432,8 +514,9 @@ def publish(partial: Path, final: Path) -> None:
 def prune(run_dir: Path, keep_last: int) -> list[Path]:
     """Delete complete, non-permanent checkpoints beyond the newest ``keep_last`` (skipping any being
     read: :func:`reading`), incomplete tags older than the newest complete checkpoint, and leftover
-    temporary folders (:func:`leftovers`). Returns the folders deleted. Called by rank 0 after a save;
-    the run lock keeps any other save from being in progress."""
+    temporary folders (:func:`leftovers`). Returns the folders deleted. Damaged checkpoints
+    (:func:`damaged_checkpoints`) are never deleted: only the user, who is told of them, decides. Called by
+    rank 0 after a save; the run lock keeps any other save from being in progress."""
     complete, incomplete = list_checkpoints(run_dir)
     removed_paths = []
     regular = [c for c in complete if not c.permanent]
