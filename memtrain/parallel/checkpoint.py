@@ -46,6 +46,7 @@ import torch
 
 from memtrain.config import Recipe, recipe_hash_defaults, recipe_hash_fields
 from memtrain.errors import CheckpointError, StorageError
+from memtrain.parallel.bank_checkpoint import FOLDER as BANK_FOLDER
 from memtrain.parallel.bank_checkpoint import load_bank, read_bank_state, save_bank
 from memtrain.parallel.checkpoint_folder import (
     LATEST, MARKER, TRAINER_STATE, CheckpointInfo, DamagedCheckpoint, checkpoint_files, checkpoint_root,
@@ -472,7 +473,7 @@ def load_anchor(model: torch.nn.Module, path: str | Path, rank: int = 0, world: 
     with reading(info):
         verify(info, rank, world)
         state = load_module_state(info)
-        saved = read_trainer_state(info).get("recipe") or {}
+        saved = (read_trainer_state(info).get("recipe") or {}) if (info.path / BANK_FOLDER).is_dir() else {}
         saved_c = (saved.get("memory") or {}).get("crossattn") or {}
         if saved_c.get("bank") == "sharded":
             # A sharded chapter bank is saved in the checkpoint's DCP bank folder, not in DeepSpeed's module
