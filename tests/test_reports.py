@@ -131,6 +131,11 @@ def test_status_states(tmp_path):
     # Held on another host: cannot be checked from here.
     (run / "run.lock").write_text(json.dumps(identity() | {"host": "elsewhere-node"}), encoding="utf-8")
     assert run_status(run)["state"] == "running or crashed"
+    # A lock file that cannot be read (cut short): said so, not "held by pid None on None"
+    (run / "run.lock").write_text('{"host": "node', encoding="utf-8")
+    s = run_status(run)
+    assert s["state"] == "running or crashed" and "run.lock exists but cannot be read" in s["state_detail"]
+    assert "None" not in s["state_detail"]
     (run / "run.lock").unlink()
     # An orderly end.
     _jsonl(run / "attempts.jsonl", [{"event": "end", "time": 2000.0, "state": "complete", "step": 100}])
@@ -373,6 +378,11 @@ def test_scaling_errors(tmp_path):
     nosteps = _tb_run(tmp_path, "nosteps", 0, tags={"loss/train": [4.0, 3.0]})
     with pytest.raises(ReportError, match=r"nosteps has TensorBoard events but no logged step"):
         scaling_report([nosteps], tmp_path / "out")
+    (tmp_path / "link").symlink_to(bare)
+    with pytest.raises(ReportError, match=r"link is given twice \(also as .*bare\); pass each run directory once"):
+        scaling_report([bare, tmp_path / "link"], tmp_path / "out")
+    with pytest.raises(ReportError, match=r"bare is given twice; pass each"):
+        scaling_report([bare, nosteps, bare], tmp_path / "out")
     assert not (tmp_path / "out" / "scaling.md").exists()
 
 

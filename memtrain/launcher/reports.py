@@ -135,12 +135,13 @@ def _lock_state(run_dir: Path) -> Optional[dict]:
     path = run_dir / LOCK
     if not path.is_file():
         return None
+    unreadable = {"host": None, "pid": None, "alive": None, "unreadable": True}
     try:
         holder = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return {"host": None, "pid": None, "alive": None}
+        return unreadable
     if not isinstance(holder, dict):
-        return {"host": None, "pid": None, "alive": None}
+        return unreadable
     host = holder.get("host")
     here = socket.gethostname()
     alive = None
@@ -168,6 +169,15 @@ def _attempts(run_dir: Path) -> list[dict]:
     return out
 
 
+def _held(lock: dict) -> str:
+    """Who holds a lock whose holder cannot be checked from here (another host, or a lock file that cannot be
+    read: it used to say "held by pid None on None")."""
+    if lock.get("unreadable"):
+        return (f"{LOCK} exists but cannot be read (being written, or damaged: delete it if no trainer runs on "
+                "this run.dir)")
+    return f"{LOCK} is held by pid {lock['pid']} on {lock['host']} (another host: not checked)"
+
+
 def _run_state(attempts: list[dict], lock: Optional[dict]) -> tuple[str, str]:
     """(state, detail). A live lock on this host means running; a start without an end is a crash,
     unless the lock is held on another host (then it may still be running)."""
@@ -175,15 +185,14 @@ def _run_state(attempts: list[dict], lock: Optional[dict]) -> tuple[str, str]:
         return "running", f"pid {lock['pid']} on {lock['host']} holds {LOCK}"
     if not attempts:
         if lock is not None and lock["alive"] is None:
-            return "unknown", f"{LOCK} is held by pid {lock['pid']} on {lock['host']} (another host: not checked)"
+            return "unknown", _held(lock)
         return "unknown", f"no {ATTEMPTS} (written by newer trainers)"
     last = attempts[-1]
     if last["end"] is not None:
         end = last["end"]
         return str(end.get("state", "unknown")), f"at step {end.get('step')}"
     if lock is not None and lock["alive"] is None:
-        return "running or crashed", (f"the last start has no end; {LOCK} is held by pid {lock['pid']} on "
-                                      f"{lock['host']} (another host: not checked)")
+        return "running or crashed", f"the last start has no end; {_held(lock)}"
     return "crashed", f"the last start (pid {last.get('pid')} on {last.get('host')}) recorded no end"
 
 
@@ -564,6 +573,13 @@ def scaling_report(run_dirs: list[str | Path], out_dir: str | Path) -> dict[str,
     if not run_dirs:
         raise ReportError("scaling needs at least one run directory; pass the run.dirs of runs of one recipe "
                           "on different numbers of ranks")
+    seen: dict[Path, str] = {}
+    for d in run_dirs:  # the same run twice would count as two runs of one world size
+        key = Path(d).resolve()
+        if key in seen:
+            also = f" (also as {seen[key]})" if seen[key] != str(d) else ""
+            raise ReportError(f"{d} is given twice{also}; pass each run directory once")
+        seen[key] = str(d)
     notes: list[str] = []
     runs = [_run_scaling(Path(d), notes) for d in run_dirs]
     if len({r["name"] for r in runs}) < len(runs):  # folders of the same name in different places
