@@ -273,10 +273,10 @@ def token_durations(recipe: Recipe) -> list[str]:
 
 
 def check_token_durations(info: CheckpointInfo, state: dict, recipe: Recipe) -> None:
-    """Training's check before it resumes ``info`` (``state``: its trainer state). A duration in tokens becomes steps at the recipe's tokens per step. Resumed at another global batch, the
-    checkpoint's steps were taken at the old one, so the run would stop early or late (81,920 tokens at 4,096 per
-    step, resumed at 8,192 per step from step 10: "run already complete at step 10" after 40,960 tokens):
-    refused, with the two ways on."""
+    """Training's check before it resumes ``info`` (``state``: its trainer state). A duration in tokens becomes
+    steps at the recipe's tokens per step. Resumed at another global batch, the checkpoint's steps were taken at
+    the old one, so the run would stop early or late (81,920 tokens at 4,096 per step, resumed at 8,192 per step
+    from step 10: "run already complete at step 10" after 40,960 tokens): refused, with the two ways on."""
     keys, saved = token_durations(recipe), state.get("recipe") or {}
     try:
         seq = int(saved["data"]["seq_len"])
@@ -467,8 +467,9 @@ def load_anchor(model: torch.nn.Module, path: str | Path, rank: int = 0, world: 
     cross-attention memory when the checkpoint holds none of it (banks, memory layers, routers; ``W_O``
     starts at zero, eq. 21 of the crossattn-memory-banks paper, so the model starts as the anchor; ``log``
     gets one line saying so). A checkpoint holding part of a cross-attention memory does not fit; a sharded
-    chapter bank's rows are read from the checkpoint's bank folder. The files are verified against their checksums first (collective over ``world`` ranks when given, else
-    each caller checks all), and the folder is held against pruning while it is read."""
+    chapter bank's rows are read from the checkpoint's bank folder. The files are verified against their
+    checksums first (collective over ``world`` ranks when given, else each caller checks all), and the folder
+    is held against pruning while it is read."""
     info = resolve(path)
     with reading(info):
         verify(info, rank, world)
