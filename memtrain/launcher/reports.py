@@ -293,7 +293,8 @@ def _attempt_line(i: int, a: dict) -> str:
             where += f" restart {a['slurm_restart_count']}"
     start = "resumed at step {}".format(a["resumed_from_step"]) if a.get("resumed_from_step") is not None else "fresh"
     outcome = _outcome(a.get("end"))
-    return f"#{i} {_when(a.get('time'))}  {where}, {a.get('world_size', '?')} ranks, {start} -> {outcome}"
+    world = a.get("world_size", "?")
+    return f"#{i} {_when(a.get('time'))}  {where}, {world} rank{'' if world == 1 else 's'}, {start} -> {outcome}"
 
 
 def format_status(status: dict[str, Any], now: Optional[float] = None) -> str:
