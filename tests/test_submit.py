@@ -210,6 +210,41 @@ def test_a_preempted_run_requeues_its_job(tmp_path):
     assert (tmp_path / "bin" / "requeued").read_text().strip() == "4242"
 
 
+def test_a_restart_that_fails_before_recording_its_attempt_is_not_requeued(tmp_path):
+    """A requeued job whose restart fails before the trainer records its attempt (a damaged checkpoint, missing
+    data, a bad node) finds the previous job's "preempted" line last in attempts.jsonl: it used to requeue itself
+    forever. The script requeues only when the launcher exited 0 and this job appended the record. srun also
+    gets the job's CPUs per task (SRUN_CPUS_PER_TASK: Slurm 22.05 stopped passing them on)."""
+    import json
+    import subprocess
+
+    recipe = recipe_from_dict({"run": {"name": "p", "dir": str(tmp_path / "run")},
+                               "slurm": {"gpus_per_node": 0, "cpus_per_task": 3}})
+    path = tmp_path / "job.sbatch"
+    path.write_text(render(recipe, "/r.yaml", workdir=str(tmp_path), python="python"))
+    env, record = _stand_ins(tmp_path, preempted=True)
+    attempts = tmp_path / "run" / "attempts.jsonl"
+    attempts.parent.mkdir()
+    srun = tmp_path / "bin" / "srun"
+    working = srun.read_text()
+    for code, writes in ((2, False), (0, False), (3, True)):  # failed at start; exited 0 silently; failed later
+        attempts.write_text(json.dumps({"event": "end", "time": 0.5, "state": "preempted", "step": 2}) + "\n")
+        srun.write_text("#!/usr/bin/env python3\nimport json, os, sys\n"
+                        f"json.dump({{'env': dict(os.environ)}}, open({str(record)!r}, 'w'))\n"
+                        + (f"open({str(attempts)!r}, 'a').write(json.dumps({{'event': 'end', 'state': 'preempted'}}) + "
+                           "'\\n')\n" if writes else "")
+                        + f"sys.exit({code})\n")
+        ran = subprocess.run(["bash", str(path)], capture_output=True, text=True, env=env, cwd=tmp_path)
+        assert ran.returncode == code, (code, ran.stderr)
+        assert "requeueing" not in ran.stdout and not (tmp_path / "bin" / "requeued").exists(), code
+        assert f"training exited with status {code}" in ran.stdout
+    assert json.loads(record.read_text())["env"]["SRUN_CPUS_PER_TASK"] == "3"
+    srun.write_text(working)  # the stand-in that records "preempted" and exits 0: requeued
+    attempts.write_text(json.dumps({"event": "end", "time": 0.5, "state": "complete", "step": 2}) + "\n")
+    ran = subprocess.run(["bash", str(path)], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert ran.returncode == 0 and (tmp_path / "bin" / "requeued").read_text().strip() == "4242", ran.stdout
+
+
 @pytest.mark.slurm
 def test_rendered_script_passes_sbatch_test_only(tmp_path):
     """Where Slurm runs, sbatch itself validates the script without queueing it."""
