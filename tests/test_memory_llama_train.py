@@ -194,6 +194,11 @@ def test_build_freezes_the_base_and_groups_memory_and_lora(root):
     with pytest.raises(RecipeError, match="^recipe error: memory.memory_llama.layers") as err:
         tiny_model(root, "memory.memory_llama.layers=[3]")
     assert err.value.key == "memory.memory_llama.layers"
+    # LoRA on modules the model does not have: one recipe error (before, peft's traceback)
+    with pytest.raises(RecipeError, match=r"^recipe error: memory.memory_llama.lora.target_modules: \['foo_proj'\] "
+                                          r"do not fit LlamaForCausalLM: ") as err:
+        tiny_model(root, "memory.memory_llama.lora.target_modules=[foo_proj]")
+    assert "\n" not in str(err.value)
 
 
 def test_meta_device_counts_parameters(root):

@@ -126,6 +126,7 @@ def evaluate(recipe: Recipe, checkpoint: Optional[str | Path] = None, batches: O
     Every user error (data not prepared, no or incompatible checkpoint, memory modes without memories,
     unknown tasks) is raised before anything is written."""
     from memtrain.data.loader import data_location, read_meta
+    from memtrain.model.switches import check_kernels
     from memtrain.parallel import checkpoint as ckpt
 
     start = time.perf_counter()
@@ -160,6 +161,7 @@ def evaluate(recipe: Recipe, checkpoint: Optional[str | Path] = None, batches: O
         encoder = PromptEncoder(tokenizer)
         examples = task_examples(task_names, task_lengths, task_samples, encoder)
     device = pick_device(recipe)
+    check_kernels(recipe, device)  # kernel: triton where it cannot run is one line, not a traceback mid-forward
     # Held against pruning by a training run writing this run.dir while its files are read; every file
     # is checked against the checksums in COMPLETE.json before any is loaded.
     with ckpt.reading(info):

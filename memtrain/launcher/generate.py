@@ -233,6 +233,7 @@ def generate(recipe: Recipe, prompts: Sequence[str], checkpoint: Optional[str | 
     from memtrain.eval.common import PromptEncoder, write_json_atomic
     from memtrain.eval.evaluate import find_checkpoint, load_model, pick_device
     from memtrain.eval.longctx import NO_CONTEXT_LIMIT, greedy_generate, model_context
+    from memtrain.model.switches import check_kernels
     from memtrain.parallel import checkpoint as ckpt
 
     check_generate(recipe, prompts, context_bank, max_new_tokens, bank_capacity, encoder, encoder_steps,
@@ -246,6 +247,7 @@ def generate(recipe: Recipe, prompts: Sequence[str], checkpoint: Optional[str | 
     prompt_encoder = PromptEncoder(tokenizer)
     info = find_checkpoint(recipe, checkpoint)
     device = pick_device(recipe)
+    check_kernels(recipe, device)  # kernel: triton where it cannot run is one line, not a traceback mid-forward
     with ckpt.reading(info):
         state = ckpt.read_trainer_state(info)
         ckpt.check_compatible(info, state, recipe, info.world_size)

@@ -51,6 +51,7 @@ from memtrain.errors import (CheckpointError, CollectiveError, DivergenceError, 
                              is_path_failure, is_storage_failure, path_line)
 from memtrain.parallel import dist
 from memtrain.launcher.console import library_output, set_library_log_levels
+from memtrain.model.switches import check_kernels  # noqa: F401  (also memtrain.launcher.train.check_kernels)
 from memtrain.launcher.metrics import ATTEMPTS, MetricsWriter, append_jsonl, format_line
 
 
@@ -507,49 +508,6 @@ def _finite_weights(engine, bank, device: torch.device) -> bool:
 
     ok = weights_finite(engine) and (bank is None or all(bool(torch.isfinite(t).all()) for t in bank.parameters()))
     return not _any(not ok, device)
-
-
-def check_kernels(recipe: Recipe, device: torch.device) -> None:
-    """RecipeError when the recipe forces Triton kernels where they cannot run, SettingError for a switch of the
-    kernels' operators or an on/off switch (:mod:`memtrain.model.switches`) set to a value it does not take (before
-    anything is written)."""
-    from memtrain.kernels.op import requested_mode
-    from memtrain.model.switches import check_flags
-
-    try:
-        requested_mode()
-        check_flags()
-    except ValueError as err:
-        raise SettingError(str(err)) from None
-    c = recipe.memory.crossattn
-    if recipe.memory.is_crossattn and c is not None and c.top_k and c.kernel == "triton":
-        from memtrain.kernels.routed_attention import use_triton
-
-        try:
-            use_triton("triton", torch.empty(0, device=device))
-        except RuntimeError as err:
-            # the kernel's own message ends with what to use instead ("use 'auto' or 'torch' on CPU")
-            raise RecipeError("memory.crossattn.kernel",
-                              f"{err} (memory.crossattn.kernel: auto picks by device)") from None
-    titans = []  # (key, depth, head size, hidden width or None) of Titans memories whose recipe forces the kernels
-    t = recipe.model.titans
-    if recipe.model.type == "titans" and t is not None and t.kernel == "triton":
-        head = t.memory_head_dim or recipe.model.d_model // t.memory_heads
-        titans.append(("model.titans.kernel", t.memory_depth, head, t.expansion))
-    ml = recipe.memory.memory_llama
-    if recipe.memory.is_memory_llama and ml is not None and ml.kernel == "triton":
-        titans.append(("memory.memory_llama.kernel", ml.depth, ml.head_dim, ml.expansion))
-    for key, depth, head, expansion in titans:
-        from memtrain.kernels.titans import use_triton as titans_use_triton
-
-        # MemoryLlama's default head (the base model's width over the heads) is not known before the model loads:
-        # the device is checked here, the size when the memory is built
-        head = head or 64
-        try:
-            titans_use_triton("triton", torch.empty(0, device=device), depth, head_dim=head,
-                              hidden=max(1, int(round(expansion * head))))
-        except (RuntimeError, ValueError) as err:
-            raise RecipeError(key, f"{err}; or set {key}: auto") from None
 
 
 class Banks(NamedTuple):

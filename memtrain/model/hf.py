@@ -371,8 +371,15 @@ class MemoryLlamaLM(HFMemoryLM):
         if ml.layers is not None and any(i >= n_layers for i in ml.layers):
             raise RecipeError("memory.memory_llama.layers", f"{ml.layers} names blocks beyond the {n_layers} decoder "
                               f"layers of {model_cfg.pretrained if model_cfg else arch} (0-based: 0..{n_layers - 1})")
-        model = augment(hf_model, ml.position, ml.layers, memory_llama_kwargs(ml), lora_kwargs(ml), ml.lora.freeze,
-                        every=ml.every, gate_bias_init=ml.gate_bias_init, residual=ml.residual)
+        try:
+            model = augment(hf_model, ml.position, ml.layers, memory_llama_kwargs(ml), lora_kwargs(ml),
+                            ml.lora.freeze, every=ml.every, gate_bias_init=ml.gate_bias_init, residual=ml.residual)
+        except ValueError as err:  # peft: LoRA target modules that are not in the model (as crossattn's adapters)
+            if "target" not in str(err).lower():
+                raise
+            first = (str(err).strip().splitlines() or [""])[0][:300]
+            raise RecipeError("memory.memory_llama.lora.target_modules", f"{list(ml.lora.target_modules)} do not "
+                              f"fit {arch}: {first}") from None
         super().__init__(model, None, model_cfg=model_cfg)
         self.memory_llama = ml
 

@@ -15,6 +15,12 @@ are checked the same way.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from memtrain.config import Recipe
 
 FUSED_ROPE = "MEMTRAIN_FUSED_ROPE"
 TITANS_FUSED_PROLOGUE = "MEMTRAIN_TITANS_FUSED_PROLOGUE"
@@ -57,5 +63,51 @@ def check_flags() -> None:
         flag(name)
 
 
+def check_kernels(recipe: "Recipe", device: "torch.device") -> None:
+    """RecipeError when the recipe forces Triton kernels where they cannot run, SettingError for a switch of the
+    kernels' operators or an on/off switch (:mod:`memtrain.model.switches`) set to a value it does not take (before
+    anything is written: the trainer, ``memtrain eval`` and ``memtrain generate``)."""
+    import torch
+
+    from memtrain.config import RecipeError
+    from memtrain.errors import SettingError
+    from memtrain.kernels.op import requested_mode
+
+    try:
+        requested_mode()
+        check_flags()
+    except ValueError as err:
+        raise SettingError(str(err)) from None
+    c = recipe.memory.crossattn
+    if recipe.memory.is_crossattn and c is not None and c.top_k and c.kernel == "triton":
+        from memtrain.kernels.routed_attention import use_triton
+
+        try:
+            use_triton("triton", torch.empty(0, device=device))
+        except RuntimeError as err:
+            # the kernel's own message ends with what to use instead ("use 'auto' or 'torch' on CPU")
+            raise RecipeError("memory.crossattn.kernel",
+                              f"{err} (memory.crossattn.kernel: auto picks by device)") from None
+    titans = []  # (key, depth, head size, hidden width or None) of Titans memories whose recipe forces the kernels
+    t = recipe.model.titans
+    if recipe.model.type == "titans" and t is not None and t.kernel == "triton":
+        head = t.memory_head_dim or recipe.model.d_model // t.memory_heads
+        titans.append(("model.titans.kernel", t.memory_depth, head, t.expansion))
+    ml = recipe.memory.memory_llama
+    if recipe.memory.is_memory_llama and ml is not None and ml.kernel == "triton":
+        titans.append(("memory.memory_llama.kernel", ml.depth, ml.head_dim, ml.expansion))
+    for key, depth, head, expansion in titans:
+        from memtrain.kernels.titans import use_triton as titans_use_triton
+
+        # MemoryLlama's default head (the base model's width over the heads) is not known before the model loads:
+        # the device is checked here, the size when the memory is built
+        head = head or 64
+        try:
+            titans_use_triton("triton", torch.empty(0, device=device), depth, head_dim=head,
+                              hidden=max(1, int(round(expansion * head))))
+        except (RuntimeError, ValueError) as err:
+            raise RecipeError(key, f"{err}; or set {key}: auto") from None
+
+
 __all__ = ["FLAGS", "FUSED_ROPE", "GROUPED_WGRAD", "SWIGLU_RECOMPUTE", "TITANS_FUSED_CONV", "TITANS_FUSED_OUTPUT",
-           "TITANS_FUSED_PROLOGUE", "TITANS_FUSED_READ", "check_flags", "flag"]
+           "TITANS_FUSED_PROLOGUE", "TITANS_FUSED_READ", "check_flags", "check_kernels", "flag"]
