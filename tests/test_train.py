@@ -642,6 +642,10 @@ def test_the_divergence_advice_names_the_memorys_learning_rate():
     xattn = recipe_from_dict({"memory": {"type": "crossattn", "crossattn": {"tokens": 8, "bank_lr": 1e-4}}})
     assert "lower train.optimizer.lr or memory.optimizer.lr or memory.crossattn.bank_lr (or raise" in _last_good(
         None, xattn)
+    ml = recipe_from_dict({"model": {"type": "hf", "pretrained": "models/x"}, "memory": {"type": "memory_llama"}})
+    advice = _last_good(None, ml)  # its keys, and no resume: they cannot change on one
+    assert advice.startswith("Lower memory.memory_llama.memory_lr or memory.memory_llama.lora_lr (or raise")
+    assert "start a new run.dir" in advice and "train.optimizer.lr" not in advice
 
 
 def test_a_diverged_run_stops_with_one_error_and_keeps_its_good_checkpoints(workdir):

@@ -991,6 +991,11 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
 
 
 def _last_good(info, recipe: Recipe) -> str:
+    if recipe.memory.is_memory_llama:  # the base is frozen; its own learning rates are fixed for a run
+        return ("Lower memory.memory_llama.memory_lr or memory.memory_llama.lora_lr (or raise "
+                "train.schedule.warmup, lower train.grad_clip) and start a new run.dir: MemoryLlama's learning "
+                "rates cannot change on resume" + (f" (the last good checkpoint is {info.path}, step {info.step})"
+                                                   if info is not None else ""))
     lr = "train.optimizer.lr"
     if recipe.memory.type != "none":  # memories train at their own learning rate, which may be the one too high
         lr += " or memory.optimizer.lr"
