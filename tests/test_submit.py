@@ -54,7 +54,7 @@ def test_submit_without_sbatch_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.chdir(tmp_path)
     with pytest.raises(LaunchError, match="sbatch was not found"):
-        submit(recipe_from_dict({"run": {"name": "x"}}), "r.yaml", [])
+        submit(recipe_from_dict({"run": {"name": "x"}, "train": {"micro_batch_size": 4}}), "r.yaml", [])
     assert not (tmp_path / "runs").exists()
 
 
@@ -66,7 +66,7 @@ def test_submit_writes_frozen_recipe_and_script_and_calls_sbatch(tmp_path, monke
     monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.chdir(tmp_path)
     recipe_path = tmp_path / "r.yaml"
-    recipe_path.write_text("run: {name: sub}\ntrain: {max_steps: 10}\n")
+    recipe_path.write_text("run: {name: sub}\ntrain: {max_steps: 10, micro_batch_size: 4}\n")
     assert main(["submit", str(recipe_path), "train.max_steps=50"]) == 0
     assert "submitted job 4242" in capsys.readouterr().out
     slurm_dir = tmp_path / "runs" / "sub" / "slurm"
@@ -81,9 +81,25 @@ def test_submit_writes_frozen_recipe_and_script_and_calls_sbatch(tmp_path, monke
 def test_dry_run_writes_nothing(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     recipe_path = tmp_path / "r.yaml"
-    recipe_path.write_text("run: {name: dry}\n")
+    recipe_path.write_text("run: {name: dry}\ntrain: {micro_batch_size: 4}\n")
     assert main(["submit", str(recipe_path), "--dry-run"]) == 0
     assert "#SBATCH --job-name=dry" in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.yaml"]
+
+
+def test_a_batch_the_jobs_ranks_cannot_split_is_refused_before_sbatch(tmp_path, monkeypatch, capsys):
+    """The default slurm section (8 GPUs) and the default batch (32 sequences of micro-batches of 8) do not fit:
+    the job would have failed at its start after waiting in the queue. memtrain submit says so first."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "r.yaml").write_text("run: {name: split}\n")
+    assert main(["submit", "r.yaml", "--dry-run"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "memtrain: recipe error: train.global_batch_tokens: 32 sequences per step (global_batch_tokens 65536 / "
+        "data.seq_len 2048) do not divide into micro-batches of train.micro_batch_size 8 x 8 ranks; choose a global "
+        "batch that is a multiple of 131072 tokens")
+    assert main(["submit", "r.yaml", "--dry-run", "slurm.nodes=2", "train.micro_batch_size=2"]) == 0  # 32 / (2 x 16)
+    assert main(["submit", "r.yaml", "--dry-run", "slurm.gpus_per_node=0", "slurm.tasks_per_node=3"]) == 2
+    assert "8 x 3 ranks" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.yaml"]
 
 
@@ -263,7 +279,7 @@ def test_overrides_stand_anywhere_on_the_command_line(tmp_path, monkeypatch, cap
     """key=value after a sub-command's flags (argparse alone rejected them), and slurm.time=3 meaning three
     minutes as in sbatch (it was a type error)."""
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "r.yaml").write_text("run: {name: anywhere}\n")
+    (tmp_path / "r.yaml").write_text("run: {name: anywhere}\ntrain: {micro_batch_size: 4}\n")
     assert main(["submit", "r.yaml", "--dry-run", "slurm.time=3", "slurm.gpus_per_node=0"]) == 0
     script = capsys.readouterr().out
     assert "#SBATCH --time=3\n" in script and "--gpus-per-node" not in script

@@ -92,6 +92,10 @@ def render(recipe: Recipe, recipe_path: str, workdir: Optional[str] = None, pyth
 def submit(recipe: Recipe, source_path: str, overrides: list[str], dry_run: bool = False) -> str:
     """Write the frozen recipe and the script under ``<run.dir>/slurm/`` and call sbatch. A submission
     sbatch rejects leaves nothing behind (the two files, and the folders this call created)."""
+    s = recipe.slurm
+    # The job's ranks must split the global batch: one recipe error now, not a failure at the job's start after
+    # it waited in the queue.
+    recipe.grad_accum_steps(s.nodes * (s.tasks_per_node or s.gpus_per_node or 1))
     stamp = time.strftime("%Y%m%d-%H%M%S")
     slurm_dir = (recipe.run_dir / "slurm").resolve()
     frozen = slurm_dir / f"recipe-{stamp}.yaml"
