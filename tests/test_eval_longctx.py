@@ -109,6 +109,19 @@ def test_window_generation_exact_stop_and_truncation():
         greedy_generate(SumLM(), [[1]], 9, EOT, 8)
 
 
+def test_ids_the_tokenizer_lacks_are_never_generated():
+    """A model's vocabulary may be padded past its tokenizer's (a multiple of 64): an id from the tokenizer's size on
+    is never chosen, in either mode (before, the tokenizer's decode raised IndexError: piece id is out of range)."""
+    prompts = [[3, 4], [1], [2, 3]]
+    free = greedy_generate(SumLM(), prompts, 5, EOT, 8)[0]
+    assert any(t >= 8 for row in free for t in row)  # unlimited, this model does produce ids from 8 on
+    for stream in (None, 3):
+        model = SumLM(stateful=stream is not None)
+        out, _ = greedy_generate(model, prompts, 5, EOT, 8 if stream is None else 4, stream_tokens=stream,
+                                 token_limit=8)
+        assert all(t < 8 for row in out for t in row) and any(out), (stream, out)
+
+
 def test_logits_budget_caps_the_batch():
     model = SumLM()
     prompts = [[1, 2, 3]] * 5

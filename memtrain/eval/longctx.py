@@ -225,7 +225,8 @@ def greedy_generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], ma
                     max_context: Optional[int], *, stream_tokens: Optional[int] = None,
                     batch_size: int = TASK_BATCH_SIZE, memory_fn: Callable[[int], Any] = lambda n: None,
                     device: torch.device | str = "cpu", pad_id: Optional[int] = None, vocab_size: Optional[int] = None,
-                    logits_budget: int = LOGITS_BUDGET) -> tuple[list[list[int]], list[bool]]:
+                    logits_budget: int = LOGITS_BUDGET, token_limit: Optional[int] = None
+                    ) -> tuple[list[list[int]], list[bool]]:
     """Greedy decoding without a KV cache: each new token re-runs the model on the whole prefix (or, for
     a streamed model, on the part after its carried memory). Stops at ``eot_id`` (not returned) or after
     ``max_new_tokens``. Returns (new tokens per prompt, whether the prompt was truncated).
@@ -247,7 +248,9 @@ def greedy_generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], ma
       equal length are batched (no padding).
 
     The batch is capped so that one forward's fp32 logits stay within ``logits_budget`` bytes
-    (``vocab_size`` known)."""
+    (``vocab_size`` known). ``token_limit`` (the tokenizer's vocabulary size): ids from it on are never chosen. A
+    model's vocabulary may be padded past its tokenizer's (a multiple of 64 is faster), and an id the tokenizer
+    does not have stopped its decoding with an IndexError."""
     n = len(prompts)
     device = torch.device(device)
     pad = eot_id if pad_id is None else pad_id
@@ -284,14 +287,15 @@ def greedy_generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], ma
     same_length = stream_tokens is not None or padding_changes_logits(model)  # no padding in a batch
     for rows in _batches(order, lengths, batch_size, max_rows, same_length):
         if stream_tokens is None:
-            _generate_window(model, rows, seqs, outputs, max_new_tokens, eot_id, pad, memory_fn, device)
+            _generate_window(model, rows, seqs, outputs, max_new_tokens, eot_id, pad, memory_fn, device, token_limit)
         else:
             _generate_stream(model, rows, seqs, outputs, max_new_tokens, eot_id, max_context, stream_tokens,
-                             device)
+                             device, token_limit)
     return outputs, truncated
 
 
-def _generate_window(model, rows, seqs, outputs, max_new_tokens, eot_id, pad, memory_fn, device) -> None:
+def _generate_window(model, rows, seqs, outputs, max_new_tokens, eot_id, pad, memory_fn, device,
+                     token_limit: Optional[int] = None) -> None:
     cur = {i: list(seqs[i]) for i in rows}
     active = list(rows)
     for _ in range(max_new_tokens):
@@ -299,7 +303,8 @@ def _generate_window(model, rows, seqs, outputs, max_new_tokens, eot_id, pad, me
             break
         tokens, lens = right_padded([cur[i] for i in active], pad)
         logits = model(tokens.to(device), doc_ids=None, memory=memory_fn(len(active))).logits
-        nxt = logits[torch.arange(len(active), device=logits.device), (lens - 1).to(logits.device)].argmax(-1).tolist()
+        last = logits[torch.arange(len(active), device=logits.device), (lens - 1).to(logits.device)]
+        nxt = last[:, :token_limit].argmax(-1).tolist()
         still = []
         for i, t in zip(active, nxt):
             if t == eot_id:
@@ -310,7 +315,8 @@ def _generate_window(model, rows, seqs, outputs, max_new_tokens, eot_id, pad, me
         active = still
 
 
-def _generate_stream(model, rows, seqs, outputs, max_new_tokens, eot_id, max_context, call_tokens, device) -> None:
+def _generate_stream(model, rows, seqs, outputs, max_new_tokens, eot_id, max_context, call_tokens, device,
+                     token_limit: Optional[int] = None) -> None:
     seq = torch.tensor([seqs[i] for i in rows], dtype=torch.long, device=device)  # equal lengths
     state, done = None, [False] * len(rows)  # None: a fresh memory for every sample
     start = 0  # tokens already in the carried state
@@ -318,7 +324,7 @@ def _generate_stream(model, rows, seqs, outputs, max_new_tokens, eot_id, max_con
         while seq.shape[1] - start > max_context:
             state = model(seq[:, start:start + call_tokens], doc_ids=None, memory=state).memory
             start += call_tokens
-        nxt = model(seq[:, start:], doc_ids=None, memory=state).logits[:, -1].argmax(-1)
+        nxt = model(seq[:, start:], doc_ids=None, memory=state).logits[:, -1, :token_limit].argmax(-1)
         for r, t in enumerate(nxt.tolist()):
             if not done[r]:
                 if t == eot_id:
@@ -351,7 +357,8 @@ def run_long_context(model: torch.nn.Module, tokenizer: Any, examples: Sequence[
     with fresh_memory_per_forward(model):
         generated, truncated = greedy_generate(model, prompts, max_new_tokens, eot, max_context,
                                                stream_tokens=stream_tokens, batch_size=batch_size,
-                                               memory_fn=memory_fn, device=device, vocab_size=vocab_size)
+                                               memory_fn=memory_fn, device=device, vocab_size=vocab_size,
+                                               token_limit=getattr(tokenizer, "vocab_size", None))
     predictions = [tokenizer.decode(g) if g else "" for g in generated]
     scored = score(predictions, examples)
     hits = [is_correct(p, e["answer"]) for p, e in zip(predictions, examples)]

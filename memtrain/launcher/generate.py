@@ -277,7 +277,7 @@ def generate(recipe: Recipe, prompts: Sequence[str], checkpoint: Optional[str | 
             ids = prompt_encoder.encode(text)
             with torch.no_grad():
                 (new,), (truncated,) = greedy_generate(model, [ids], max_new, tokenizer.eot_id, max_context,
-                                                       device=device)
+                                                       device=device, token_limit=tokenizer.vocab_size)
             generated = tokenizer.decode(new)
             entry: dict[str, Any] = {"prompt": text, "tokens": len(ids), "truncated": truncated,
                                      "generated": generated}
