@@ -280,6 +280,36 @@ def test_a_failure_on_one_rank_fails_all_and_leaves_nothing(corpus, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fail.py", "r.yaml"]  # no data dir, no build folder
 
 
+def test_a_split_the_ranks_pack_into_no_sample_is_one_line(tmp_path):
+    """Enough tokens for a sample over all ranks, fewer on each: every rank drops its partial last sample, and the
+    split packed into none. Before, the 2-rank prepare finished with exit 0 and an empty train split (one process
+    gave a sample), and training then said "no train split". Now one line and nothing left."""
+    import itertools
+    import json as _json
+
+    from memtrain.data.tokenizer import SentencePieceTokenizer
+
+    texts = [t[:200] for t in builtin_documents(0)[:4]]
+    docs = tmp_path / "short.jsonl"
+    docs.write_text("".join(_json.dumps({"text": t}) + "\n" for t in texts))
+    tokenizer = tmp_path / "tok.model"
+    tok = SentencePieceTokenizer.train(iter(builtin_documents(0)[:400]), tokenizer, 300, "bpe", seed=1,
+                                       byte_fallback=False)
+    lengths = [len(tok.encode(t)) + 1 for t in texts]  # with each document's end-of-text
+    # a sample as long as any two documents and one token more: the 4 hold one, each rank's 2 none
+    seq = max(a + b for a, b in itertools.combinations(lengths, 2))
+    assert seq + 1 <= sum(lengths)
+    recipe = recipe_from_dict(make_recipe(tmp_path / "data", [str(docs)], clustering=False).to_dict(),
+                              [f"data.tokenizer.path={tokenizer}", "data.val_fraction=0", f"data.seq_len={seq}",
+                               f"model.max_seq_len={seq}", f"train.global_batch_tokens={4 * seq}"])
+    path = _write_recipe(recipe, tmp_path / "r.yaml")
+    run = _torchrun(["-m", "memtrain", "prepare", str(path)], tmp_path)
+    assert run.returncode != 0 and "exitcode  : 2" in run.stderr, run.stdout + run.stderr  # torchrun's report
+    assert ("memtrain: the training split (4 documents, " in run.stderr and f"packs into no sample of {seq + 1} tokens on 2 "
+            "ranks" in run.stderr), run.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.yaml", "short.jsonl", "tok.model"]
+
+
 _COMM = textwrap.dedent("""
     import json, os, sys
     import numpy as np

@@ -678,6 +678,16 @@ def _build_distributed(recipe: Recipe, out: Path, settings: dict, fp: str, comm:
                                         "nodes?")
 
         comm.run(merge_on_rank0)
+    for split, stats in splits.items():  # the same on every rank (gathered), so every rank raises
+        if sizes[split] and not stats.samples:
+            # enough_tokens counted the split's tokens over all ranks, but each rank packs its own documents and
+            # drops its partial last sample: a split smaller than about one sample per rank packs into none,
+            # where one process gives samples (it used to finish with exit 0 and an empty split)
+            what = "training" if split == "train" else "validation"
+            raise DataError(f"the {what} split ({sizes[split]} documents, {stats.tokens} "
+                            f"tokens) packs into no sample of {sample_len} tokens on {comm.world} ranks: each rank "
+                            f"packs its own share and drops its partial last sample; prepare it with fewer ranks "
+                            f"(one process keeps more), a smaller data.seq_len, or more documents")
     return _meta(recipe, settings, fp, tokenizer, tokenizer_ref, dtype, read, n_docs, sizes, splits, clustered,
                  start, tok_start)
 
