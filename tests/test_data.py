@@ -130,6 +130,15 @@ def test_read_documents_errors(tmp_path):
     (tmp_path / "t.csv").write_text("a,b\n")
     with pytest.raises(DataError, match="unsupported extension"):
         list(read_documents([str(tmp_path / "t.csv")], "text"))
+    # a file named twice (a repeated entry, overlapping globs, another path to it) would be read twice, its
+    # documents in both splits; so would a built-in corpus named twice
+    doc = str(tmp_path / "doc.jsonl")
+    for sources, named in (([doc, doc], f"{doc!r} is named twice"),
+                           ([doc, str(tmp_path / "*.jsonl")], f"{doc!r} is named twice"),
+                           ([doc, str(tmp_path / "." / "doc.jsonl")], "is named twice"),
+                           (["builtin", "builtin"], "'builtin' is named twice")):
+        with pytest.raises(DataError, match=re.escape(named) + r" by data.sources .*land in both splits"):
+            list(read_documents(sources, "text"))
 
 
 # --------------------------------------------------------------------------------------------------

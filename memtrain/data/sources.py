@@ -73,6 +73,17 @@ def resolve_sources(sources: list[str]) -> list[str]:
                 raise DataError(f"data source file {path!r} has an unsupported extension; use "
                                 f"{', '.join(_FORMATS)} files or 'builtin' in data.sources")
         out.extend(matches)
+    # A file (or built-in corpus) named twice, by repeated or overlapping sources, would be read twice: its
+    # documents would count double and, split apart, land in both the training and the validation split.
+    seen: dict[str, str] = {}
+    for item in out:
+        key = item if item in BUILTINS else os.path.realpath(item)
+        if key in seen:
+            also = f" (also as {seen[key]!r})" if seen[key] != item else ""
+            raise DataError(f"data source {item!r}{also} is named twice by data.sources (a repeated entry or "
+                            "overlapping globs); its documents would be read twice and land in both splits: name "
+                            "each file once")
+        seen[key] = item
     return out
 
 
