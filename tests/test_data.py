@@ -206,6 +206,18 @@ def test_hf_tokenizer_folder(tmp_path):
     hf = load_tokenizer(tmp_path / "hf")
     assert hf.eot_id == 1 and hf.vocab_size == 4
     assert hf.encode("hello world") == [2, 3] and hf.encode_batch(["world", "hello"]) == [[3], [2]]
+    # folders that are no tokenizer: one short line each (before: an AttributeError traceback for an empty one,
+    # a 5 KB line listing every model type transformers knows for a lone tokenizer.json)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match=r"tokenizer folder .*empty is empty; point data.tokenizer.path"):
+        load_tokenizer(tmp_path / "empty")
+    (tmp_path / "lone").mkdir()
+    (tmp_path / "lone" / "tokenizer.json").write_text((tmp_path / "hf" / "tokenizer.json").read_text())
+    (tmp_path / "lone" / "config.json").write_text("{}")
+    with pytest.raises(DataError) as err:
+        load_tokenizer(tmp_path / "lone")
+    assert str(err.value).startswith(f"could not load a Hugging Face tokenizer from {tmp_path / 'lone'} (")
+    assert len(str(err.value)) < 600 and "\n" not in str(err.value)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -169,11 +169,19 @@ class HFTokenizer:
         from transformers import AutoTokenizer
 
         self.path = Path(path)
+        if not any(self.path.iterdir()):
+            raise DataError(f"Hugging Face tokenizer folder {self.path} is empty; point data.tokenizer.path at a "
+                            "folder save_pretrained wrote, or leave it unset to train a tokenizer")
         try:
             self.tok = AutoTokenizer.from_pretrained(str(self.path), local_files_only=True)
-        except (OSError, ValueError) as e:
-            raise DataError(f"could not load a Hugging Face tokenizer from {self.path} ({e}); the folder must "
-                            "hold tokenizer.json or the files save_pretrained writes") from None
+        except (OSError, ValueError, AttributeError, KeyError, TypeError) as e:
+            # transformers' errors here can be long (every model type it knows) or odd (an AttributeError for a
+            # folder without a config): the first line, cut short, and what the folder needs
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            first = first if len(first) <= 200 else first[:200] + " ..."
+            raise DataError(f"could not load a Hugging Face tokenizer from {self.path} ({type(e).__name__}: {first}); "
+                            "the folder must hold what save_pretrained writes (tokenizer.json with "
+                            "tokenizer_config.json, or the slow tokenizer's files)") from None
         if self.tok.eos_token_id is None:
             raise DataError(f"Hugging Face tokenizer {self.path} has no eos_token; memtrain needs one to "
                             "separate documents (set eos_token in its tokenizer_config.json)")
