@@ -224,6 +224,22 @@ def test_hf_tokenizer_folder(tmp_path):
 # prepare
 
 
+def test_a_data_dir_that_is_a_link_is_prepared_where_it_points(tmp_path, corpus):
+    """data.dir as a symbolic link (to a larger disk, say): the folder is built beside its target and renamed into
+    it, and the link stays. Before, the link itself was replaced by a new folder, the target left empty and a
+    dangling link left behind."""
+    src = write_jsonl(tmp_path / "docs.jsonl", corpus)
+    target = tmp_path / "disk" / "data"
+    target.parent.mkdir()
+    (tmp_path / "data").symlink_to(target)
+    recipe = make_recipe(tmp_path / "data", [str(src)])
+    for force in (False, True):
+        assert prepare(recipe, force=force)["status"] == "prepared"
+        assert (tmp_path / "data").is_symlink() and (target / "meta.json").is_file()
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "disk", "docs.jsonl"]
+        assert sorted(p.name for p in target.parent.iterdir()) == ["data"]
+
+
 def test_prepare_end_to_end_and_idempotent(tmp_path, corpus):
     src = write_jsonl(tmp_path / "docs.jsonl", corpus + ["", "  "])
     recipe = make_recipe(tmp_path / "data", [str(src)])

@@ -146,7 +146,7 @@ def prepare(recipe: Recipe, force: bool = False, dist_env: Any = None,
         dist_env = discover()
     if dist_env.world_size > 1:
         return _prepare_distributed(recipe, force, dist_env, tree_windows)
-    data_dir = recipe.data_dir
+    data_dir = _through_link(recipe.data_dir)
     settings = data_settings(recipe)
     fp = fingerprint(settings)
     existing = _existing(data_dir, fp, force)
@@ -490,7 +490,7 @@ def _run_distributed(recipe: Recipe, force: bool, comm: _Comm, dist_env: Any,
                      tree_windows: Optional[int]) -> dict[str, Any]:
     from memtrain.data.clustered import tree_windows_cap
 
-    data_dir = recipe.data_dir
+    data_dir = _through_link(recipe.data_dir)
     settings = data_settings(recipe)
     fp = fingerprint(settings)
     cap = comm.run(lambda: tree_windows_cap(tree_windows))
@@ -690,6 +690,13 @@ def _build_distributed(recipe: Recipe, out: Path, settings: dict, fp: str, comm:
                             f"(one process keeps more), a smaller data.seq_len, or more documents")
     return _meta(recipe, settings, fp, tokenizer, tokenizer_ref, dtype, read, n_docs, sizes, splits, clustered,
                  start, tok_start)
+
+
+def _through_link(data_dir: Path) -> Path:
+    """``data.dir``, or the folder it links to: the folder is built beside its final place and renamed into it,
+    so a symbolic link (say to a larger disk) would itself be replaced by a new folder, and the disk it points
+    to left empty."""
+    return Path(os.path.realpath(data_dir)) if data_dir.is_symlink() else data_dir
 
 
 def _cuda_available() -> bool:
