@@ -449,6 +449,22 @@ def test_eval_titans_long_context(titans_run, capsys):
     assert "long-context" not in out
 
 
+def test_generate_streams_a_titans_prompt_longer_than_its_context(titans_run, tmp_path):
+    """memtrain generate reads a Titans prompt longer than model.max_seq_len in calls with the memory carried, as
+    eval's long-context tasks do: nothing is cut. Before, it kept the prompt's last tokens and said "truncated to
+    fit the context", so a needle early in the prompt was gone."""
+    from memtrain.config import load_recipe
+    from memtrain.launcher.generate import generate
+
+    _, path = titans_run
+    prompt = " ".join(["The capital of the old country lies by the river."] * 30)
+    lines: list[str] = []
+    report = generate(load_recipe(path), [prompt], max_new_tokens=3, context_bank="off", echo=lines.append)
+    (entry,) = report["prompts"]
+    assert entry["tokens"] > SEQ and entry["truncated"] is False, (entry, lines)
+    assert not any("truncated" in line for line in lines)
+
+
 def test_eval_long_context_user_errors(titans_run, capsys):
     root, recipe = titans_run
     before = sorted(root.rglob("*"))

@@ -232,7 +232,7 @@ def generate(recipe: Recipe, prompts: Sequence[str], checkpoint: Optional[str | 
     from memtrain.data.verify import prepared_tokenizer
     from memtrain.eval.common import PromptEncoder, write_json_atomic
     from memtrain.eval.evaluate import find_checkpoint, load_model, pick_device
-    from memtrain.eval.longctx import NO_CONTEXT_LIMIT, greedy_generate, model_context
+    from memtrain.eval.longctx import NO_CONTEXT_LIMIT, greedy_generate, model_context, stream_call_tokens
     from memtrain.model.switches import check_kernels
     from memtrain.parallel import checkpoint as ckpt
 
@@ -254,6 +254,9 @@ def generate(recipe: Recipe, prompts: Sequence[str], checkpoint: Optional[str | 
         ckpt.verify(info)
         model, _ = load_model(recipe, info, device)
     max_context = model_context(model, recipe) or NO_CONTEXT_LIMIT  # None: a windowed decoder reads any length
+    stream = stream_call_tokens(model)  # Titans: long prompts in calls with the memory carried, as eval reads them
+    if stream is not None:
+        max_context = recipe.model.max_seq_len
     echo(f"checkpoint {info.path} (step {info.step}) on {device}; context bank {context_bank}")
     answer_ids = [int(t) for t in tokenizer.encode(answer)] if answer is not None else None
 
@@ -277,7 +280,8 @@ def generate(recipe: Recipe, prompts: Sequence[str], checkpoint: Optional[str | 
             ids = prompt_encoder.encode(text)
             with torch.no_grad():
                 (new,), (truncated,) = greedy_generate(model, [ids], max_new, tokenizer.eot_id, max_context,
-                                                       device=device, token_limit=tokenizer.vocab_size)
+                                                       stream_tokens=stream, device=device,
+                                                       token_limit=tokenizer.vocab_size)
             generated = tokenizer.decode(new)
             entry: dict[str, Any] = {"prompt": text, "tokens": len(ids), "truncated": truncated,
                                      "generated": generated}
