@@ -112,6 +112,17 @@ def test_read_documents_formats_and_empty_documents(tmp_path):
     (tmp_path / "e.jsonl").write_text('{"body": "x"}\n', encoding="utf-8")
     assert list(read_documents([str(tmp_path / "e.jsonl")], "body")) == ["x"]
 
+    # empty files hold no documents, as an empty .txt (before: StopIteration from the JSON reader, ArrowInvalid
+    # "BatchSize must be greater than 0" from parquet's, each stopping the whole prepare)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "f.jsonl").write_text("")
+    (tmp_path / "empty" / "g.json").write_text("\n  \n")
+    pq.write_table(pa.table({"text": pa.array([], pa.string())}), tmp_path / "empty" / "h.parquet")
+    (tmp_path / "empty" / "i.txt").write_text("")
+    stats = ReadStats()
+    assert list(read_documents([str(tmp_path / "empty" / "*"), str(tmp_path / "e.jsonl")], "body", stats)) == ["x"]
+    assert stats.documents == 1 and len(stats.files) == 5
+
 
 def test_read_documents_errors(tmp_path):
     (tmp_path / "bad.txt").write_bytes(b"fine text \xff\xfe then garbage")

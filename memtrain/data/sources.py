@@ -140,6 +140,8 @@ def _read_file(path: str, text_field: str, cache_dir: str | Path) -> Iterator[st
 
     builder, kwargs = _FORMATS[Path(path).suffix.lower()]
     column = "text" if builder == "text" else text_field
+    if _holds_nothing(path, builder):  # as an empty .txt: no documents (the JSON and parquet readers raised
+        return                          # StopIteration / ArrowInvalid on an empty file)
     # Progress bars per file would flood the terminal; prepare draws its own.
     datasets.disable_progress_bars()
     # Each load_dataset call otherwise sends a download-count request to the Hub (3 s timeout),
@@ -170,6 +172,24 @@ def _read_file(path: str, text_field: str, cache_dir: str | Path) -> Iterator[st
             raise DataError(f"{path} is not valid UTF-8 ({e}); re-encode it as UTF-8") from None
         raise DataError(f"could not read {path} as {builder}: {type(e).__name__}: {e}; check the file or "
                         "remove it from data.sources") from e
+
+
+def _holds_nothing(path: str, builder: str) -> bool:
+    """Whether ``path`` is empty: no bytes (or only whitespace, for JSON), or a parquet file of no rows."""
+    size = os.path.getsize(path)
+    if size == 0:
+        return True
+    if builder == "json" and size <= 1 << 16:
+        with open(path, "rb") as f:
+            return not f.read().strip()
+    if builder == "parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            return pq.ParquetFile(path).metadata.num_rows == 0
+        except Exception:  # noqa: BLE001 - not a parquet file: the reader's own error names it
+            return False
+    return False
 
 
 def _first_invalid_utf8(path: str, chunk: int = 1 << 20) -> Optional[int]:
