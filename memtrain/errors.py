@@ -34,16 +34,17 @@ def path_line(error: OSError) -> str:
     exist was being created, so its folder is named: the one this user may not write in, or the file in the way."""
     import getpass
     import os
+    from pathlib import Path
 
     path = os.fsdecode(error.filename)
     where = "(data.dir for prepare, run.dir for train, --out for eval, generate and scaling)"
     if error.errno in (errno.ENOTDIR, errno.EEXIST, errno.EISDIR):
         fix = f"choose another location {where}, and run the command again"
-        here = os.path.abspath(path)
-        blocker = next((q for q in _parents(here) if os.path.lexists(q) and not os.path.isdir(q)), None)
+        here = Path(os.path.abspath(path))
+        blocker = next((q for q in [*reversed(here.parents), here] if os.path.lexists(q) and not q.is_dir()), None)
         if error.errno == errno.ENOTDIR and blocker is not None:
             return f"cannot use {path}: {blocker} is a file, not a folder; {fix}"
-        if error.errno == errno.EEXIST and os.path.lexists(here) and not os.path.isdir(here):
+        if error.errno == errno.EEXIST and os.path.lexists(here) and not here.is_dir():
             return f"cannot create the folder {path}: a file of that name is in the way; {fix}"
         if error.errno == errno.EISDIR:
             return f"cannot use {path}: it is a folder, where a file was expected; {fix}"
@@ -57,16 +58,6 @@ def path_line(error: OSError) -> str:
         folder = os.path.dirname(os.path.abspath(path))
         return f"cannot create {path}: {error.strerror} (user {user} may not write in {folder}); {fix}"
     return f"{path}: {error.strerror} (user {user}); {fix}"
-
-
-def _parents(path: str) -> list[str]:
-    """``path`` and its folders, outermost first."""
-    import os
-
-    out = [path]
-    while os.path.dirname(out[-1]) != out[-1]:
-        out.append(os.path.dirname(out[-1]))
-    return out[::-1]
 
 
 class MemtrainError(Exception):

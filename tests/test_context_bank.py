@@ -445,7 +445,7 @@ def test_crossattn_context_generate_user_errors_exit_2(trained):
     other.write_bytes(bytes(data))
     out = _memtrain(trained, "generate", "tiny.yaml", "data.dir=swapped", "--prompt", FACT, check=False)
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
-    assert out.stderr.startswith(f"memtrain: swapped/tokenizer.model: xxh64 checksum ")
+    assert out.stderr.startswith("memtrain: swapped/tokenizer.model: xxh64 checksum ")
     assert "`memtrain prepare RECIPE --force`" in out.stderr and "generated:" not in out.stdout
 
     # the user's own tokenizer (meta.json names it by absolute path; its bytes are not checked) replaced by another

@@ -47,11 +47,11 @@ import torch
 import torch.nn.functional as F
 
 from memtrain.config import CUDAGRAPH_MODES, Recipe, RecipeError
-from memtrain.errors import (CheckpointError, CollectiveError, DivergenceError, LaunchError, SettingError,
-                             is_path_failure, is_storage_failure, path_line)
+from memtrain.errors import (CheckpointError, CollectiveError, DivergenceError, LaunchError, is_path_failure,
+                             is_storage_failure, path_line)
 from memtrain.parallel import dist
 from memtrain.launcher.console import library_output, set_library_log_levels
-from memtrain.model.switches import check_kernels  # noqa: F401  (also memtrain.launcher.train.check_kernels)
+from memtrain.model.switches import check_kernels
 from memtrain.launcher.metrics import ATTEMPTS, MetricsWriter, append_jsonl, format_line
 
 
