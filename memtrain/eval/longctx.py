@@ -168,6 +168,14 @@ def stream_call_tokens(model: torch.nn.Module) -> Optional[int]:
     return n
 
 
+def reading_plan(model: torch.nn.Module, recipe: Recipe) -> tuple[Optional[int], Optional[int]]:
+    """``(stream_tokens, max_context)`` for :func:`greedy_generate`: a Titans model reads long prompts in calls
+    of :func:`stream_call_tokens` with its memory carried, at most ``model.max_seq_len`` at a time; any other
+    model has no stream and its :func:`model_context`."""
+    stream = stream_call_tokens(model)
+    return stream, recipe.model.max_seq_len if stream is not None else model_context(model, recipe)
+
+
 def model_context(model: torch.nn.Module, recipe: Recipe) -> Optional[int]:
     """The longest input the model takes: a Hugging Face model's ``max_position_embeddings`` (its
     pretrained context), None (no limit) for a decoder with sliding-window attention (its RoPE offsets
@@ -394,8 +402,7 @@ def long_context(model: torch.nn.Module, bank: Any, recipe: Recipe, tokenizer: A
     Titans models stream (:func:`stream_call_tokens`); others see a window of :func:`model_context`
     tokens; a hierarchical-memory model uses its generic memory (no retrieval for these prompts)."""
     t0 = time.perf_counter()
-    stream = stream_call_tokens(model)
-    max_context = recipe.model.max_seq_len if stream is not None else model_context(model, recipe)
+    stream, max_context = reading_plan(model, recipe)
     memory_fn: Callable[[int], Any] = lambda n: None  # noqa: E731
     if bank is not None:
         memory_fn = lambda n: batch_memory(bank, "generic", n, None, device)  # noqa: E731
@@ -480,6 +487,7 @@ __all__ = [
     "niah_depths",
     "parse_lengths",
     "parse_tasks",
+    "reading_plan",
     "run_long_context",
     "stream_call_tokens",
     "task_examples",

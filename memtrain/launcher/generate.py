@@ -232,7 +232,7 @@ def generate(recipe: Recipe, prompts: Sequence[str], checkpoint: Optional[str | 
     from memtrain.data.verify import prepared_tokenizer
     from memtrain.eval.common import PromptEncoder, write_json_atomic
     from memtrain.eval.evaluate import find_checkpoint, load_model, pick_device
-    from memtrain.eval.longctx import NO_CONTEXT_LIMIT, greedy_generate, model_context, stream_call_tokens
+    from memtrain.eval.longctx import NO_CONTEXT_LIMIT, greedy_generate, reading_plan
     from memtrain.model.switches import check_kernels
     from memtrain.parallel import checkpoint as ckpt
 
@@ -253,10 +253,10 @@ def generate(recipe: Recipe, prompts: Sequence[str], checkpoint: Optional[str | 
         ckpt.check_compatible(info, state, recipe, info.world_size)
         ckpt.verify(info)
         model, _ = load_model(recipe, info, device)
-    max_context = model_context(model, recipe) or NO_CONTEXT_LIMIT  # None: a windowed decoder reads any length
-    stream = stream_call_tokens(model)  # Titans: long prompts in calls with the memory carried, as eval reads them
-    if stream is not None:
-        max_context = recipe.model.max_seq_len
+    # Titans: long prompts in calls with the memory carried, as eval reads them; None: a windowed decoder reads any
+    # length
+    stream, max_context = reading_plan(model, recipe)
+    max_context = max_context or NO_CONTEXT_LIMIT
     echo(f"checkpoint {info.path} (step {info.step}) on {device}; context bank {context_bank}")
     answer_ids = [int(t) for t in tokenizer.encode(answer)] if answer is not None else None
 

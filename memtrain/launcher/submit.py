@@ -32,6 +32,11 @@ def _directive_value(key: str, value: str) -> str:
     return value
 
 
+def _ranks_per_node(s) -> int:
+    """Ranks on each node of the job: one per GPU, or ``slurm.tasks_per_node`` for a CPU job (default 1)."""
+    return s.tasks_per_node or s.gpus_per_node or 1
+
+
 def render(recipe: Recipe, recipe_path: str, workdir: Optional[str] = None, python: Optional[str] = None) -> str:
     """The sbatch script for ``recipe`` that trains from ``recipe_path``.
 
@@ -46,7 +51,7 @@ def render(recipe: Recipe, recipe_path: str, workdir: Optional[str] = None, pyth
                           "(pip install -e .)")
     workdir = workdir or str(Path.cwd())
     python = python or sys.executable
-    ranks_per_node = s.tasks_per_node or s.gpus_per_node or 1
+    ranks_per_node = _ranks_per_node(s)
     directives = []
     if s.gpus_per_node:
         directives.append(f"#SBATCH --gpus-per-node={s.gpus_per_node}")
@@ -95,7 +100,7 @@ def submit(recipe: Recipe, source_path: str, overrides: list[str], dry_run: bool
     s = recipe.slurm
     # The job's ranks must split the global batch: one recipe error now, not a failure at the job's start after
     # it waited in the queue.
-    recipe.grad_accum_steps(s.nodes * (s.tasks_per_node or s.gpus_per_node or 1))
+    recipe.grad_accum_steps(s.nodes * _ranks_per_node(s))
     stamp = time.strftime("%Y%m%d-%H%M%S")
     slurm_dir = (recipe.run_dir / "slurm").resolve()
     frozen = slurm_dir / f"recipe-{stamp}.yaml"
