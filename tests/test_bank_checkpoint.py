@@ -162,6 +162,8 @@ def _worker(rank: int, world: int, port: int, d: str):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    from memtrain.parallel.dist import import_group_capturers
+    import_group_capturers()  # before the group starts, so that destroy_process_group frees it
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         root = Path(d)

@@ -200,6 +200,8 @@ _AFFINE_RANK = textwrap.dedent("""
     import torch.distributed as dist
     from memtrain.config import recipe_from_dict
     from memtrain.data.loader import LoaderIterator, build_loader
+    from memtrain.parallel.dist import import_group_capturers
+    import_group_capturers()  # before the group starts, so that destroy_process_group frees it
     dist.init_process_group("gloo")  # as in training: a process group exists when loaders are built
     recipe = recipe_from_dict(json.loads(sys.argv[1]))
     it = LoaderIterator(build_loader(recipe, "train", 2))

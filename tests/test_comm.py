@@ -159,6 +159,8 @@ def _worker(rank: int, port: int, out_dir: str):
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(W),
                       LOCAL_RANK=str(rank))
+    from memtrain.parallel.dist import import_group_capturers
+    import_group_capturers()  # before the group starts, so that destroy_process_group frees it
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=W)
     import deepspeed
 

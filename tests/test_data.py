@@ -554,6 +554,8 @@ _SKEWED_SCAN_SCRIPT = textwrap.dedent("""
     import streaming.base.shared.prefix as sp
     from memtrain.config import recipe_from_dict
     from memtrain.data.loader import LoaderIterator, build_loader
+    from memtrain.parallel.dist import import_group_capturers
+    import_group_capturers()  # before the group starts, so that destroy_process_group frees it
     dist.init_process_group("gloo")
     scan = sp._check_and_find
     # rank 1's scan sees /dev/shm one segment off from its leader's, as when another job's segment is created or

@@ -91,6 +91,48 @@ def test_cli_destroys_the_process_groups_a_command_started(outcome, monkeypatch,
     assert not tdist.is_initialized()
 
 
+SHUTDOWN_SCRIPT = """
+import os, sys
+import torch
+from memtrain.parallel import dist
+
+def threads():
+    return len(os.listdir("/proc/self/task"))
+
+before = threads()
+env = dist.discover({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": sys.argv[1]})
+dist.init(env, torch.device("cpu"), "gloo")
+started = threads()
+import torch.distributed.checkpoint  # noqa: F401,E402  (as the bank checkpoint does, after the group started)
+torch.distributed.all_reduce(torch.ones(3))
+dist.shutdown()
+print(before, started, threads())
+"""
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_shutdown_frees_the_group_after_torch_distributed_checkpoint_is_imported(tmp_path):
+    """``dist.init`` imports the modules that capture the default group at import time before starting it, so
+    ``dist.shutdown`` really frees the group (gloo's worker threads end) even when torch.distributed.checkpoint
+    was first imported while it ran. Otherwise those threads lived into interpreter shutdown, and a rank that
+    had finished cleanly could abort with SIGABRT (seen in CI on the 3-rank bank checkpoint test). A fresh
+    interpreter, since this process may have imported those modules already."""
+    import os
+    import subprocess
+    import sys
+
+    from memtrain.parallel.dist import free_port
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", SHUTDOWN_SCRIPT, str(free_port())], capture_output=True,
+                          text=True, timeout=120, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    before, started, after = map(int, done.stdout.split()[-3:])
+    assert started > before  # the group's threads ran
+    assert after == before, (before, started, after)
+
+
 def test_cpu_ranks_take_omp_num_threads_or_their_share_of_the_cpus_they_may_run_on(monkeypatch):
     """A CPU rank's intra-op threads: ``OMP_NUM_THREADS`` where set (``memtrain submit`` sets each rank's share;
     the first level of the nested form), otherwise the process's affinity mask split over the host's ranks."""

@@ -84,6 +84,8 @@ from memtrain.parallel import engine as eng
 import deepspeed.comm.comm as dscomm
 
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+from memtrain.parallel.dist import import_group_capturers
+import_group_capturers()  # before the group starts, so that destroy_process_group frees it
 dist.init_process_group("gloo", rank=0, world_size=1)
 recipe = recipe_from_dict({}, ["model.d_model=16", "model.n_layers=1", "model.n_heads=2", "model.ffn_dim=32",
                                "model.vocab_size=64", "data.tokenizer.vocab_size=64", "model.max_seq_len=16",
@@ -156,6 +158,8 @@ from memtrain.model import build
 from memtrain.parallel import engine as eng
 
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+from memtrain.parallel.dist import import_group_capturers
+import_group_capturers()  # before the group starts, so that destroy_process_group frees it
 dist.init_process_group("gloo", rank=0, world_size=1)
 result = {}
 for stage, prec in ((1, "bf16"), (2, "fp32")):
@@ -212,6 +216,8 @@ from memtrain.model.titans import arch, memory
 from memtrain.parallel import engine as eng
 
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+from memtrain.parallel.dist import import_group_capturers
+import_group_capturers()  # before the group starts, so that destroy_process_group frees it
 dist.init_process_group("gloo", rank=0, world_size=1)
 grouped_linear = arch.grouped_linear
 plain = lambda w, b=None, enabled=True: (lambda x: F.linear(x, w, b))

@@ -367,7 +367,9 @@ def release_process_groups() -> None:
     interpreter finalisation, gloo's worker threads may still hold pending work and a rank that finished cleanly
     aborts ("terminate called without an active exception", SIGABRT): torchrun then reports the run failed (seen
     in CI on a 2-rank sharded cross-attention run, after its last checkpoint), and a Slurm job would not requeue
-    as it should. Never raises; a no-op where torch.distributed was never imported (it is not imported here)."""
+    as it should. This frees the groups only because ``dist.init`` first imports the modules that would keep the
+    default group alive (:func:`memtrain.parallel.dist.import_group_capturers`). Never raises; a no-op where
+    torch.distributed was never imported (it is not imported here)."""
     if "torch.distributed" not in sys.modules:
         return
     from memtrain.parallel import dist

@@ -188,6 +188,7 @@ def init(dist_env: DistEnv, device, backend: str = "auto", timeout_minutes: Opti
         torch.cuda.set_device(device)
     if dist.is_initialized():
         return
+    import_group_capturers()
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
     if backend == "nccl" and device.type != "cuda":
@@ -196,6 +197,18 @@ def init(dist_env: DistEnv, device, backend: str = "auto", timeout_minutes: Opti
                             world_size=dist_env.world_size,
                             device_id=device if device.type == "cuda" else None,
                             timeout=timedelta(minutes=timeout_minutes) if timeout_minutes else None)
+
+
+def import_group_capturers() -> None:
+    """Import, before the default process group starts, the torch.distributed modules that capture it at
+    import time. ``torch.distributed.nn.functional`` binds ``group.WORLD`` as its functions' default
+    arguments; first imported after ``init_process_group`` (torch.distributed.checkpoint, which the bank
+    checkpoint uses, imports it), it holds the group for the life of the process, so
+    ``destroy_process_group`` cannot free it. Gloo's worker threads then live on into interpreter shutdown,
+    and one that drops its last collective's tensors there takes the GIL and aborts a rank that finished
+    cleanly ("terminate called without an active exception", SIGABRT: seen in CI on a 3-rank bank
+    checkpoint). Every process that starts a group calls this first; cheap (a few ms)."""
+    import torch.distributed.nn  # noqa: F401
 
 
 def set_timeout(minutes: float) -> None:
