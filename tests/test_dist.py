@@ -104,20 +104,33 @@ env = dist.discover({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_W
                      "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": sys.argv[1]})
 dist.init(env, torch.device("cpu"), "gloo")
 started = threads()
-import torch.distributed.checkpoint  # noqa: F401,E402  (as the bank checkpoint does, after the group started)
-torch.distributed.all_reduce(torch.ones(3))
+if sys.argv[2] == "checkpoint":  # as the bank checkpoint does, after the group started
+    import torch.distributed.checkpoint
+    torch.distributed.all_reduce(torch.ones(3))
+else:  # a DeepSpeed engine, as training starts one
+    from memtrain.config import recipe_from_dict
+    from memtrain.model import build
+    from memtrain.parallel import engine as eng
+    recipe = recipe_from_dict({}, ["model.d_model=16", "model.n_layers=1", "model.n_heads=2", "model.ffn_dim=32",
+                                   "model.vocab_size=64", "data.tokenizer.vocab_size=64", "model.max_seq_len=16",
+                                   "data.seq_len=16", "train.global_batch_tokens=32", "train.micro_batch_size=2"])
+    engine, *_ = eng.initialize(build(recipe.model), recipe, 1, "fp32")
+    engine.backward(engine(torch.randint(0, 64, (2, 16))).logits.float().mean())
+    engine.step()
+    del engine, _
 dist.shutdown()
 print(before, started, threads())
 """
 
 
 @pytest.mark.skipif(not __import__("os").path.isdir("/proc/self/task"), reason="counts threads in /proc")
-def test_shutdown_frees_the_group_after_torch_distributed_checkpoint_is_imported(tmp_path):
-    """``dist.init`` imports the modules that capture the default group at import time before starting it, so
-    ``dist.shutdown`` really frees the group (gloo's worker threads end) even when torch.distributed.checkpoint
-    was first imported while it ran. Otherwise those threads lived into interpreter shutdown, and a rank that
-    had finished cleanly could abort with SIGABRT (seen in CI on the 3-rank bank checkpoint test). A fresh
-    interpreter, since this process may have imported those modules already."""
+@pytest.mark.parametrize("user", ["checkpoint", "deepspeed"])
+def test_shutdown_frees_the_group_its_users_captured(user, tmp_path):
+    """``dist.init`` imports the modules that capture the default group at import time before starting it, and
+    ``dist.shutdown`` drops DeepSpeed's references, so the group is really freed (gloo's worker threads end)
+    after torch.distributed.checkpoint or a DeepSpeed engine used it. Otherwise those threads lived into
+    interpreter shutdown, and a rank that had finished cleanly could abort with SIGABRT (seen in CI on the
+    3-rank bank checkpoint test). A fresh interpreter, since this process may have imported those modules."""
     import os
     import subprocess
     import sys
@@ -125,8 +138,8 @@ def test_shutdown_frees_the_group_after_torch_distributed_checkpoint_is_imported
     from memtrain.parallel.dist import free_port
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", SHUTDOWN_SCRIPT, str(free_port())], capture_output=True,
-                          text=True, timeout=120, env=env, cwd=tmp_path)
+    done = subprocess.run([sys.executable, "-c", SHUTDOWN_SCRIPT, str(free_port()), user], capture_output=True,
+                          text=True, timeout=300, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     before, started, after = map(int, done.stdout.split()[-3:])
     assert started > before  # the group's threads ran

@@ -18,11 +18,13 @@ Launcher facts this module relies on:
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import shutil
 import socket
 import subprocess
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Mapping, Optional
@@ -200,15 +202,21 @@ def init(dist_env: DistEnv, device, backend: str = "auto", timeout_minutes: Opti
 
 
 def import_group_capturers() -> None:
-    """Import, before the default process group starts, the torch.distributed modules that capture it at
-    import time. ``torch.distributed.nn.functional`` binds ``group.WORLD`` as its functions' default
-    arguments; first imported after ``init_process_group`` (torch.distributed.checkpoint, which the bank
-    checkpoint uses, imports it), it holds the group for the life of the process, so
-    ``destroy_process_group`` cannot free it. Gloo's worker threads then live on into interpreter shutdown,
-    and one that drops its last collective's tensors there takes the GIL and aborts a rank that finished
-    cleanly ("terminate called without an active exception", SIGABRT: seen in CI on a 3-rank bank
-    checkpoint). Every process that starts a group calls this first; cheap (a few ms)."""
+    """Import, before the default process group starts, the modules that capture it at import time.
+    ``torch.distributed.nn.functional`` and DeepSpeed's ``TorchBackend`` (``barrier``, ``monitored_barrier``)
+    bind ``group.WORLD`` as default arguments; first imported after ``init_process_group`` (by
+    torch.distributed.checkpoint, which the bank checkpoint uses, and by the DeepSpeed engine), they hold the
+    group for the life of the process, so ``destroy_process_group`` cannot free it. Gloo's worker threads then
+    live on into interpreter shutdown, and one that drops its last collective's tensors there takes the GIL and
+    aborts a rank that finished cleanly ("terminate called without an active exception", SIGABRT: seen in CI on
+    a 3-rank bank checkpoint). Every process that starts a group calls this first; a fraction of a second.
+    DeepSpeed is optional here (models and kernels run where only torch is installed)."""
     import torch.distributed.nn  # noqa: F401
+
+    try:
+        import deepspeed.comm.torch  # noqa: F401
+    except ImportError:
+        pass
 
 
 def set_timeout(minutes: float) -> None:
@@ -256,7 +264,17 @@ def gather_strings(items: list[str]) -> list[str]:
 
 
 def shutdown() -> None:
+    """Destroy every process group, with DeepSpeed's references to them where its comm layer started (its
+    ``destroy_process_group`` drops the groups it caches, such as its world group) and the unreachable objects
+    that still refer to them, so that nothing keeps gloo's threads alive into interpreter shutdown (see
+    :func:`import_group_capturers`)."""
     import torch.distributed as dist
 
-    if dist.is_initialized():
+    if not dist.is_initialized():
+        return
+    gc.collect()  # a finished DeepSpeed engine lives on in reference cycles, holding the groups
+    ds_comm = sys.modules.get("deepspeed.comm.comm")
+    if ds_comm is not None and getattr(ds_comm, "cdb", None) is not None:
+        ds_comm.destroy_process_group()
+    else:
         dist.destroy_process_group()
