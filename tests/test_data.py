@@ -294,6 +294,56 @@ def test_prepare_end_to_end_and_idempotent(tmp_path, corpus):
     assert prepare(changed, force=True)["status"] == "prepared" and (d / "tokenizer.model").is_file()
 
 
+def test_prepare_again_after_a_source_changed_is_one_error_not_already_prepared(tmp_path, corpus):
+    """meta.json records each source file's size, time and xxh64 as it was before it was read. Preparing again
+    with the same settings after a file was edited (another size, or the same size with other contents) or a glob
+    matches a new file is one error naming the file and --force, not "already prepared" over the old data. A file
+    only touched, or gone, changes nothing; nothing is written either way, and --force records the new state."""
+    import os
+    import time
+
+    from memtrain.data.prepare import SOURCE_FILES
+
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    a = write_jsonl(folder / "a.jsonl", corpus[:60])
+    b = write_jsonl(folder / "b.jsonl", corpus[60:])
+    recipe = make_recipe(tmp_path / "data", [str(folder / "*.jsonl")])
+    meta = prepare(recipe)
+    assert sorted(meta[SOURCE_FILES]) == [str(a), str(b)]
+    assert meta[SOURCE_FILES][str(a)]["bytes"] == a.stat().st_size
+    d = tmp_path / "data"
+    mtimes = {p: p.stat().st_mtime_ns for p in d.rglob("*")}
+
+    os.utime(a, ns=(time.time_ns(), time.time_ns() + 10**9))  # touched: same bytes
+    assert prepare(recipe)["status"] == "already prepared"
+    text = a.read_text()
+    flipped = text.replace("a", "e", 1)
+    assert flipped != text and len(flipped.encode()) == len(text.encode())
+    a.write_text(flipped)  # same size, other contents
+    with pytest.raises(DataError, match=rf"data.sources changed since: {a} has other contents; pass --force"):
+        prepare(recipe)
+    a.write_text(text + '{"text": "one more document about nothing in particular"}\n')
+    with pytest.raises(DataError, match=rf"{a} has {a.stat().st_size} bytes, not {meta[SOURCE_FILES][str(a)]['bytes']}"):
+        prepare(recipe)
+    a.write_text(text)
+    c = write_jsonl(folder / "c.jsonl", corpus[:3])
+    with pytest.raises(DataError, match=rf"{c} is new"):
+        prepare(recipe)
+    c.unlink()
+    b.unlink()  # gone: the prepared data stands without it
+    assert prepare(recipe)["status"] == "already prepared"
+    assert {p: p.stat().st_mtime_ns for p in d.rglob("*")} == mtimes
+
+    write_jsonl(b, corpus[60:] + ["a document added to b before preparing again"])
+    with pytest.raises(DataError, match="changed since"):
+        prepare(recipe)
+    forced = prepare(recipe, force=True)
+    assert forced["status"] == "prepared" and forced[SOURCE_FILES][str(b)]["bytes"] == b.stat().st_size
+    assert forced["counts"]["documents"] == len(corpus) + 1
+    assert prepare(recipe)["status"] == "already prepared"
+
+
 def test_prepare_failure_leaves_no_data_dir(tmp_path, corpus, monkeypatch):
     import streaming
 

@@ -215,6 +215,7 @@ def test_plain_two_ranks(corpus, tmp_path):
     meta2 = read_meta(two.data_dir)
     assert (two.data_dir / "tokenizer.model").read_bytes() == (one.data_dir / "tokenizer.model").read_bytes()
     assert meta2["fingerprint"] == meta1["fingerprint"]
+    assert meta2["source_files"] == meta1["source_files"] and list(meta2["source_files"]) == [str(src)]
     assert prepare(make_recipe(two.data_dir, [str(src)], clustering=False))["status"] == "already prepared"
 
     # Rank r packs the documents idx[r::W] of the split in order and drops its partial last sample;

@@ -71,6 +71,9 @@ CHECKSUMS = "checksums"
 # meta.json: the tokenizer's vocabulary size, end-of-text id and behaviour digest (tokenizer_fingerprint), checked by
 # the commands that read text with it, also for a tokenizer of the user's own outside the folder
 TOKENIZER_FINGERPRINT = "tokenizer_fingerprint"
+# meta.json: {path: {"bytes", "mtime_ns", "xxh64"}} of every source file as it was before it was read, so that
+# preparing again after a source changed (edited, or a new file matching a glob) is not "already prepared"
+SOURCE_FILES = "source_files"
 _ENCODE_BATCH = 256
 # Distributed preparation: how long a rank waits in one collective (rank 0 training the tokenizer or
 # the tree, the slowest rank embedding) before giving up. A rank that dies closes its connections,
@@ -149,7 +152,7 @@ def prepare(recipe: Recipe, force: bool = False, dist_env: Any = None,
     data_dir = _through_link(recipe.data_dir)
     settings = data_settings(recipe)
     fp = fingerprint(settings)
-    existing = _existing(data_dir, fp, force)
+    existing = _existing(data_dir, fp, force, recipe.data.sources)
     if existing is not None:
         return {**existing, "status": "already prepared"}
 
@@ -163,9 +166,9 @@ def prepare(recipe: Recipe, force: bool = False, dist_env: Any = None,
     return result
 
 
-def _existing(data_dir: Path, fp: str, force: bool) -> Optional[dict[str, Any]]:
-    """meta.json of a folder already prepared with these settings, else None (build it); DataError when
-    ``data_dir`` holds other data."""
+def _existing(data_dir: Path, fp: str, force: bool, sources: list[str]) -> Optional[dict[str, Any]]:
+    """meta.json of a folder already prepared with these settings from ``sources`` as they are now, else None
+    (build it); DataError when ``data_dir`` holds other data, or was prepared from sources that changed since."""
     meta_path = data_dir / META
     if meta_path.is_file() and not force:
         existing = _read_json(meta_path)
@@ -174,6 +177,12 @@ def _existing(data_dir: Path, fp: str, force: bool) -> Optional[dict[str, Any]]:
             if missing:
                 raise DataError(f"{data_dir} was prepared with these settings but {' and '.join(missing)} is "
                                 "missing from it; pass --force to prepare it again")
+            changes = source_changes(existing.get(SOURCE_FILES), sources)
+            if changes:
+                more = f" and {len(changes) - 3} more" if len(changes) > 3 else ""
+                raise DataError(f"{data_dir} was prepared with these settings, but data.sources changed since: "
+                                f"{'; '.join(changes[:3])}{more}; pass --force to prepare it again (or keep "
+                                "the sources as they were)")
             return existing
         raise DataError(f"{data_dir} already holds data prepared with different settings (sources, "
                         "text_field, seq_len, val_fraction, tokenizer or seed); pass --force to replace "
@@ -190,6 +199,48 @@ def named_files(meta: dict[str, Any]) -> list[str]:
     Relative names are in the data folder; an absolute one (a tokenizer of the user's own) is not listed."""
     names = [meta.get("tokenizer"), (meta.get("clustering") or {}).get("tree")]
     return [n for n in names if isinstance(n, str) and n and not Path(n).is_absolute()]
+
+
+def source_states(sources: list[str]) -> dict[str, dict[str, Any]]:
+    """:data:`SOURCE_FILES`: the size, modification time and xxh64 of every file ``sources`` name (built-in corpora
+    have none), taken before they are read: a change made while they are read shows as a change next time."""
+    from memtrain.data.sources import BUILTINS, resolve_sources
+    from memtrain.parallel.checkpoint_folder import HASH, hash_file
+
+    out = {}
+    for path in resolve_sources(sources):
+        if path in BUILTINS:
+            continue
+        mtime = os.stat(path).st_mtime_ns
+        size, digest = hash_file(Path(path))
+        out[path] = {"bytes": size, "mtime_ns": mtime, HASH: digest}
+    return out
+
+
+def source_changes(recorded: Optional[dict[str, dict[str, Any]]], sources: list[str]) -> list[str]:
+    """How the files ``sources`` name now differ from ``recorded`` (:func:`source_states` at preparation): a file
+    of another size, or with other contents (hashed only when its size is the same and its time is not), or a
+    new file a glob matches. A recorded file that is gone is no change: the prepared data stands without it (a
+    job script may run ``prepare`` after the corpus was cleaned up). Folders prepared before this record: []."""
+    from memtrain.data.sources import BUILTINS, resolve_sources
+    from memtrain.parallel.checkpoint_folder import HASH, hash_file
+
+    if recorded is None:
+        return []
+    changes = []
+    for path in resolve_sources(sources, missing_ok=True):
+        if path in BUILTINS:
+            continue
+        was = recorded.get(path)
+        if was is None:
+            changes.append(f"{path} is new")
+            continue
+        stat = os.stat(path)
+        if stat.st_size != was["bytes"]:
+            changes.append(f"{path} has {stat.st_size} bytes, not {was['bytes']}")
+        elif stat.st_mtime_ns != was["mtime_ns"] and hash_file(Path(path))[1] != was[HASH]:
+            changes.append(f"{path} has other contents")
+    return changes
 
 
 def _checksums(folder: Path, meta: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -242,6 +293,7 @@ def _build(recipe: Recipe, out: Path, settings: dict, fp: str) -> dict[str, Any]
         _check_vocab(tokenizer.vocab_size, recipe)
 
     read = ReadStats()
+    source_files = source_states(d.sources)
     docs = list(tqdm(read_documents(d.sources, d.text_field, read, cache_dir=out / ".cache", seq_len=d.seq_len),
                      desc="reading", unit=" docs", disable=None))
     shutil.rmtree(out / ".cache", ignore_errors=True)
@@ -294,12 +346,12 @@ def _build(recipe: Recipe, out: Path, settings: dict, fp: str) -> dict[str, Any]
                 write_mds(out / split, pack(tokens[split], tokenizer.eot_id, sample_len, dtype, stats), dtype,
                           d.shard_size_limit, progress=bar)
             splits[split] = stats
-    return _meta(recipe, settings, fp, tokenizer, tokenizer_ref, dtype, read, len(docs),
+    return _meta(recipe, settings, fp, tokenizer, tokenizer_ref, dtype, read, source_files, len(docs),
                  {split: len(idx) for split, idx in split_idx.items()}, splits, clustered, start, tok_start)
 
 
 def _meta(recipe: Recipe, settings: dict, fp: str, tokenizer, tokenizer_ref: str, dtype: str, read,
-          n_docs: int, sizes: dict[str, int], splits: dict, clustered: dict, start: float,
+          source_files: dict[str, dict[str, Any]], n_docs: int, sizes: dict[str, int], splits: dict, clustered: dict, start: float,
           tok_start: float) -> dict[str, Any]:
     """meta.json's contents (plus the "_throughput" and "report" entries :func:`_finish` pops)."""
     from memtrain.data.shards import PackStats
@@ -328,6 +380,7 @@ def _meta(recipe: Recipe, settings: dict, fp: str, tokenizer, tokenizer_ref: str
         "val_samples": val.samples,
         "sources": list(d.sources),
         "files": list(read.files),
+        SOURCE_FILES: source_files,
         "counts": {
             "documents": n_docs, "skipped_empty": read.skipped_empty,
             "train_documents": sizes["train"], "val_documents": sizes["val"],
@@ -496,7 +549,7 @@ def _run_distributed(recipe: Recipe, force: bool, comm: _Comm, dist_env: Any,
     cap = comm.run(lambda: tree_windows_cap(tree_windows))
 
     def decide() -> tuple[str, Any]:
-        existing = _existing(data_dir, fp, force)
+        existing = _existing(data_dir, fp, force, recipe.data.sources)
         if existing is not None:
             return "already prepared", existing
         return "build", str(_new_build_folder(data_dir).resolve())
@@ -563,6 +616,7 @@ def _build_distributed(recipe: Recipe, out: Path, settings: dict, fp: str, comm:
                             "ones skipped); add text to them")
         return docs, read
 
+    source_files = comm.on_root(lambda: source_states(d.sources))  # before any rank reads
     docs, read = comm.run(read_all)
     seen = comm.all_gather((len(docs), read.skipped_empty, list(read.files)))
 
@@ -688,8 +742,8 @@ def _build_distributed(recipe: Recipe, out: Path, settings: dict, fp: str, comm:
                             f"tokens) packs into no sample of {sample_len} tokens on {comm.world} ranks: each rank "
                             f"packs its own share and drops its partial last sample; prepare it with fewer ranks "
                             f"(one process keeps more), a smaller data.seq_len, or more documents")
-    return _meta(recipe, settings, fp, tokenizer, tokenizer_ref, dtype, read, n_docs, sizes, splits, clustered,
-                 start, tok_start)
+    return _meta(recipe, settings, fp, tokenizer, tokenizer_ref, dtype, read, source_files, n_docs, sizes, splits,
+                 clustered, start, tok_start)
 
 
 def _through_link(data_dir: Path) -> Path:

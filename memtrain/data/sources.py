@@ -47,8 +47,9 @@ class ReadStats:
     files: list[str] = field(default_factory=list)
 
 
-def resolve_sources(sources: list[str]) -> list[str]:
-    """Expand each source into ``"builtin"`` or a sorted list of existing files, checking extensions."""
+def resolve_sources(sources: list[str], missing_ok: bool = False) -> list[str]:
+    """Expand each source into ``"builtin"`` or a sorted list of existing files, checking extensions.
+    ``missing_ok``: a source that matches no file adds nothing, instead of a DataError."""
     out: list[str] = []
     for source in sources:
         if source in BUILTINS:
@@ -65,7 +66,7 @@ def resolve_sources(sources: list[str]) -> list[str]:
                             f"'{source.rstrip('/')}/*.jsonl' in data.sources")
         else:
             matches = [pattern] if os.path.isfile(pattern) else []
-        if not matches:
+        if not matches and not missing_ok:
             raise DataError(f"no files match data source {source!r} (relative paths start at "
                             f"{os.getcwd()}); check data.sources")
         for path in matches:
