@@ -838,11 +838,62 @@ def test_remote_data_streams_into_a_cache_per_run(prepared, tmp_path):
         assert take(LoaderIterator(build_loader(r, "train", 2)), 4) == local
         runs.append(tmp_path / name / "data-cache")
     for cache in runs:
-        assert (cache / "meta.json").is_file() and list((cache / "train").glob("shard.*.mds"))
+        (folder,) = cache.glob("data-*")  # the folder of this meta.json's data
+        assert (folder / "meta.json").read_bytes() == (recipe.data_dir / "meta.json").read_bytes()
+        assert list((folder / "train").glob("shard.*.mds"))
     assert not (tmp_path / "unused").exists()
     bad = recipe_from_dict(recipe.to_dict(), [f"data.remote={tmp_path / 'nowhere'}", f"run.dir={tmp_path / 'c'}"])
     with pytest.raises(DataError, match="cannot fetch .*nowhere/meta.json"):
         build_loader(bad, "train", 2)
+
+
+_REMOTE_READER = """
+import json, sys
+from memtrain.config import recipe_from_dict
+from memtrain.data.loader import LoaderIterator, build_loader
+it = LoaderIterator(build_loader(recipe_from_dict(json.loads(sys.argv[1])), "train", 2))
+print(json.dumps([next(it)["input_ids"].tolist() for _ in range(3)]))
+"""
+
+
+def test_remote_prepared_again_is_read_afresh_and_the_old_cache_goes_when_unread(tmp_path, corpus):
+    """A run's cache of data.remote holds each remote meta.json's data in its own folder. When the remote is prepared
+    again (other data, the same settings), the next reader streams the new shards, not the cached old ones (which
+    Streaming used to take as they were, with the new meta.json's counts), and the old folder is deleted once no
+    process holds it; one held by a reader stays."""
+    src = write_jsonl(tmp_path / "docs.jsonl", corpus)
+    remote = tmp_path / "remote"
+    make = lambda: make_recipe(remote, [str(src)])  # noqa: E731
+    prepare(make())
+    run = recipe_from_dict(make().to_dict(), [f"data.remote={remote}", f"data.dir={tmp_path / 'unused'}",
+                                              f"run.dir={tmp_path / 'run'}"])
+
+    def read_elsewhere() -> list:  # another process: it holds its cache folder only while it runs
+        out = subprocess.run([sys.executable, "-c", _REMOTE_READER, json.dumps(run.to_dict())], capture_output=True,
+                             text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    def local() -> list:
+        it = LoaderIterator(build_loader(make(), "train", 2))
+        return [next(it)["input_ids"].tolist() for _ in range(3)]
+
+    cache = tmp_path / "run" / "data-cache"
+    assert read_elsewhere() == local()
+    (first,) = cache.glob("data-*")
+    write_jsonl(src, [t.upper() for t in corpus])  # other text: other tokens
+    prepare(make(), force=True)
+    assert read_elsewhere() == local()  # the new data, not the shards cached before
+    (second,) = cache.glob("data-*")  # the first folder was nobody's any more
+    assert second != first and (second / "meta.json").read_bytes() == (remote / "meta.json").read_bytes()
+
+    held = LoaderIterator(build_loader(run, "train", 2))  # this process now holds the second folder
+    next(held)
+    write_jsonl(src, corpus)
+    prepare(make(), force=True)
+    assert read_elsewhere() == local()
+    assert second.is_dir() and len(list(cache.glob("data-*"))) == 2  # held by this process: it stays
+    next(held)
 
 
 def test_damaged_shard_is_one_clear_error(prepared, tmp_path):

@@ -427,7 +427,7 @@ def test_eval_names_a_users_own_tokenizer_that_changed_after_prepare(runs, capsy
 
 
 def test_eval_with_remote_data_fetches_the_tree_and_tokenizer(runs, capsys, tmp_path):
-    """With data.remote the run's cache holds only meta.json; eval fetches the tokenizer and tree there (before, the
+    """With data.remote the run's cache holds only meta.json (in the folder of its data); eval fetches the tokenizer and tree there (before, the
     probes stopped: "tokenizer ... does not exist") and reports what eval on the local folder reports."""
     root, mem, _ = runs
     reports = {}
@@ -437,7 +437,8 @@ def test_eval_with_remote_data_fetches_the_tree_and_tokenizer(runs, capsys, tmp_
         code, out, err = _eval(capsys, mem, *where, "--batches", "1", "--modes", "fetched,generic", "--out", target)
         assert code == 0, err
         reports[name] = json.loads(target.read_text())
-    cached = {p.name for p in (tmp_path / "cache").iterdir()}
+    (folder,) = (tmp_path / "cache").glob("data-*")  # the folder of the remote meta.json's data
+    cached = {p.name for p in folder.iterdir()}
     assert {"meta.json", "tokenizer.model", "tree.safetensors"} <= cached  # and the val shards Streaming fetched
     for key in ("perplexity", "probes"):
         assert reports["remote"][key] == reports["local"][key]

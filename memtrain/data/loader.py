@@ -39,6 +39,7 @@ import json
 import math
 import os
 import re
+import shutil
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Optional
@@ -49,7 +50,7 @@ import torch
 from memtrain.config import Recipe
 from memtrain.data.clustered import affine_groups
 from memtrain.data.prepare import FORMAT_VERSION, META
-from memtrain.errors import DataError
+from memtrain.errors import NO_LOCK_ERRNOS, DataError
 
 if TYPE_CHECKING:
     from streaming import StreamingDataLoader
@@ -63,17 +64,92 @@ def data_location(recipe: Recipe) -> tuple[Path, Optional[str]]:
 
     Without ``data.remote`` the shards are read in place from ``data.dir``. With it, meta.json is
     fetched from the remote into this run's cache folder (``data.cache_dir``, default
-    ``<run.dir>/data-cache``) and Streaming downloads shards there on demand; a cache per run keeps
-    concurrent jobs on one host from sharing (and corrupting) a Streaming cache.
+    ``<run.dir>/data-cache``) and Streaming downloads shards on demand into the cache's folder for that
+    meta.json, ``data-<xxh64 of its bytes>``; a cache per run keeps concurrent jobs on one host from sharing
+    (and corrupting) a Streaming cache. meta.json is fetched afresh every call (it is small): when the remote
+    was prepared again, its shards go to a new folder instead of mixing with the old ones (Streaming would
+    take the cached shards and index as they were), and the folders of older data that no process reads any
+    more are deleted (see :func:`_hold_cache`).
     """
     if not recipe.data.remote:
         return recipe.data_dir, None
     remote = recipe.data.remote.rstrip("/")
     cache = Path(recipe.data.cache_dir) if recipe.data.cache_dir else recipe.run_dir / "data-cache"
     cache.mkdir(parents=True, exist_ok=True)
-    # Fetched afresh every start (it is small), so a changed remote is seen.
-    fetch_file(remote, META, cache)
-    return cache, remote
+    import xxhash
+
+    fetched = fetch_file(remote, META, cache).read_bytes()
+    root = cache / f"{_CACHE_PREFIX}{xxhash.xxh64(fetched).hexdigest()}"
+    _hold_cache(root, fetched)
+    return root, remote
+
+
+_CACHE_PREFIX = "data-"
+# The remote data folders of the cache this process reads: a shared flock on their meta.json, held until it exits
+_HELD_CACHES: dict[str, int] = {}
+
+
+def _hold_cache(root: Path, fetched: bytes) -> None:
+    """Make ``root`` the cache folder of the remote data whose meta.json holds ``fetched``, and hold a shared lock on
+    its meta.json for the rest of the process, so that no other process deletes it while Streaming reads it. Then
+    delete the cache's other data folders that nobody holds: those of data the remote held before. Where the
+    filesystem has no locks nothing is deleted."""
+    if str(root) in _HELD_CACHES:
+        return
+    meta = root / META
+    for _ in range(3):  # a prune may delete the folder between its creation and the lock: create it again
+        root.mkdir(exist_ok=True)
+        if not meta.is_file():
+            tmp = root / f".{META}.{os.getpid()}"
+            tmp.write_bytes(fetched)
+            os.replace(tmp, meta)
+        try:
+            fd = os.open(meta, os.O_RDONLY)
+        except FileNotFoundError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # waits only while a prune deletes this very folder
+        except OSError as e:
+            os.close(fd)
+            if e.errno not in NO_LOCK_ERRNOS:
+                raise
+            return
+        try:
+            now = os.stat(meta)
+        except FileNotFoundError:
+            now = None
+        held = os.fstat(fd)
+        if now is not None and (now.st_ino, now.st_dev) == (held.st_ino, held.st_dev):
+            _HELD_CACHES[str(root)] = fd
+            break
+        os.close(fd)
+    else:
+        raise DataError(f"the data cache {root} was deleted while it was being set up, three times; is another "
+                        "run using the same data.cache_dir? Give each run its own")
+    for other in root.parent.glob(f"{_CACHE_PREFIX}*"):
+        if other != root and other.is_dir():
+            _remove_unheld_cache(other)
+
+
+def _remove_unheld_cache(folder: Path) -> None:
+    """Delete the cache folder of older remote data unless a process holds its meta.json (:func:`_hold_cache`): take
+    an exclusive lock without waiting, then delete. A folder without meta.json (one being set up) stays."""
+    try:
+        try:
+            fd = os.open(folder / META, os.O_RDWR)  # NFS turns flock into fcntl locks: exclusive needs write access
+        except PermissionError:
+            fd = os.open(folder / META, os.O_RDONLY)
+    except FileNotFoundError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # held (BlockingIOError), or no locks here: keep it
+        os.close(fd)
+        return
+    try:
+        shutil.rmtree(folder, ignore_errors=True)
+    finally:
+        os.close(fd)
 
 
 def fetch_file(remote: str, name: str, cache: Path) -> Path:

@@ -24,7 +24,6 @@ are :mod:`memtrain.parallel.checkpoint`, the memory bank's rows :mod:`memtrain.p
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import json
 import os
@@ -35,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from memtrain.errors import CheckpointError
+from memtrain.errors import NO_LOCK_ERRNOS, CheckpointError
 from memtrain.parallel.dist import gather_strings
 
 MARKER = "COMPLETE.json"
@@ -50,9 +49,6 @@ _LEFTOVER_RE = re.compile(r"^\.global_step(\d+)\.(partial|trash)$")
 # Written into a checkpoint after it was marked complete (the universal conversion, its pointer file and
 # its temporary folder) or the marker itself: not covered by the checksums.
 _UNRECORDED = {MARKER, "universal", "universal.tmp", "latest_universal"}
-# flock errors that mean "this filesystem has no locks" (Lustre without -o flock, some FUSE mounts):
-# then readers read and prune deletes as before, without the protection.
-_NO_LOCKS = {errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK, errno.EINVAL, errno.EBADF}
 
 
 def checkpoint_root(run_dir: Path) -> Path:
@@ -445,7 +441,7 @@ def reading(info: CheckpointInfo) -> Iterator[CheckpointInfo]:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)  # waits only while a prune deletes this very folder
         except OSError as e:
-            if e.errno not in _NO_LOCKS:
+            if e.errno not in NO_LOCK_ERRNOS:
                 raise
         held = os.fstat(fd)
         try:
@@ -488,7 +484,7 @@ def remove_unless_read(path: Path) -> bool:
             except BlockingIOError:
                 return False
             except OSError as e:
-                if e.errno not in _NO_LOCKS:
+                if e.errno not in NO_LOCK_ERRNOS:
                     raise
         if path.exists():
             shutil.rmtree(_trash(path), ignore_errors=True)

@@ -26,7 +26,6 @@ microseconds).
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import json
 import os
@@ -37,10 +36,9 @@ import uuid
 from pathlib import Path
 from typing import Any, Optional
 
-from memtrain.errors import LaunchError
+from memtrain.errors import NO_LOCK_ERRNOS, LaunchError
 
 LOCK = "run.lock"
-_NO_LOCKS = {errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK, errno.EINVAL, errno.EBADF}
 _UNREADABLE_WAIT_S = 2.0  # a lock file just created by O_EXCL is empty until its writer has written it
 
 
@@ -143,7 +141,7 @@ class RunLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)  # held by another taker-over for a few syscalls at most
         except OSError as e:
-            if e.errno not in _NO_LOCKS:
+            if e.errno not in NO_LOCK_ERRNOS:
                 raise
         judged = os.fstat(fd)
         try:
