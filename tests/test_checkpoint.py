@@ -271,3 +271,73 @@ def test_universal_load_repairs_group_settings_and_step_counters():
         p.grad = torch.ones_like(p)
     base.step()
     assert [float(base.state[p]["step"]) for p in params] == [5.0, 5.0]
+
+
+_RESUMED_LR = r"""
+import json, sys
+import torch
+from memtrain.config import recipe_from_dict
+from memtrain.model import build
+from memtrain.parallel import checkpoint as ckpt, dist, engine as eng
+
+env = dist.discover({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": sys.argv[1]})
+dist.init(env, torch.device("cpu"), "gloo")
+out = {}
+for stage in (0, 1):
+    base = ["model.d_model=16", "model.n_layers=1", "model.n_heads=2", "model.ffn_dim=32", "model.vocab_size=64",
+            "data.tokenizer.vocab_size=64", "model.max_seq_len=16", "data.seq_len=16", "train.global_batch_tokens=32",
+            "train.micro_batch_size=2", "train.max_steps=10", "train.schedule.warmup=2", "train.optimizer.weight_decay=0.1",
+            f"parallel.zero_stage={stage}", f"run.dir={sys.argv[2]}/run{stage}"]
+
+    def start(lr):
+        recipe = recipe_from_dict({}, base + [f"train.optimizer.lr={lr}"])
+        torch.manual_seed(0)
+        return recipe, eng.initialize(build(recipe.model), recipe, 1, "fp32")[0]
+
+    def steps(engine, n):
+        for _ in range(n):
+            engine.backward(engine(torch.randint(0, 64, (2, 16))).logits.float().mean())
+            engine.step()
+
+    def lrs(engine):
+        return [g["lr"] for g in getattr(engine.optimizer, "optimizer", engine.optimizer).param_groups]
+
+    recipe, engine = start(1e-3)
+    steps(engine, 3)
+    ckpt.save(engine, recipe, step=3, trainer_state={"step": 3}, rank=0, world_size=1)
+    saved = lrs(engine)
+    for lr in (1e-3, 1e-4):
+        recipe, engine = start(lr)
+        ckpt.load(engine, ckpt.latest_checkpoint(recipe.run_dir), 0)
+        loaded = lrs(engine)
+        steps(engine, 1)
+        out[f"{stage} {lr}"] = {"saved": saved, "loaded": loaded, "stepped": lrs(engine),
+                                "want": [eng.lr_at(recipe)(3), eng.lr_at(recipe)(4)]}
+print(json.dumps(out))
+"""
+
+
+def test_a_learning_rate_changed_on_resume_is_the_one_applied(tmp_path):
+    """Resumed with another train.optimizer.lr (the divergence advice: lower it, resume from the last good
+    checkpoint), the optimizer follows the recipe's schedule at the restored step, as optim/lr logs it. Before,
+    DeepSpeed restored LambdaLR's base_lrs and the groups' lr from the checkpoint: 1e-3 lowered to 1e-4 applied
+    8.5e-4 while 9.6e-5 was logged. An unchanged rate resumes where the checkpoint was. ZeRO 0 and 1."""
+    import os
+    import subprocess
+    import sys
+
+    from memtrain.parallel.dist import free_port
+
+    done = subprocess.run([sys.executable, "-c", _RESUMED_LR, str(free_port()), str(tmp_path)], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    for stage in (0, 1):
+        same, lower = out[f"{stage} 0.001"], out[f"{stage} 0.0001"]
+        assert same["loaded"] == same["saved"]  # the checkpoint's rate, as before
+        for run in (same, lower):
+            assert len(set(run["loaded"])) == 1 and len(run["loaded"]) >= 2, run  # every group (decay, no decay)
+            assert run["loaded"][0] == pytest.approx(run["want"][0], rel=1e-12)
+            assert run["stepped"][0] == pytest.approx(run["want"][1], rel=1e-12)
+        assert lower["loaded"][0] == pytest.approx(same["loaded"][0] / 10, rel=1e-12)

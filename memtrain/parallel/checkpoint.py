@@ -366,6 +366,8 @@ def load(engine, info: CheckpointInfo, rank: int, universal: bool = False) -> tu
     load_dir, tag = (str(info.path), UNIVERSAL) if universal else (str(info.path.parent), info.tag)
     groups = _base_optimizer(engine).param_groups if universal else []
     settings = [{k: v for k, v in g.items() if k not in ("params", "lr")} for g in groups]
+    scheduler = getattr(engine, "lr_scheduler", None)
+    peaks = list(scheduler.base_lrs) if isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR) else None
     try:
         load_path, _ = engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=True,
                                               load_lr_scheduler_states=True)
@@ -376,6 +378,8 @@ def load(engine, info: CheckpointInfo, rank: int, universal: bool = False) -> tu
         raise _damaged(info, f"DeepSpeed found no checkpoint in {info.path}")
     if universal:
         _repair_universal_load(engine, settings)
+    if peaks is not None:
+        _follow_recipe_schedule(engine, scheduler, peaks)
     rank_file = info.path / f"rank_state_{rank:05d}.pt"
     extra: dict = {}
     if rank_file.is_file():
@@ -397,6 +401,20 @@ def _damaged(info: CheckpointInfo, what: str) -> CheckpointError:
 def _base_optimizer(engine):
     """The torch optimizer inside DeepSpeed's ZeRO wrapper (or the engine's optimizer itself)."""
     return getattr(engine.optimizer, "optimizer", engine.optimizer)
+
+
+def _follow_recipe_schedule(engine, scheduler, peaks: list[float]) -> None:
+    """Make the restored LR scheduler follow the recipe's schedule at the restored step: ``peaks`` are the peak
+    learning rates it was built with (:func:`memtrain.parallel.engine.build_scheduler`, from the recipe). torch's
+    LambdaLR saves its ``base_lrs``, and DeepSpeed restores them with every group's ``initial_lr`` and ``lr``, so a
+    learning rate changed for the resumed run (train.optimizer.lr lowered after a divergence, as its advice says;
+    memory.optimizer.lr, memory.crossattn.bank_lr) was silently the checkpoint's while ``optim/lr`` logged the new
+    one (1e-3 lowered to 1e-4: 8.5e-4 applied, 9.6e-5 logged). Unchanged rates give the same values as before."""
+    lrs = [peak * schedule(scheduler.last_epoch) for peak, schedule in zip(peaks, scheduler.lr_lambdas)]
+    for group, peak, lr in zip(_base_optimizer(engine).param_groups, peaks, lrs):
+        group["initial_lr"], group["lr"] = peak, lr
+    scheduler.base_lrs = list(peaks)
+    scheduler._last_lr = lrs
 
 
 def _repair_universal_load(engine, settings: list[dict]) -> None:
