@@ -287,8 +287,8 @@ out = {}
 for stage in (0, 1):
     base = ["model.d_model=16", "model.n_layers=1", "model.n_heads=2", "model.ffn_dim=32", "model.vocab_size=64",
             "data.tokenizer.vocab_size=64", "model.max_seq_len=16", "data.seq_len=16", "train.global_batch_tokens=32",
-            "train.micro_batch_size=2", "train.max_steps=10", "train.schedule.warmup=2", "train.optimizer.weight_decay=0.1",
-            f"parallel.zero_stage={stage}", f"run.dir={sys.argv[2]}/run{stage}"]
+            "train.micro_batch_size=2", "train.max_steps=10", "train.schedule.warmup=2",
+            "train.optimizer.weight_decay=0.1", f"parallel.zero_stage={stage}", f"run.dir={sys.argv[2]}/run{stage}"]
 
     def start(lr):
         recipe = recipe_from_dict({}, base + [f"train.optimizer.lr={lr}"])

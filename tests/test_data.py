@@ -324,7 +324,8 @@ def test_prepare_again_after_a_source_changed_is_one_error_not_already_prepared(
     with pytest.raises(DataError, match=rf"data.sources changed since: {a} has other contents; pass --force"):
         prepare(recipe)
     a.write_text(text + '{"text": "one more document about nothing in particular"}\n')
-    with pytest.raises(DataError, match=rf"{a} has {a.stat().st_size} bytes, not {meta[SOURCE_FILES][str(a)]['bytes']}"):
+    was = meta[SOURCE_FILES][str(a)]["bytes"]
+    with pytest.raises(DataError, match=rf"{a} has {a.stat().st_size} bytes, not {was}"):
         prepare(recipe)
     a.write_text(text)
     c = write_jsonl(folder / "c.jsonl", corpus[:3])

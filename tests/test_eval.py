@@ -427,8 +427,9 @@ def test_eval_names_a_users_own_tokenizer_that_changed_after_prepare(runs, capsy
 
 
 def test_eval_with_remote_data_fetches_the_tree_and_tokenizer(runs, capsys, tmp_path):
-    """With data.remote the run's cache holds only meta.json (in the folder of its data); eval fetches the tokenizer and tree there (before, the
-    probes stopped: "tokenizer ... does not exist") and reports what eval on the local folder reports."""
+    """With data.remote the run's cache holds only meta.json (in its data's folder); eval fetches the tokenizer and
+    tree there (before, the probes stopped: "tokenizer ... does not exist") and reports what eval on the local
+    folder reports."""
     root, mem, _ = runs
     reports = {}
     for name, where in (("local", []), ("remote", [f"data.remote={root / 'data'}",

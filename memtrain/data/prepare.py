@@ -351,8 +351,8 @@ def _build(recipe: Recipe, out: Path, settings: dict, fp: str) -> dict[str, Any]
 
 
 def _meta(recipe: Recipe, settings: dict, fp: str, tokenizer, tokenizer_ref: str, dtype: str, read,
-          source_files: dict[str, dict[str, Any]], n_docs: int, sizes: dict[str, int], splits: dict, clustered: dict, start: float,
-          tok_start: float) -> dict[str, Any]:
+          source_files: dict[str, dict[str, Any]], n_docs: int, sizes: dict[str, int], splits: dict,
+          clustered: dict, start: float, tok_start: float) -> dict[str, Any]:
     """meta.json's contents (plus the "_throughput" and "report" entries :func:`_finish` pops)."""
     from memtrain.data.shards import PackStats
     from memtrain.data.tokenizer import tokenizer_fingerprint
