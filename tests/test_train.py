@@ -254,6 +254,35 @@ def test_a_damaged_marker_stops_the_resume_and_is_never_pruned(workdir, referenc
     assert (tags[4] / "COMPLETE.json").read_bytes() == marker4[:100]
 
 
+def test_resume_on_the_same_settings_prepared_again_is_refused(workdir, reference):
+    """A checkpoint records which preparation of the data it trained on (meta.json's fingerprint and time). Resumed on
+    a folder with the same settings prepared again (here a copy whose meta.json says another time), its loader
+    position would continue in other samples without a word: one line naming both times and model.init_from, exit 2,
+    nothing written. On the data it trained on it resumes."""
+    import shutil
+
+    run = workdir / "runs" / "redata"
+    shutil.copytree(workdir / "runs" / "ref", run)
+    other = workdir / "data-again"
+    if not other.exists():
+        shutil.copytree(workdir / "data", other)
+        meta = json.loads((other / "meta.json").read_text())
+        meta["created"] = "2030-01-01T00:00:00+0000"
+        (other / "meta.json").write_text(json.dumps(meta))
+    state = json.loads((run / "checkpoints" / "global_step8" / "trainer_state.json").read_text())
+    assert state["data"]["created"] == json.loads((workdir / "data" / "meta.json").read_text())["created"]
+    before = _snapshot(run)
+    out = train(workdir, "redata", f"data.dir={other}", "train.max_steps=10", check=False)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    (line,) = out.stderr.strip().splitlines()
+    assert line.startswith(f"memtrain: checkpoint {Path('runs', 'redata', 'checkpoints', 'global_step8')} was "
+                           f"trained on the data prepared at {state['data']['created']}, but {other} holds data "
+                           "prepared at 2030-01-01T00:00:00+0000; its data-loader position does not apply"), line
+    assert line.endswith("model.init_from=runs/redata/checkpoints/global_step8 to continue from its weights")
+    assert _snapshot(run) == before
+    assert "step 10/10" in train(workdir, "redata", "train.max_steps=10").stdout
+
+
 def test_a_run_already_complete_writes_nothing(workdir, reference):
     """`memtrain train` on a finished run used to rewrite recipe.yaml with the command's overrides (recorded,
     though nothing trained with them), append a start and an end to attempts.jsonl (status counted a restart

@@ -638,6 +638,7 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
             _log(f"run already complete at step {done} (train.max_steps {recipe.max_steps}, checkpoint "
                  f"{latest.path}); nothing to do", rank)
             return {"step": done, "tokens_seen": int(saved.get("tokens_seen", 0)), "resumed": True}
+        ckpt.check_same_data(latest, saved, meta, recipe.data.remote or recipe.data_dir)
     if rank == 0:  # saves a failure or a kill cut short: no save is in progress under the lock, so their space returns
         for old in ckpt.leftovers(run_dir):
             shutil.rmtree(old, ignore_errors=True)
@@ -809,7 +810,8 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
             path = ckpt.save(engine, recipe, step=at_step, rank=rank, world_size=world,
                              trainer_state={"step": at_step, "tokens_seen": tokens_seen, "loader": loader_state,
                                             "world_size": world, "nonfinite_steps": nonfinite_total,
-                                            "nonfinite_run": nonfinite_run, ckpt.ALIGNED_KEY: aligned},
+                                            "nonfinite_run": nonfinite_run, ckpt.ALIGNED_KEY: aligned,
+                                            ckpt.DATA_KEY: ckpt.data_identity(meta)},
                              rank_extra={"loader": loader_state}, write_extra=write_bank)
         dist.set_timeout(recipe.parallel.timeout_minutes)
         _log(f"saved checkpoint {path}", rank)

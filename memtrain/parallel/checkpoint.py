@@ -252,6 +252,26 @@ def check_compatible(info: CheckpointInfo, state: dict, recipe: Recipe, world_si
             + (" (or any stage 1-3)" if saved_stage > 0 else ""))
 
 
+def data_identity(meta: dict) -> dict:
+    """The prepared data a run trains on, as its ``meta.json`` names it: the settings' fingerprint and when it was
+    prepared (a folder prepared again, from changed sources, has another time)."""
+    return {"fingerprint": meta.get("fingerprint"), "created": meta.get("created")}
+
+
+def check_same_data(info: CheckpointInfo, state: dict, meta: dict, data_dir: Path) -> None:
+    """Refuse to resume a checkpoint on other prepared data than it trained on: its data-loader position (a sample
+    index into the shards) would silently continue in other samples. Checkpoints written before the record: no check.
+    Settings that differ are refused earlier (the recipe against the folder); this catches the same settings
+    prepared again (``--force`` after the sources changed, a remote prepared again)."""
+    then, now = state.get(DATA_KEY), data_identity(meta)
+    if then is None or then == now:
+        return
+    raise CheckpointError(f"checkpoint {info.path} was trained on the data prepared at {then.get('created')}, but "
+                          f"{data_dir} holds data prepared at {now.get('created')}; its data-loader position does not "
+                          "apply to other data. Resume with the data it was trained on, or start a new run.dir with "
+                          f"model.init_from={info.path} to continue from its weights")
+
+
 def token_durations(recipe: Recipe) -> list[str]:
     """The recipe keys whose duration is given in tokens (``train.max_steps: 2B tokens``), dotted."""
     import dataclasses
@@ -296,6 +316,8 @@ def check_token_durations(info: CheckpointInfo, state: dict, recipe: Recipe) -> 
 # Trainer-state key: whether the run cut its optimizer groups for aligned flat buffers
 # (memtrain.parallel.engine.split_for_alignment). Absent in checkpoints written before memtrain did.
 ALIGNED_KEY = "param_groups_aligned"
+# trainer_state.json: which preparation of the data the run trained on (:func:`data_identity`)
+DATA_KEY = "data"
 
 
 def param_groups_aligned(state: dict) -> bool:
