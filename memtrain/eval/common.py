@@ -9,7 +9,7 @@ for a helper. Imports torch only.
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -40,6 +40,22 @@ def padding_changes_logits(model: Any) -> bool:
     depend on what else shares its batch."""
     modules = model.modules() if isinstance(model, torch.nn.Module) else ()  # also inside a wrapper
     return any(getattr(m, "pools_sequence", False) is True for m in modules)
+
+
+def length_batches(order: Sequence[int], lengths: Sequence[int], batch_size: int, same_length: bool,
+                   max_rows: Optional[Callable[[int], int]] = None) -> list[list[int]]:
+    """``order`` cut into batches of consecutive items, at most ``batch_size`` each (and ``max_rows(length of the
+    batch's first item)`` when given); ``same_length``: a batch also ends where the length changes, so nothing in
+    it is padded (streamed models, and those whose logits padding changes: :func:`padding_changes_logits`)."""
+    out: list[list[int]] = []
+    for i in order:
+        cur = out[-1] if out else None
+        if (cur is not None and len(cur) < batch_size and (not same_length or lengths[cur[0]] == lengths[i])
+                and (max_rows is None or len(cur) < max_rows(lengths[cur[0]]))):
+            cur.append(i)
+        else:
+            out.append([i])
+    return out
 
 
 def right_padded(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,5 +101,5 @@ class PromptEncoder:
         return self.prefix + [int(t) for t in self.tokenizer.encode(text)]
 
 
-__all__ = ["PromptEncoder", "accuracy_cell", "batch_memory", "padding_changes_logits", "right_padded",
-           "write_json_atomic"]
+__all__ = ["PromptEncoder", "accuracy_cell", "batch_memory", "length_batches", "padding_changes_logits",
+           "right_padded", "write_json_atomic"]

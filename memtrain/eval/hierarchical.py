@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from memtrain.config import Recipe, RecipeError
 from memtrain.errors import DataError
-from memtrain.eval.common import accuracy_cell, batch_memory, padding_changes_logits, right_padded
+from memtrain.eval.common import accuracy_cell, batch_memory, length_batches, padding_changes_logits, right_padded
 
 BUCKETS = ("head", "torso", "tail")
 PROBE_SEED = 0  # the builtin:longtail source is generated with seed 0 (memtrain.data.sources)
@@ -191,16 +191,9 @@ def score_sequences(model: torch.nn.Module, sequences: Sequence[Sequence[int]], 
         cs.append(c)
     correct = np.zeros(n, bool)
     device = torch.device(device)
-    if padding_changes_logits(model):
-        batches: list[list[int]] = []
-        for i in sorted(range(n), key=lambda i: (len(seqs[i]), i)):
-            if batches and len(batches[-1]) < batch_size and len(seqs[batches[-1][0]]) == len(seqs[i]):
-                batches[-1].append(i)
-            else:
-                batches.append([i])
-    else:
-        batches = [list(range(lo, min(n, lo + batch_size))) for lo in range(0, n, batch_size)]
-    for rows in batches:
+    same_length = padding_changes_logits(model)
+    order = sorted(range(n), key=lambda i: (len(seqs[i]), i)) if same_length else range(n)
+    for rows in length_batches(order, [len(s) for s in seqs], batch_size, same_length):
         idx = np.asarray(rows, dtype=np.int64)
         tokens, lengths = right_padded([seqs[i] for i in idx], pad_id)
         T = tokens.shape[1]

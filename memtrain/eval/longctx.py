@@ -27,7 +27,8 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 
 from memtrain.config import Recipe, RecipeError
-from memtrain.eval.common import PromptEncoder, accuracy_cell, batch_memory, padding_changes_logits, right_padded
+from memtrain.eval.common import (PromptEncoder, accuracy_cell, batch_memory, length_batches, padding_changes_logits,
+                                  right_padded)
 
 # --------------------------------------------------------------------------------------------------
 # Long-context tasks: S-NIAH and BABILong-style qa1-qa5 (memtrain.data.tasks), greedy
@@ -215,19 +216,6 @@ def fresh_memory_per_forward(model: torch.nn.Module) -> Iterator[None]:
             b.reset_memory()
 
 
-def _batches(order: Sequence[int], lengths: Sequence[int], batch_size: int, max_rows_fn,
-             same_length: bool) -> list[list[int]]:
-    out: list[list[int]] = []
-    for i in order:
-        cur = out[-1] if out else None
-        if (cur is not None and len(cur) < batch_size and (not same_length or lengths[cur[0]] == lengths[i])
-                and len(cur) < max_rows_fn(lengths[cur[0]])):
-            cur.append(i)
-        else:
-            out.append([i])
-    return out
-
-
 @torch.no_grad()
 def greedy_generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int, eot_id: int,
                     max_context: Optional[int], *, stream_tokens: Optional[int] = None,
@@ -293,7 +281,7 @@ def greedy_generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], ma
     order = sorted(range(n), key=lambda i: (-lengths[i], i))
     outputs: list[list[int]] = [[] for _ in range(n)]
     same_length = stream_tokens is not None or padding_changes_logits(model)  # no padding in a batch
-    for rows in _batches(order, lengths, batch_size, max_rows, same_length):
+    for rows in length_batches(order, lengths, batch_size, same_length, max_rows):
         if stream_tokens is None:
             _generate_window(model, rows, seqs, outputs, max_new_tokens, eot_id, pad, memory_fn, device, token_limit)
         else:

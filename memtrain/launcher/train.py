@@ -51,8 +51,8 @@ from memtrain.errors import (CheckpointError, CollectiveError, DivergenceError, 
                              is_storage_failure, path_line)
 from memtrain.parallel import dist
 from memtrain.launcher.console import library_output, set_library_log_levels
-from memtrain.model.switches import check_kernels
 from memtrain.launcher.metrics import ATTEMPTS, MetricsWriter, append_jsonl, format_line
+from memtrain.model.switches import check_kernels
 
 
 IGNORE_INDEX = -100  # labels the loss skips (memtrain.data.loader.IGNORE_INDEX, cross_entropy's default)

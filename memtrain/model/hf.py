@@ -101,6 +101,12 @@ def _cannot_load(name: str, err: BaseException) -> RecipeError:
                              "(or already in the local Hugging Face cache)")
 
 
+def _lora_targets_error(key: str, targets: Any, model: str, err: BaseException) -> RecipeError:
+    """peft's error for LoRA target modules the model does not have, as one recipe error on ``key``."""
+    first = (str(err).strip().splitlines() or [""])[0][:300]
+    return RecipeError(key, f"{targets} do not fit {model}: {first}")
+
+
 def load_causal_lm(name: Optional[str]) -> nn.Module:
     """``AutoModelForCausalLM`` in float32 from a folder or hub id. Under ``with torch.device("meta")``
     the model is built from its config alone (no weights read), for parameter counts."""
@@ -377,9 +383,8 @@ class MemoryLlamaLM(HFMemoryLM):
         except ValueError as err:  # peft: LoRA target modules that are not in the model (as crossattn's adapters)
             if "target" not in str(err).lower():
                 raise
-            first = (str(err).strip().splitlines() or [""])[0][:300]
-            raise RecipeError("memory.memory_llama.lora.target_modules", f"{list(ml.lora.target_modules)} do not "
-                              f"fit {arch}: {first}") from None
+            raise _lora_targets_error("memory.memory_llama.lora.target_modules", list(ml.lora.target_modules), arch,
+                                      err) from None
         super().__init__(model, None, model_cfg=model_cfg)
         self.memory_llama = ml
 
@@ -535,9 +540,8 @@ class CrossAttnAdapterLM(HFMemoryLM):
                     r=c.lora.r, lora_alpha=c.lora.alpha, lora_dropout=c.lora.dropout,
                     target_modules=list(c.lora.target_modules), task_type="CAUSAL_LM"))
             except ValueError as err:  # e.g. target modules that are not in the model
-                first = (str(err).strip().splitlines() or [""])[0][:300]
-                raise RecipeError("memory.crossattn.lora.target_modules", f"{c.lora.target_modules} do not fit "
-                                  f"{name}: {first}") from err
+                raise _lora_targets_error("memory.crossattn.lora.target_modules", c.lora.target_modules, name,
+                                          err) from err
             for n, p in hf_model.named_parameters():
                 if _is_lora(n):
                     p.requires_grad_(not c.lora.freeze)
