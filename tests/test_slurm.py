@@ -1,9 +1,11 @@
-"""`memtrain submit` against a real one-node Slurm (tools/slurm-local.sh, which .ci/run starts), three CPU
+"""`memtrain submit` against a real one-node Slurm (tools/slurm-local.sh, which .ci/run starts), four CPU
 jobs of 2 ranks on gloo at once: one that trains to the end (torchrun launcher), one preempted with
-`scancel -s USR1` (the signal to the job's steps; srun launcher) and one with `scancel -b -s USR1` (the
+`scancel -s USR1` (the signal to the job's steps; srun launcher), one with `scancel -b -s USR1` (the
 batch shell, as `--signal=B:USR1@...` does before the time limit; torchrun launcher, beside the first:
-two torchrun jobs on one node must not meet in one rendezvous). Both preempted jobs must checkpoint,
-requeue themselves and finish with the uninterrupted job's final loss. Marked ``slurm``: skipped, saying
+two torchrun jobs on one node must not meet in one rendezvous) and one with `scancel -s TERM` (the job's
+steps, as on preemption; torchrun launcher, whose agent exited 1 on SIGTERM before it was told to leave that
+signal to the wrapper). The preempted jobs must checkpoint, requeue themselves and finish with the
+uninterrupted job's final loss. Marked ``slurm``: skipped, saying
 why, where no Slurm answers.
 """
 
@@ -85,29 +87,31 @@ def _final(run: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory):
-    """Three jobs submitted together: ``plain`` (torchrun) runs through; ``steps`` (srun) gets USR1 on its
-    job steps and ``batch`` (torchrun) on its batch shell once they have logged step 100."""
+    """Four jobs submitted together: ``plain`` (torchrun) runs through; ``steps`` (srun) gets USR1 on its
+    job steps, ``batch`` (torchrun) USR1 on its batch shell and ``term`` (torchrun) TERM on its job steps once
+    they have logged step 100."""
     root = tmp_path_factory.mktemp("slurm")
     recipe = json.loads(json.dumps(RECIPE))
     recipe["data"]["dir"] = str(root / "data")
     (root / "sl.yaml").write_text(yaml.safe_dump(recipe))
     _memtrain(root, "prepare", "sl.yaml")
-    runs = {name: root / "runs" / name for name in ("plain", "steps", "batch")}
+    runs = {name: root / "runs" / name for name in ("plain", "steps", "batch", "term")}
     ids = {}
     for name, run in runs.items():
-        extra = ["slurm.launcher=torchrun"] if name in ("plain", "batch") else []
+        extra = ["slurm.launcher=torchrun"] if name in ("plain", "batch", "term") else []
         ids[name] = _job(_memtrain(root, "submit", "sl.yaml", f"run.dir={run}", *extra).stdout)
-    pending = {"steps": [], "batch": ["--batch"]}  # each signalled as soon as it logs step 100 (a run takes ~15 s)
+    # each signalled as soon as it logs step 100 (a run takes ~15 s)
+    pending = {"steps": ["--signal=USR1"], "batch": ["--signal=USR1", "--batch"], "term": ["--signal=TERM"]}
 
     def signal_those_at_step_100() -> bool:
         for name in list(pending):
             if "step 100/" in _log(runs[name]):
-                subprocess.run(["scancel", "--signal=USR1", *pending.pop(name), ids[name]], check=True, timeout=30)
+                subprocess.run(["scancel", *pending.pop(name), ids[name]], check=True, timeout=30)
             elif _job_info(ids[name]).get("JobState") not in ("PENDING", "CONFIGURING", "RUNNING"):
                 raise AssertionError(f"job {ids[name]} ({name}) ended before step 100:\n{_log(runs[name])[-3000:]}")
         return not pending
 
-    _wait(signal_those_at_step_100, "jobs {steps} and {batch} to reach step 100".format(**ids))
+    _wait(signal_those_at_step_100, "jobs {steps}, {batch} and {term} to reach step 100".format(**ids))
     for job in ids.values():
         _wait(lambda job=job: _job_info(job).get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"),
               f"job {job} to end")
@@ -131,7 +135,7 @@ def test_a_cpu_job_of_two_ranks_trains_to_the_end(jobs):
     assert "--gpus-per-node" not in script and "--nproc-per-node 2" in script
 
 
-@pytest.mark.parametrize("name", ["steps", "batch"])
+@pytest.mark.parametrize("name", ["steps", "batch", "term"])
 def test_a_preempted_job_checkpoints_requeues_itself_and_finishes_as_uninterrupted(jobs, name):
     root, runs, ids = jobs
     info = _job_info(ids[name])
@@ -143,6 +147,8 @@ def test_a_preempted_job_checkpoints_requeues_itself_and_finishes_as_uninterrupt
     assert "Traceback" not in log and "KeyError" not in log, log[-4000:]
     if name == "batch":
         assert "memtrain: SIGUSR1 at" in log and "via torchrun" in log  # the shell forwarded it; torchrun lived
+    elif name == "term":
+        assert "via torchrun" in log and "SignalException" not in log  # torchrun lived and exited 0
     else:
         assert "via slurm" in log
     want, got = _final(runs["plain"]), _final(runs[name])
