@@ -4,13 +4,13 @@ Slurm jobs that are preempted.
 The two signals that ask a run to checkpoint and stop (SIGUSR1, which Slurm sends before the time limit, and
 SIGTERM, which it sends on preemption and ``scancel``; the batch script forwards both) are the agent's to pass
 on here, not to act on. Plain torchrun's agent did not handle SIGUSR1, so that signal killed it (exit 138) and
-left its workers to Slurm's kill timer; SIGTERM made it terminate its workers (SIGTERM, then SIGKILL after
-its shutdown timeout, 30 s by default, even in the middle of writing a checkpoint) and exit 1 with a
-traceback, so the batch script did not requeue a run that had stopped at a checkpoint. Here the agent forwards either signal to its workers (its
-child processes: they run in sessions of their own, so a signal to the agent's process group misses them)
-and lives on; the workers finish their step, write a checkpoint and exit 0, and so does torchrun. Whether
-the run stopped early is recorded by the trainer in ``run.dir/attempts.jsonl``, which the batch script reads
-to requeue the job. SIGINT (Ctrl-C), SIGHUP and SIGQUIT stay torchrun's: they stop the workers at once.
+left its workers to Slurm's kill timer; SIGTERM made it terminate its workers (SIGTERM, then SIGKILL after its
+shutdown timeout, 30 s by default, even in the middle of writing a checkpoint) and exit 1 with a traceback, so
+the batch script did not requeue a run that had stopped at a checkpoint. Here the agent forwards either signal
+to its workers (its child processes: they run in sessions of their own, so a signal to the agent's process group
+misses them) and lives on; the workers finish their step, write a checkpoint and exit 0, and so does torchrun.
+Whether the run stopped early is recorded by the trainer in ``run.dir/attempts.jsonl``, which the batch script
+reads to requeue the job. SIGINT (Ctrl-C), SIGHUP and SIGQUIT stay torchrun's: they stop the workers at once.
 """
 
 from __future__ import annotations
