@@ -337,6 +337,50 @@ TINY = {
     "logging": {"every_steps": 4},
 }
 
+def test_crossattn_context_answer_is_scored_as_the_prompt_continues(tmp_path):
+    """--answer's tokens are those ``prompt + answer`` encodes to, after the prompt's. Encoded alone and
+    appended (until 2026-11-30), " 4721" began with a second word-start piece: the model was scored on
+    ``is▁▁4721``, text that is not there."""
+    from memtrain.data.builtin import builtin_documents
+    from memtrain.data.tokenizer import SentencePieceTokenizer
+    from memtrain.eval.common import PromptEncoder
+    from memtrain.launcher.generate import answer_logprob, answer_tokens
+
+    tok = SentencePieceTokenizer.train(iter(builtin_documents(0)[::20]), tmp_path / "t.model", 300, "bpe", seed=3)
+    enc = PromptEncoder(tok)
+    prompt, answer = "What is the pass key? The pass key is", " 4721"
+    ids = enc.encode(prompt)
+    tokens, start = answer_tokens(enc, prompt, ids, answer)
+    assert tokens == tok.encode(prompt + answer) and tokens[:start] == ids
+    pieces = [tok.sp.id_to_piece(t) for t in tokens[start:]]
+    assert "".join(pieces).replace("\u2581", " ") == answer  # one word-start piece, as in the text
+    alone = [tok.sp.id_to_piece(t) for t in tok.encode(answer)]
+    assert "".join(alone).replace("\u2581", " ") == "  4721"  # what appending the answer alone scored
+
+    # the mean log-probability of tokens[start:] given tokens[:start], from one forward
+    class Fixed(torch.nn.Module):
+        def forward(self, x):
+            g = torch.Generator().manual_seed(int(x.sum()))
+            logits = torch.randn(*x.shape, 300, generator=g)
+            return type("Out", (), {"logits": logits})()
+
+    model = Fixed()
+    got = answer_logprob(model, tokens, start, 10_000, torch.device("cpu"))
+    logp = torch.log_softmax(model(torch.tensor([tokens])).logits[0], -1)
+    want = sum(float(logp[t - 1, tokens[t]]) for t in range(start, len(tokens))) / (len(tokens) - start)
+    assert got == pytest.approx(want, abs=1e-6)
+    with pytest.raises(RecipeError, match="leaves no room for the prompt"):
+        answer_logprob(model, tokens, start, len(tokens) - start, torch.device("cpu"))
+
+    # an answer the tokenizer folds into the prompt's tokens entirely: one line naming both
+    class Merging:  # "ab" is one token
+        def encode(self, text):
+            return [{"ab": 9, "a": 1, "b": 2}[p] for p in re.findall("ab|a|b", text)]
+
+    with pytest.raises(RecipeError, match="adds no token after the prompt"):
+        answer_tokens(PromptEncoder(Merging()), "a", [1], "b")
+
+
 FACT = "The pass key is 4721. Remember it. 4721 is the pass key."
 QUESTION = "What is the pass key? The pass key is"
 
@@ -397,6 +441,12 @@ def test_crossattn_context_generate_end_to_end(trained):
     on, off = q["answer_logprob"]["on"], q["answer_logprob"]["off"]
     assert math.isfinite(on) and math.isfinite(off) and on != off  # the bank changes what the model computes
     assert f"mean log-prob per token {on:.4f} with the context bank, {off:.4f} without" in text
+    # the answer's tokens as the question's text continues, not " 4721" encoded alone (one word-start piece more)
+    from memtrain.data.tokenizer import SentencePieceTokenizer
+
+    tok = SentencePieceTokenizer(trained / "data" / "tokenizer.model")
+    n = len(tok.encode(QUESTION + " 4721")) - len(tok.encode(QUESTION))
+    assert f"answer ' 4721' ({n} tokens)" in text and q["answer_tokens"] == n == len(tok.encode(" 4721")) - 1
     first = report["prompts"][0]["answer_logprob"]
     assert first["on"] == first["off"]  # an empty bank changes nothing
     assert set(q["read_by_prompt"]) == {"1", "2"} and sum(q["read_by_prompt"].values()) == pytest.approx(1.0)

@@ -58,6 +58,20 @@ def length_batches(order: Sequence[int], lengths: Sequence[int], batch_size: int
     return out
 
 
+def answer_start(full: Sequence[int], prompt: Sequence[int]) -> int:
+    """The first answer position in ``full`` = ``encode(prompt + answer)``: the length of its common prefix with
+    ``prompt`` = ``encode(prompt)``. A tokenizer may merge across the boundary, so the answer is whatever the
+    full encoding adds to the prompt's; encoding the answer alone would not give the tokens the model reads
+    in context (memtrain's SentencePiece keeps whitespace as written and starts every encoding with its
+    word-start piece, so ``" 4721"`` alone is ``▁ ▁ 4 7 2 1`` where ``is 4721`` has ``▁is ▁ 4 7 2 1``)."""
+    c = 0
+    for a, b in zip(full, prompt):
+        if a != b:
+            break
+        c += 1
+    return c
+
+
 def right_padded(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One batch of token lists, right-padded with ``pad_id``: (tokens ``[B, T]`` long, lengths ``[B]``).
     Padding after a sequence never changes its logits unless :func:`padding_changes_logits`."""
@@ -101,5 +115,5 @@ class PromptEncoder:
         return self.prefix + [int(t) for t in self.tokenizer.encode(text)]
 
 
-__all__ = ["PromptEncoder", "accuracy_cell", "batch_memory", "length_batches", "padding_changes_logits",
+__all__ = ["PromptEncoder", "accuracy_cell", "answer_start", "batch_memory", "length_batches", "padding_changes_logits",
            "right_padded", "write_json_atomic"]

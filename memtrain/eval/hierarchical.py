@@ -38,7 +38,8 @@ import torch.nn.functional as F
 
 from memtrain.config import Recipe, RecipeError
 from memtrain.errors import DataError
-from memtrain.eval.common import accuracy_cell, batch_memory, length_batches, padding_changes_logits, right_padded
+from memtrain.eval.common import (accuracy_cell, answer_start, batch_memory, length_batches, padding_changes_logits,
+                                  right_padded)
 
 BUCKETS = ("head", "torso", "tail")
 PROBE_SEED = 0  # the builtin:longtail source is generated with seed 0 (memtrain.data.sources)
@@ -150,15 +151,7 @@ def probe_tokens(tokenizer: Any, prompts: Sequence[str], answers: Sequence[str])
     boundary, so the answer is whatever the full encoding adds to the prompt's)."""
     full = tokenizer.encode_batch([p + a for p, a in zip(prompts, answers)])
     alone = tokenizer.encode_batch(list(prompts))
-    starts = []
-    for f, p in zip(full, alone):
-        c = 0
-        for a, b in zip(f, p):
-            if a != b:
-                break
-            c += 1
-        starts.append(c)
-    return [list(map(int, f)) for f in full], starts
+    return [list(map(int, f)) for f in full], [answer_start(f, p) for f, p in zip(full, alone)]
 
 
 @torch.no_grad()

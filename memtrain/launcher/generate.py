@@ -182,12 +182,27 @@ def context_encoder(model: torch.nn.Module, recipe: Recipe, info: Any, device: t
 # Scoring
 
 
-def answer_logprob(model: torch.nn.Module, prompt: Sequence[int], answer: Sequence[int], max_context: int,
+def answer_tokens(prompt_encoder: Any, prompt: str, prompt_ids: Sequence[int], answer: str) -> tuple[list[int], int]:
+    """The tokens of ``prompt + answer``, encoded together as the model reads them, and the first answer
+    position (:func:`memtrain.eval.common.answer_start`; ``prompt_ids`` = the prompt encoded alone). Until
+    2026-11-30 the answer was encoded alone and appended, which for memtrain's tokenizer scored a word-start
+    piece the text does not have (``" 4721"``: ``▁ ▁ 4 7 2 1`` after ``▁is``)."""
+    from memtrain.eval.common import answer_start
+
+    full = prompt_encoder.encode(prompt + answer)
+    start = answer_start(full, prompt_ids)
+    if start == 0 or start >= len(full):
+        raise RecipeError("", f"--answer {_clip(answer)} adds no token after the prompt {_clip(prompt)} (or merges "
+                              "with all of it); pass an answer that continues the prompt's text")
+    return full, start
+
+
+def answer_logprob(model: torch.nn.Module, tokens: Sequence[int], start: int, max_context: int,
                    device: torch.device) -> float:
-    """Mean log-probability per token of ``answer`` as the continuation of ``prompt`` (one forward over
-    the last ``max_context`` tokens of both)."""
-    seq = (list(prompt) + list(answer))[-max_context:]
-    n = len(answer)
+    """Mean log-probability per token of ``tokens[start:]`` (the answer) as the continuation of
+    ``tokens[:start]`` (the prompt), in one forward over the last ``max_context`` tokens."""
+    n = len(tokens) - start
+    seq = list(tokens)[-max_context:]
     if n >= len(seq):
         raise RecipeError("", f"--answer ({n} tokens) leaves no room for the prompt in {max_context} tokens")
     with torch.no_grad():
@@ -245,6 +260,10 @@ def generate(recipe: Recipe, prompts: Sequence[str], checkpoint: Optional[str | 
     meta = read_meta(data_dir, recipe)  # DataError when `memtrain prepare` has not run
     tokenizer = prepared_tokenizer(data_dir, meta, remote)
     prompt_encoder = PromptEncoder(tokenizer)
+    encoded = [prompt_encoder.encode(text) for text in prompts]
+    # every prompt's answer tokens before the checkpoint loads: an answer that adds no token is one line at once
+    answers = ([answer_tokens(prompt_encoder, text, ids, answer) for text, ids in zip(prompts, encoded)]
+               if answer is not None else None)
     info = find_checkpoint(recipe, checkpoint)
     device = pick_device(recipe)
     check_kernels(recipe, device)  # kernel: triton where it cannot run is one line, not a traceback mid-forward
@@ -258,7 +277,6 @@ def generate(recipe: Recipe, prompts: Sequence[str], checkpoint: Optional[str | 
     stream, max_context = reading_plan(model, recipe)
     max_context = max_context or NO_CONTEXT_LIMIT
     echo(f"checkpoint {info.path} (step {info.step}) on {device}; context bank {context_bank}")
-    answer_ids = [int(t) for t in tokenizer.encode(answer)] if answer is not None else None
 
     report: dict[str, Any] = {"recipe": recipe.run.name, "checkpoint": {"path": str(info.path), "step": info.step},
                               "device": str(device), "context_bank": context_bank, "answer": answer, "prompts": []}
@@ -276,8 +294,7 @@ def generate(recipe: Recipe, prompts: Sequence[str], checkpoint: Optional[str | 
     from memtrain.model.crossattn.context_bank import hidden_states
 
     try:
-        for number, text in enumerate(prompts, start=1):
-            ids = prompt_encoder.encode(text)
+        for number, (text, ids) in enumerate(zip(prompts, encoded), start=1):
             with torch.no_grad():
                 (new,), (truncated,) = greedy_generate(model, [ids], max_new, tokenizer.eot_id, max_context,
                                                        stream_tokens=stream, device=device,
@@ -294,20 +311,22 @@ def generate(recipe: Recipe, prompts: Sequence[str], checkpoint: Optional[str | 
                 echo("  context bank read: " + (", ".join(f"prompt {k} {100 * v:.1f}%" for k, v in read.items())
                                                 if read else "nothing (empty)")
                      + " of this prompt's context attention")
-            if answer_ids is not None:
+            if answers is not None:
+                tokens, start = answers[number - 1]
+                entry["answer_tokens"] = len(tokens) - start
                 if reader is not None:
                     with reader.not_recording():
-                        on = answer_logprob(model, ids, answer_ids, max_context, device)
+                        on = answer_logprob(model, tokens, start, max_context, device)
                         with reader.paused():
-                            off = answer_logprob(model, ids, answer_ids, max_context, device)
+                            off = answer_logprob(model, tokens, start, max_context, device)
                     entry["answer_logprob"] = {"on": on, "off": off}
-                    echo(f"  answer {_clip(answer)} ({len(answer_ids)} tokens): mean log-prob per token {on:.4f} "
-                         f"with the context bank, {off:.4f} without ({on - off:+.4f})")
+                    echo(f"  answer {_clip(answer)} ({len(tokens) - start} tokens): mean log-prob per token "
+                         f"{on:.4f} with the context bank, {off:.4f} without ({on - off:+.4f})")
                 else:
-                    off = answer_logprob(model, ids, answer_ids, max_context, device)
+                    off = answer_logprob(model, tokens, start, max_context, device)
                     entry["answer_logprob"] = {"off": off}
-                    echo(f"  answer {_clip(answer)} ({len(answer_ids)} tokens): mean log-prob per token {off:.4f} "
-                         "(no context bank)")
+                    echo(f"  answer {_clip(answer)} ({len(tokens) - start} tokens): mean log-prob per token "
+                         f"{off:.4f} (no context bank)")
             if bank is not None:
                 with reader.paused(), torch.no_grad():
                     states = hidden_states(model, torch.tensor([ids[-max_context:]], device=device))
@@ -328,4 +347,4 @@ def generate(recipe: Recipe, prompts: Sequence[str], checkpoint: Optional[str | 
     return report
 
 
-__all__ = ["answer_logprob", "check_generate", "context_encoder", "generate"]
+__all__ = ["answer_logprob", "answer_tokens", "check_generate", "context_encoder", "generate"]
