@@ -18,10 +18,6 @@ def is_storage_failure(error: BaseException) -> bool:
     return isinstance(error, OSError) and error.errno in STORAGE_ERRNOS
 
 
-# flock errors that mean "this filesystem has no locks" (Lustre without -o flock, some FUSE mounts): the callers then
-# go on without the protection the lock gave
-NO_LOCK_ERRNOS = frozenset({errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK, errno.EINVAL, errno.EBADF})
-
 # Errors of a path this user may not create, write or read, or that runs into a file where a folder is needed
 # (or the other way round): the location's, not a bug.
 PERMISSION_ERRNOS = frozenset({errno.EACCES, errno.EPERM})

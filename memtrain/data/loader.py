@@ -50,7 +50,8 @@ import torch
 from memtrain.config import Recipe
 from memtrain.data.clustered import affine_groups
 from memtrain.data.prepare import FORMAT_VERSION, META
-from memtrain.errors import NO_LOCK_ERRNOS, DataError
+from memtrain.errors import DataError
+from memtrain.locking import exclusive_nowait, hold_shared
 
 if TYPE_CHECKING:
     from streaming import StreamingDataLoader
@@ -103,26 +104,10 @@ def _hold_cache(root: Path, fetched: bytes) -> None:
             tmp = root / f".{META}.{os.getpid()}"
             tmp.write_bytes(fetched)
             os.replace(tmp, meta)
-        try:
-            fd = os.open(meta, os.O_RDONLY)
-        except FileNotFoundError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH)  # waits only while a prune deletes this very folder
-        except OSError as e:
-            os.close(fd)
-            if e.errno not in NO_LOCK_ERRNOS:
-                raise
-            return
-        try:
-            now = os.stat(meta)
-        except FileNotFoundError:
-            now = None
-        held = os.fstat(fd)
-        if now is not None and (now.st_ino, now.st_dev) == (held.st_ino, held.st_dev):
+        fd = hold_shared(meta)  # waits only while a prune deletes this very folder
+        if fd is not None:
             _HELD_CACHES[str(root)] = fd
             break
-        os.close(fd)
     else:
         raise DataError(f"the data cache {root} was deleted while it was being set up, three times; is another "
                         "run using the same data.cache_dir? Give each run its own")
@@ -133,23 +118,14 @@ def _hold_cache(root: Path, fetched: bytes) -> None:
 
 def _remove_unheld_cache(folder: Path) -> None:
     """Delete the cache folder of older remote data unless a process holds its meta.json (:func:`_hold_cache`): take
-    an exclusive lock without waiting, then delete. A folder without meta.json (one being set up) stays."""
+    an exclusive lock without waiting, then delete. A folder without meta.json (one being set up) stays, and so does
+    every folder where the filesystem has no locks (a running reader may use it) or a lock fails otherwise."""
     try:
-        try:
-            fd = os.open(folder / META, os.O_RDWR)  # NFS turns flock into fcntl locks: exclusive needs write access
-        except PermissionError:
-            fd = os.open(folder / META, os.O_RDONLY)
-    except FileNotFoundError:
-        return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:  # held (BlockingIOError), or no locks here: keep it
-        os.close(fd)
-        return
-    try:
-        shutil.rmtree(folder, ignore_errors=True)
-    finally:
-        os.close(fd)
+        with exclusive_nowait(folder / META) as state:
+            if state == "locked":
+                shutil.rmtree(folder, ignore_errors=True)
+    except OSError:  # clean-up is best effort
+        pass
 
 
 def fetch_file(remote: str, name: str, cache: Path) -> Path:

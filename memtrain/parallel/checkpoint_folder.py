@@ -24,7 +24,6 @@ are :mod:`memtrain.parallel.checkpoint`, the memory bank's rows :mod:`memtrain.p
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import re
@@ -34,7 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from memtrain.errors import NO_LOCK_ERRNOS, CheckpointError
+from memtrain.errors import CheckpointError
+from memtrain.locking import exclusive_nowait, hold_shared
 from memtrain.parallel.dist import gather_strings
 
 MARKER = "COMPLETE.json"
@@ -430,26 +430,12 @@ def verify(info: CheckpointInfo, rank: int = 0, world: int = 1) -> None:
 @contextlib.contextmanager
 def reading(info: CheckpointInfo) -> Iterator[CheckpointInfo]:
     """Hold a shared lock on ``info``'s marker while the block reads the checkpoint: :func:`prune` (of
-    any process) skips the folder meanwhile. CheckpointError when the folder was removed before the lock
-    was taken. Where the filesystem has no locks the block runs unprotected."""
-    marker = info.path / MARKER
+    any process) skips the folder meanwhile (:mod:`memtrain.locking`). CheckpointError when the folder was
+    removed before the lock was taken. Where the filesystem has no locks the block runs unprotected."""
+    fd = hold_shared(info.path / MARKER)
+    if fd is None:
+        raise removed(info)
     try:
-        fd = os.open(marker, os.O_RDONLY)
-    except FileNotFoundError:
-        raise removed(info) from None
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH)  # waits only while a prune deletes this very folder
-        except OSError as e:
-            if e.errno not in NO_LOCK_ERRNOS:
-                raise
-        held = os.fstat(fd)
-        try:
-            now = os.stat(marker)
-        except FileNotFoundError:
-            raise removed(info) from None
-        if (now.st_ino, now.st_dev) != (held.st_ino, held.st_dev):
-            raise removed(info)
         yield info
     finally:
         os.close(fd)
@@ -468,30 +454,14 @@ def _trash(path: Path) -> Path:
 def remove_unless_read(path: Path) -> bool:
     """Delete checkpoint folder ``path`` unless a reader holds its marker (:func:`reading`): take an
     exclusive lock without waiting, move the folder out of the listing, delete it. False when it is
-    being read (it stays; a later prune takes it)."""
-    marker = path / MARKER
-    try:
-        try:
-            fd = os.open(marker, os.O_RDWR)  # NFS turns flock into fcntl locks: exclusive needs write access
-        except PermissionError:
-            fd = os.open(marker, os.O_RDONLY)
-    except FileNotFoundError:
-        fd = None
-    try:
-        if fd is not None:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return False
-            except OSError as e:
-                if e.errno not in NO_LOCK_ERRNOS:
-                    raise
+    being read (it stays; a later prune takes it). Where the filesystem has no locks it is deleted: retention
+    must not stop there."""
+    with exclusive_nowait(path / MARKER) as state:
+        if state == "busy":
+            return False
         if path.exists():
             shutil.rmtree(_trash(path), ignore_errors=True)
         return True
-    finally:
-        if fd is not None:
-            os.close(fd)
 
 
 def publish(partial: Path, final: Path) -> None:

@@ -36,7 +36,8 @@ import uuid
 from pathlib import Path
 from typing import Any, Optional
 
-from memtrain.errors import NO_LOCK_ERRNOS, LaunchError
+from memtrain.errors import LaunchError
+from memtrain.locking import NO_LOCK_ERRNOS
 
 LOCK = "run.lock"
 _UNREADABLE_WAIT_S = 2.0  # a lock file just created by O_EXCL is empty until its writer has written it
