@@ -6,6 +6,7 @@ equivalence, gradients, activation checkpointing, the meta device, bad inputs. C
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -262,15 +263,63 @@ def test_import_is_light():
     assert out.stdout.strip() == "False"
 
 
-def test_unknown_hub_id_offline():
-    """A hub id neither cached nor reachable: a one-line RecipeError (HF_HUB_OFFLINE: no network tries)."""
-    code = ("from memtrain.config import MemoryConfig, ModelConfig, RecipeError\n"
+@pytest.mark.parametrize("why", ["HF_HUB_OFFLINE", "no DNS"])
+def test_unknown_hub_id_offline(why):
+    """A hub id neither cached nor reachable: one line, no network tries. With HF_HUB_OFFLINE, and where the hub's
+    host does not resolve (this machine): before, the hub's client retried for 27 s, logging each retry."""
+    code = ("import socket\n"
+            "from memtrain.config import MemoryConfig, ModelConfig, RecipeError\n"
             "from memtrain.model import build\n"
+            "def no_dns(*a, **k):\n"
+            "    raise socket.gaierror(-2, 'Name or service not known')\n"
+            f"if {why == 'no DNS'}:\n"
+            "    socket.getaddrinfo = no_dns\n"
             "try:\n"
-            "    build(ModelConfig(type='hf', pretrained='nobody/no-such-model'), MemoryConfig(type='ffn', levels=[1]))\n"
+            "    build(ModelConfig(type='hf', pretrained='nobody/no-such-model'),\n"
+            "          MemoryConfig(type='ffn', levels=[1]))\n"
             "except RecipeError as e:\n"
             "    print(e)\n")
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    if why == "HF_HUB_OFFLINE":
+        env["HF_HUB_OFFLINE"] = "1"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300,
-                         env=dict(os.environ, HF_HUB_OFFLINE="1"))
-    lines = [line for line in out.stdout.splitlines() if line.startswith("recipe error")]
-    assert len(lines) == 1 and "model.pretrained: 'nobody/no-such-model' cannot be loaded" in lines[0]
+                         env=env)
+    reason = "HF_HUB_OFFLINE is set" if why == "HF_HUB_OFFLINE" else "huggingface.co does not resolve"
+    assert out.stdout.splitlines() == [
+        "recipe error: model.pretrained: 'nobody/no-such-model' is not a folder here "
+        f"({os.path.abspath('nobody/no-such-model')}) nor in the local Hugging Face cache, and the hub cannot be "
+        f"reached ({reason}" + out.stdout.split(reason, 1)[1].rstrip("\n")], out.stdout
+    assert "Retrying" not in out.stderr and "download the model first" in out.stdout
+
+
+def test_a_cached_hub_id_loads_without_the_network(saved, tmp_path):
+    """A hub id whose snapshot is in the local Hugging Face cache loads with no network and no retries (this machine
+    cannot resolve the hub; DNS is also cut in the process). Before, from_pretrained(local_files_only=True) still
+    asked the hub for a PEFT adapter config, retrying for 27 s. Both the weights and the meta build (recipe show)."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--memtrain-test--tiny-llama"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    shutil.copytree(saved["llama"], repo / "snapshots" / commit)
+    code = ("import socket, torch\n"
+            "def no_dns(*a, **k):\n"
+            "    raise socket.gaierror(-2, 'Name or service not known')\n"
+            "socket.getaddrinfo = no_dns\n"
+            "from memtrain.config import MemoryConfig, ModelConfig\n"
+            "from memtrain.model import build\n"
+            "cfg = ModelConfig(type='hf', pretrained='memtrain-test/tiny-llama')\n"
+            "model = build(cfg, MemoryConfig(type='ffn', levels=[1]), 2)\n"
+            "with torch.device('meta'):\n"
+            "    meta = build(cfg, MemoryConfig(type='ffn', levels=[1]), 2)\n"
+            "print(sum(p.numel() for p in model.anchor_parameters()),\n"
+            "      sum(p.numel() for p in meta.anchor_parameters()),\n"
+            "      float(model.anchor_parameters()[0].sum()))\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "HF_HOME")}
+    env["HF_HUB_CACHE"] = str(tmp_path / "hub")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Retrying" not in out.stderr
+    n, n_meta, first = out.stdout.split()
+    want = load(saved["llama"])
+    assert int(n) == int(n_meta) == sum(p.numel() for p in want.anchor_parameters())
+    assert float(first) == pytest.approx(float(want.anchor_parameters()[0].sum()), abs=1e-6)  # its weights

@@ -107,6 +107,50 @@ def _lora_targets_error(key: str, targets: Any, model: str, err: BaseException) 
     return RecipeError(key, f"{targets} do not fit {model}: {first}")
 
 
+def _cached_snapshot(repo_id: str) -> Optional[str]:
+    """The folder of hub model ``repo_id``'s snapshot in the local Hugging Face cache, or None (no network)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(repo_id, local_files_only=True)
+    except Exception:  # not cached (LocalEntryNotFoundError), or not a valid repository id
+        return None
+
+
+def hub_unreachable() -> Optional[str]:
+    """Why the Hugging Face hub cannot be reached from here, or None when it may be: ``HF_HUB_OFFLINE`` set, or
+    the endpoint's host name does not resolve (offline, or a cluster's compute node without DNS). Answering that
+    takes milliseconds; asking the hub itself retried for 27 s here, logging each retry."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set"
+    host = urlparse(constants.ENDPOINT).hostname
+    if not host:
+        return None
+    try:
+        socket.getaddrinfo(host, 443)
+    except OSError as e:
+        return f"{host} does not resolve: {e.strerror or e}"
+    return None
+
+
+@contextlib.contextmanager
+def _hub_warnings_off() -> Iterator[None]:
+    import logging
+
+    hub = logging.getLogger("huggingface_hub")
+    level = hub.level
+    hub.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        hub.setLevel(level)
+
+
 def load_causal_lm(name: Optional[str]) -> nn.Module:
     """``AutoModelForCausalLM`` in float32 from a folder or hub id. Under ``with torch.device("meta")``
     the model is built from its config alone (no weights read), for parameter counts."""
@@ -118,9 +162,24 @@ def load_causal_lm(name: Optional[str]) -> nn.Module:
     def fetch(load, **kw):
         if os.path.isdir(source):
             return load(source, **kw)
-        try:  # a hub id: the local cache first (no network round trips, which retry for a minute offline)
-            return load(source, local_files_only=True, **kw)
-        except Exception:
+        # A hub id: its snapshot in the local cache first, loaded as a folder. from_pretrained(local_files_only=True)
+        # still asked the hub whether the repository holds a PEFT adapter (AutoModelForCausalLM's adapter lookup
+        # does not get the flag), which retried for 27 s offline.
+        cached, cached_error = _cached_snapshot(source), None
+        if cached is not None:
+            try:
+                return load(cached, **kw)
+            except Exception as e:  # incomplete in the cache (a config without weights, say): from the hub
+                cached_error = e
+        unreachable = hub_unreachable()
+        if unreachable and cached_error is not None:
+            raise _cannot_load(str(name), cached_error) from cached_error
+        if unreachable:
+            raise RecipeError(_KEY, f"{name!r} is not a folder here ({os.path.abspath(source)}) nor in the local "
+                                    f"Hugging Face cache, and the hub cannot be reached ({unreachable}); give a "
+                                    "local model folder (config.json and weights), or download the model first "
+                                    "where the hub can be reached") from None
+        with _hub_warnings_off():  # its retries log a line each; the outcome is one recipe error or the model
             return load(source, **kw)
 
     try:
