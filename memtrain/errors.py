@@ -61,9 +61,12 @@ def path_line(error: OSError) -> str:
 
 
 class MemtrainError(Exception):
-    """An error caused by the user's input, with a message that names the problem and the fix."""
+    """An error caused by the user's input, with a message that names the problem and the fix.
+    ``printed_by_another_rank``: another rank of the same command prints this error (the CLI exits with its code
+    without printing it again)."""
 
     exit_code = 2
+    printed_by_another_rank = False
 
 
 class DataError(MemtrainError):

@@ -278,6 +278,8 @@ def test_a_failure_on_one_rank_fails_all_and_leaves_nothing(corpus, tmp_path):
     out = run.stdout + run.stderr
     assert "injected: disk full on rank 1" in out
     assert "failed on rank 1 with OSError" in out  # rank 0 stops too, naming the rank at fault
+    assert "memtrain: memtrain prepare failed on rank 1 with OSError: injected: disk full on rank 1; see that " \
+           "rank's output" in run.stderr  # one line on rank 0, no traceback
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fail.py", "r.yaml"]  # no data dir, no build folder
 
 
@@ -308,6 +310,9 @@ def test_a_split_the_ranks_pack_into_no_sample_is_one_line(tmp_path):
     assert run.returncode != 0 and "exitcode  : 2" in run.stderr, run.stdout + run.stderr  # torchrun's report
     assert ("memtrain: the training split (4 documents, " in run.stderr and f"packs into no sample of {seq + 1} tokens on 2 "
             "ranks" in run.stderr), run.stderr
+    # both ranks raise it (they agreed on the totals); rank 0 alone prints it, on a line of its own
+    assert [line.startswith("memtrain: the training split") for line in run.stderr.splitlines()
+            if "memtrain: the training split" in line] == [True], run.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.yaml", "short.jsonl", "tok.model"]
 
 
@@ -316,6 +321,7 @@ _COMM = textwrap.dedent("""
     import numpy as np
     import torch
     import memtrain.data.prepare as prepare
+    from memtrain.errors import MemtrainError
     from memtrain.parallel import dist
 
     env = dist.discover()
@@ -329,8 +335,8 @@ _COMM = textwrap.dedent("""
         agreed = "no"
     except ZeroDivisionError:
         agreed = "own"
-    except RuntimeError as e:
-        agreed = str(e)
+    except MemtrainError as e:  # CollectiveError: exit code 4, one line, rank 0 alone prints it
+        agreed = f"{type(e).__name__} {e.exit_code} {e.printed_by_another_rank}: {e}"
     # One file per rank: torchrun interleaves the ranks' stdout.
     with open(f"rank{env.rank}.json", "w") as f:
         json.dump({"rank": env.rank, "got": None if got is None else got.tolist(), "agreed": agreed}, f)
@@ -348,7 +354,8 @@ def test_gather_rows_and_failure_agreement(tmp_path):
     expected = (np.arange(21, dtype=np.float32).reshape(7, 3) + 100).tolist()
     assert outs[0]["got"] == expected  # rank 0's empty rows, then rank 1's 7 rows, in order
     assert outs[1]["agreed"] == "own"
-    assert "failed on rank 1 with ZeroDivisionError" in outs[0]["agreed"]
+    assert outs[0]["agreed"].startswith("CollectiveError 4 False: memtrain prepare failed on rank 1 with "
+                                        "ZeroDivisionError")
 
 
 def test_balance_from_leaf_counts_matches_balance_report():

@@ -59,7 +59,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from memtrain.config import Recipe
-from memtrain.errors import DataError, MemtrainError
+from memtrain.errors import CollectiveError, DataError, MemtrainError
 
 FORMAT_VERSION = 1
 META = "meta.json"
@@ -475,16 +475,23 @@ class _Comm:
         status = None if failure is None else (isinstance(failure, MemtrainError), str(failure),
                                                type(failure).__name__)
         statuses = self.all_gather(status)
-        self.failed_together = any(st is not None for st in statuses)
+        failing = [r for r, st in enumerate(statuses) if st is not None]
+        self.failed_together = bool(failing)
+        # One line per failure, not one per rank: a rank whose error a lower rank also raised leaves it to that
+        # rank (ranks that agreed on totals raise the same error), and of the ranks that did not fail, rank 0
+        # alone repeats the first failing rank's error (where the launcher's log may not show the other ranks').
+        # The others still exit with the error's code.
         if failure is not None:
+            if isinstance(failure, MemtrainError) and any(statuses[r] == status for r in failing if r < self.rank):
+                failure.printed_by_another_rank = True
             raise failure
-        for r, st in enumerate(statuses):
-            if st is not None:
-                user, message, kind = st
-                if user:
-                    raise DataError(f"{message} (on rank {r})")
-                raise RuntimeError(f"memtrain prepare failed on rank {r} with {kind}: {message}; see that rank's "
-                                   "output")
+        if failing:
+            r = failing[0]
+            user, message, kind = statuses[r]
+            error: MemtrainError = (DataError(f"{message} (on rank {r})") if user else CollectiveError(
+                f"memtrain prepare failed on rank {r} with {kind}: {message}; see that rank's output"))
+            error.printed_by_another_rank = self.rank != 0
+            raise error
         return result
 
     def on_root(self, fn: Callable[[], Any]) -> Any:
@@ -738,10 +745,12 @@ def _build_distributed(recipe: Recipe, out: Path, settings: dict, fp: str, comm:
             # drops its partial last sample: a split smaller than about one sample per rank packs into none,
             # where one process gives samples (it used to finish with exit 0 and an empty split)
             what = "training" if split == "train" else "validation"
-            raise DataError(f"the {what} split ({sizes[split]} documents, {stats.tokens} "
-                            f"tokens) packs into no sample of {sample_len} tokens on {comm.world} ranks: each rank "
-                            f"packs its own share and drops its partial last sample; prepare it with fewer ranks "
-                            f"(one process keeps more), a smaller data.seq_len, or more documents")
+            error = DataError(f"the {what} split ({sizes[split]} documents, {stats.tokens} "
+                              f"tokens) packs into no sample of {sample_len} tokens on {comm.world} ranks: each rank "
+                              f"packs its own share and drops its partial last sample; prepare it with fewer ranks "
+                              f"(one process keeps more), a smaller data.seq_len, or more documents")
+            error.printed_by_another_rank = comm.rank != 0  # the same on every rank: rank 0 says it
+            raise error
     return _meta(recipe, settings, fp, tokenizer, tokenizer_ref, dtype, read, source_files, n_docs, sizes, splits,
                  clustered, start, tok_start)
 

@@ -380,22 +380,30 @@ def release_process_groups() -> None:
         pass
 
 
+def _error_line(line: str) -> None:
+    """``line`` on stderr in one write: print's two (the text, then the newline) let the ranks of a distributed
+    command run their lines together ("...(on rank 0)memtrain: ...")."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     try:
         return run(argv)
     except MemtrainError as e:
-        print(f"memtrain: {e}", file=sys.stderr, flush=True)
+        if not e.printed_by_another_rank:
+            _error_line(f"memtrain: {e}")
         return e.exit_code
     except OSError as e:  # a full, over-quota or read-only disk (training says more: StorageError), or a path
         if is_path_failure(e):  # this user may not use
-            print(f"memtrain: {path_line(e)}", file=sys.stderr, flush=True)
+            _error_line(f"memtrain: {path_line(e)}")
             return MemtrainError.exit_code
         if not is_storage_failure(e):
             raise
         what = f"writing {e.filename} failed" if e.filename else "a write failed"
-        print(f"memtrain: {what}: {e.strerror}; free space on the file system it writes to (data.dir for prepare, "
-              "run.dir for train, --out for eval and generate) or write elsewhere, and run the command again",
-              file=sys.stderr, flush=True)
+        _error_line(f"memtrain: {what}: {e.strerror}; free space on the file system it writes to (data.dir for "
+                    "prepare, run.dir for train, --out for eval and generate) or write elsewhere, and run the command "
+                    "again")
         return MemtrainError.exit_code
     except KeyboardInterrupt:
         return 130
