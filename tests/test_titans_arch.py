@@ -533,3 +533,26 @@ def test_titans_cpu_mac_recipe_end_to_end(tmp_path):
     assert rows[-1]["loss/train"] < rows[0]["loss/train"], [r["loss/train"] for r in rows]
     assert "loss/val" in rows[-1]
     assert (tmp_path / "run" / "checkpoints" / "global_step4").is_dir()
+
+
+@pytest.mark.parametrize("variant", ["mac", "mag", "mal", "lmm"])
+def test_start_of_run_line_names_the_length_the_variant_attends_over_and_the_key_it_ignores(variant):
+    """A recipe copied across variants keeps the other variant's length key silently: the start-of-run line (and
+    `memtrain recipe show`) says which one this variant reads and that the other is not used."""
+    from memtrain.config import load_recipe
+    from memtrain.launcher.cli import recipe_show
+
+    recipe = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "titans-cpu-mac.yaml",
+                         [f"model.titans.variant={variant}", "model.titans.segment_len=24", "model.titans.window=40"])
+    lines = [line for line in recipe_show(recipe, 1).splitlines() if line.startswith("titans ")]
+    assert len(lines) == 1, lines
+    line = lines[0]
+    assert line.startswith(f"titans {variant.upper()}: 4 blocks, ")
+    if variant == "mac":
+        assert "segments of 24 tokens (model.titans.segment_len; model.titans.window is not used by MAC)" in line
+    elif variant == "lmm":
+        assert "no attention (model.titans.window and segment_len are not used by LMM)" in line
+    else:
+        assert (f"sliding-window attention over 40 keys (model.titans.window; model.titans.segment_len is not used "
+                f"by {variant.upper()})") in line
+    assert "memory depth 2, 4 heads, chunks of 16 tokens, 4 persistent tokens" in line

@@ -688,7 +688,7 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
         note = routing_note(recipe)
         if note:
             _log(note, rank)
-    if hasattr(model, "describe"):  # MemoryLlama, memory adapters: what trains at which learning rate
+    if hasattr(model, "describe"):  # MemoryLlama, memory adapters: what trains at which rate; Titans: its attention
         for line in model.describe():
             _log(line, rank)
     if bank is not None:

@@ -327,6 +327,25 @@ class TitansLM(TrainingOptions, nn.Module):
             if isinstance(module, (nn.LayerNorm, RMSNorm)):
                 module.reset_parameters()
 
+    def describe(self) -> list[str]:
+        """The start-of-run line (and `memtrain recipe show`'s) of what the variant's blocks attend over, naming
+        the length key it ignores: MAC reads ``segment_len`` and not ``window``, MAG and MAL the reverse, LMM
+        neither. A recipe copied across variants keeps its other key silently otherwise (titans-170m-mac.yaml
+        with ``variant=mag`` attends over the default 128-key window, not its 512-token segments)."""
+        t = self.titans
+        attention = {
+            "mac": f"segment-local attention over segments of {t.segment_len} tokens (model.titans.segment_len; "
+                   "model.titans.window is not used by MAC)",
+            "mag": f"sliding-window attention over {t.window} keys (model.titans.window; model.titans.segment_len "
+                   "is not used by MAG)",
+            "mal": f"sliding-window attention over {t.window} keys (model.titans.window; model.titans.segment_len "
+                   "is not used by MAL)",
+            "lmm": "no attention (model.titans.window and segment_len are not used by LMM)",
+        }[t.variant]
+        memory = (f"memory depth {t.memory_depth}, {t.memory_heads} heads, chunks of {t.memory_chunk_size} tokens, "
+                  f"{t.persistent_tokens} persistent tokens")
+        return [f"titans {t.variant.upper()}: {self.cfg.n_layers} blocks, {attention}; {memory}"]
+
     def compile_blocks(self, **compile_kwargs: Any) -> int:
         """Regional compilation (``model.compile: true``): ``torch.compile`` each block in place, as the
         decoder does. Where the Triton kernels run the memory's inner loop (bf16 on CUDA), they are custom
