@@ -1,11 +1,12 @@
-"""`memtrain submit` against a real one-node Slurm (tools/slurm-local.sh, which .ci/run starts), four CPU
+"""`memtrain submit` against a real one-node Slurm (tools/slurm-local.sh, which .ci/run starts), five CPU
 jobs of 2 ranks on gloo at once: one that trains to the end (torchrun launcher), one preempted with
 `scancel -s USR1` (the signal to the job's steps; srun launcher), one with `scancel -b -s USR1` (the
 batch shell, as `--signal=B:USR1@...` does before the time limit; torchrun launcher, beside the first:
 two torchrun jobs on one node must not meet in one rendezvous) and one with `scancel -s TERM` (the job's
 steps, as on preemption; torchrun launcher, whose agent exited 1 on SIGTERM before it was told to leave that
 signal to the wrapper). The preempted jobs must checkpoint, requeue themselves and finish with the
-uninterrupted job's final loss. Marked ``slurm``: skipped, saying
+uninterrupted job's final loss. The fifth is cancelled (`scancel JOB`): it must checkpoint and stay cancelled (it
+used to requeue itself and train on). Marked ``slurm``: skipped, saying
 why, where no Slurm answers.
 """
 
@@ -87,21 +88,22 @@ def _final(run: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory):
-    """Four jobs submitted together: ``plain`` (torchrun) runs through; ``steps`` (srun) gets USR1 on its
-    job steps, ``batch`` (torchrun) USR1 on its batch shell and ``term`` (torchrun) TERM on its job steps once
-    they have logged step 100."""
+    """Five jobs submitted together: ``plain`` (torchrun) runs through; ``steps`` (srun) gets USR1 on its
+    job steps, ``batch`` (torchrun) USR1 on its batch shell, ``term`` (torchrun) TERM on its job steps and
+    ``cancel`` (srun) a plain ``scancel`` once they have logged step 100."""
     root = tmp_path_factory.mktemp("slurm")
     recipe = json.loads(json.dumps(RECIPE))
     recipe["data"]["dir"] = str(root / "data")
     (root / "sl.yaml").write_text(yaml.safe_dump(recipe))
     _memtrain(root, "prepare", "sl.yaml")
-    runs = {name: root / "runs" / name for name in ("plain", "steps", "batch", "term")}
+    runs = {name: root / "runs" / name for name in ("plain", "steps", "batch", "term", "cancel")}
     ids = {}
     for name, run in runs.items():
         extra = ["slurm.launcher=torchrun"] if name in ("plain", "batch", "term") else []
         ids[name] = _job(_memtrain(root, "submit", "sl.yaml", f"run.dir={run}", *extra).stdout)
     # each signalled as soon as it logs step 100 (a run takes ~15 s)
-    pending = {"steps": ["--signal=USR1"], "batch": ["--signal=USR1", "--batch"], "term": ["--signal=TERM"]}
+    pending = {"steps": ["--signal=USR1"], "batch": ["--signal=USR1", "--batch"], "term": ["--signal=TERM"],
+               "cancel": []}
 
     def signal_those_at_step_100() -> bool:
         for name in list(pending):
@@ -111,7 +113,7 @@ def jobs(tmp_path_factory):
                 raise AssertionError(f"job {ids[name]} ({name}) ended before step 100:\n{_log(runs[name])[-3000:]}")
         return not pending
 
-    _wait(signal_those_at_step_100, "jobs {steps}, {batch} and {term} to reach step 100".format(**ids))
+    _wait(signal_those_at_step_100, "jobs {steps}, {batch}, {term} and {cancel} to reach step 100".format(**ids))
     for job in ids.values():
         _wait(lambda job=job: _job_info(job).get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"),
               f"job {job} to end")
@@ -161,6 +163,19 @@ def test_a_preempted_job_checkpoints_requeues_itself_and_finishes_as_uninterrupt
     assert attempts[2]["slurm_restart_count"] == 1 and attempts[2]["resumed_from_step"] == attempts[1]["step"]
     status = _memtrain(root, "status", str(runs[name])).stdout
     assert "complete" in status and "1 restart(s)" in status
+
+
+def test_a_cancelled_job_checkpoints_and_stays_cancelled(jobs):
+    root, runs, ids = jobs
+    info = _job_info(ids["cancel"])
+    assert info["JobState"] == "CANCELLED" and info["Restarts"] == "0", info
+    log = _log(runs["cancel"])
+    assert "memtrain: SIGTERM at" in log and re.search(r"stopped by signal at step \d+ \(checkpoint written\)", log)
+    assert (f"job {ids['cancel']} was ended by Slurm (SIGTERM, reason None: cancelled or preempted), so it is not "
+            "requeued") in log and "requeueing" not in log and "(restart 1)" not in log
+    attempts = [json.loads(line) for line in (runs["cancel"] / "attempts.jsonl").read_text().splitlines()]
+    assert [(a["event"], a.get("state")) for a in attempts] == [("start", None), ("end", "preempted")]
+    assert (runs["cancel"] / "checkpoints" / f"global_step{attempts[1]['step']}" / "COMPLETE.json").is_file()
 
 
 def test_a_rejected_submission_leaves_nothing_behind(tmp_path):

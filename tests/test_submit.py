@@ -261,6 +261,56 @@ def test_a_restart_that_fails_before_recording_its_attempt_is_not_requeued(tmp_p
     assert ran.returncode == 0 and (tmp_path / "bin" / "requeued").read_text().strip() == "4242", ran.stdout
 
 
+@pytest.mark.parametrize("reason", ["None", "TimeLimit"])
+def test_a_job_slurm_ends_is_requeued_only_at_its_time_limit(tmp_path, reason):
+    """SIGTERM to the batch shell: Slurm is ending the job. The run checkpoints either way (the shell forwards the
+    signal); the shell requeues only when scontrol gives the time limit as the reason. `scancel JOB` (Reason=None)
+    used to requeue the job it cancelled, which then trained on."""
+    import json
+    import signal
+    import subprocess
+    import time
+
+    recipe = recipe_from_dict({"run": {"name": "p", "dir": str(tmp_path / "run")}, "slurm": {"gpus_per_node": 0}})
+    path = tmp_path / "job.sbatch"
+    path.write_text(render(recipe, "/r.yaml", workdir=str(tmp_path), python="python"))
+    env, _ = _stand_ins(tmp_path, preempted=True)
+    attempts = tmp_path / "run" / "attempts.jsonl"
+    ready = tmp_path / "ready"
+    # srun: trains until SIGTERM reaches it, then records the stop at a checkpoint and exits 0, as the trainer does
+    (tmp_path / "bin" / "srun").write_text(
+        "#!/usr/bin/env python3\nimport json, os, signal, time\n"
+        "stop = []\nsignal.signal(signal.SIGTERM, lambda *a: stop.append(1))\n"
+        f"open({str(ready)!r}, 'w').close()\n"
+        "while not stop:\n    time.sleep(0.05)\n"
+        f"os.makedirs({str(attempts.parent)!r}, exist_ok=True)\n"
+        f"open({str(attempts)!r}, 'a').write(json.dumps({{'event': 'end', 'state': 'preempted', 'step': 5}})"
+        " + '\\n')\n")
+    (tmp_path / "bin" / "scontrol").write_text(
+        "#!/bin/sh\nif [ \"$1\" = requeue ]; then echo \"$2\" > \"$(dirname \"$0\")/requeued\"; exit 0; fi\n"
+        f"if [ \"$1\" = show ]; then echo \"JobId=4242 JobState=COMPLETING Reason={reason} Dependency=(null)\"; "
+        "exit 0; fi\n"
+        "printf 'node-a\\n'\n")
+    job = subprocess.Popen(["bash", str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                           cwd=tmp_path)
+    end = time.monotonic() + 60
+    while not ready.exists():
+        assert job.poll() is None and time.monotonic() < end, job.communicate()
+        time.sleep(0.05)
+    job.send_signal(signal.SIGTERM)
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, err
+    assert "memtrain: SIGTERM at " in out
+    assert json.loads(attempts.read_text().splitlines()[-1])["state"] == "preempted"  # it checkpointed
+    requeued = tmp_path / "bin" / "requeued"
+    if reason == "TimeLimit":
+        assert "requeueing job 4242" in out and requeued.read_text().strip() == "4242"
+    else:
+        assert not requeued.exists() and "requeueing" not in out
+        assert ("job 4242 was ended by Slurm (SIGTERM, reason None: cancelled or preempted), so it is not requeued; "
+                "submit it again to resume") in out
+
+
 @pytest.mark.slurm
 def test_rendered_script_passes_sbatch_test_only(tmp_path):
     """Where Slurm runs, sbatch itself validates the script without queueing it."""
