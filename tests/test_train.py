@@ -118,6 +118,35 @@ def test_loss_goes_down_and_artifacts_exist(workdir, reference):
     assert len(list((run / "tensorboard").glob("events.*"))) == 1
 
 
+def test_a_slurm_job_whose_checkpoint_outlasts_the_signal_lead_is_warned_once(workdir):
+    """Under Slurm (SLURM_JOB_ID set), a save that with a step needs more than half of slurm.signal_seconds is
+    one warning naming the key and a value, at the first such save; outside Slurm, or with enough lead, none."""
+    from memtrain.launcher.train import signal_lead_warning
+
+    assert signal_lead_warning(0.4, 0.1, 2) is None and signal_lead_warning(50.0, 5.0, 120) is None
+    assert signal_lead_warning(95.0, 3.0, 120).endswith("set slurm.signal_seconds to 200 or more for the next "
+                                                        "submission")
+    slow_save = textwrap.dedent("""
+        import time
+        import memtrain.parallel.checkpoint as ckpt
+        real = ckpt.save
+        def save(*args, **kwargs):
+            time.sleep(1.2)
+            return real(*args, **kwargs)
+        ckpt.save = save
+    """)
+    out = train(workdir, "slowsave", "slurm.signal_seconds=2", prelude=slow_save, env={"SLURM_JOB_ID": "77"})
+    assert out.stdout.count("saved checkpoint") == 2
+    warnings = [line for line in out.stdout.splitlines() if "slurm.signal_seconds" in line]
+    assert len(warnings) == 1, out.stdout
+    assert re.search(r"memtrain: a checkpoint took 1\.\d s to save, after steps of \d+\.\d s: a stop on Slurm's "
+                     r"warning \(2 s before the time limit, slurm.signal_seconds\) needs about \d+ s of it, so the job "
+                     r"may be killed at the limit in the middle of the save .*; set slurm.signal_seconds to 10 or "
+                     r"more for the next submission", warnings[0]), warnings[0]
+    out = train(workdir, "slowsave2", "slurm.signal_seconds=2", prelude=slow_save)  # not a Slurm job
+    assert "slurm.signal_seconds" not in out.stdout
+
+
 def test_stop_and_resume_reproduces_the_uninterrupted_losses(workdir, reference):
     # A preemption signal (SIGTERM, as Slurm sends) arriving during step 3 (not a checkpoint step): the loop
     # finishes the step, checkpoints and exits.

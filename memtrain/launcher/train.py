@@ -806,6 +806,7 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
         if step_bank is not None:  # replicated: rank 0 writes it; sharded: every rank its rows
             write_bank = lambda path: ckpt.save_bank(step_bank, path, rank)  # noqa: E731
         dist.set_timeout(recipe.parallel.checkpoint_timeout_minutes)  # one rank may write for a while
+        t_save = time.perf_counter()
         with library_output(verbose):
             path = ckpt.save(engine, recipe, step=at_step, rank=rank, world_size=world,
                              trainer_state={"step": at_step, "tokens_seen": tokens_seen, "loader": loader_state,
@@ -815,6 +816,15 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
                              rank_extra={"loader": loader_state}, write_extra=write_bank)
         dist.set_timeout(recipe.parallel.timeout_minutes)
         _log(f"saved checkpoint {path}", rank)
+        if in_slurm_job and not lead_warned:  # once per attempt: the first save that needs more than Slurm allows
+            warning = signal_lead_warning(time.perf_counter() - t_save, last_step_s, recipe.slurm.signal_seconds)
+            if warning:
+                lead_warned.append(True)
+                _log(warning, rank)
+
+    in_slurm_job = bool(os.environ.get("SLURM_JOB_ID"))
+    lead_warned: list[bool] = []
+    last_step_s = 0.0
 
     dist.set_timeout(recipe.parallel.timeout_minutes)  # the hang guard, per step (save() lengthens it)
 
@@ -903,6 +913,7 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
             if nonfinite and not zero0:
                 grad_norm = float("nan")  # DeepSpeed computed none for a skipped step (its value would be stale)
             step_time = time.perf_counter() - t_start
+            last_step_s = step_time
             ce_sum, aux_sum, data_frac = _all_sum(
                 [float(torch.stack(ce_parts).sum()), float(torch.stack(aux_parts).sum()) if aux_parts else 0.0,
                  data_wait / step_time], device)
@@ -990,6 +1001,21 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
     last["resumed"] = latest is not None
     last["last_checkpoint_step"] = last_saved
     return last
+
+
+def signal_lead_warning(save_s: float, step_s: float, signal_seconds: int) -> Optional[str]:
+    """The warning for a Slurm job whose checkpoint takes too long for ``slurm.signal_seconds``, or None. On
+    Slurm's warning before the time limit (``--signal=B:USR1@signal_seconds``) the run finishes its step and
+    saves; when that needs more than half the lead (``step_s + save_s``), a slower save or a slow node leaves the
+    job killed at the limit mid-save, and the steps since the last checkpoint are lost."""
+    needed = save_s + step_s
+    if needed <= signal_seconds / 2:
+        return None
+    suggest = int(math.ceil(2 * needed / 10.0)) * 10
+    return (f"a checkpoint took {save_s:.1f} s to save, after steps of {step_s:.1f} s: a stop on Slurm's warning "
+            f"({signal_seconds} s before the time limit, slurm.signal_seconds) needs about {needed:.0f} s of it, so "
+            f"the job may be killed at the limit in the middle of the save and lose the steps since the last "
+            f"checkpoint; set slurm.signal_seconds to {suggest} or more for the next submission")
 
 
 def _last_good(info, recipe: Recipe) -> str:
