@@ -797,6 +797,7 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
         _log(f"TensorBoard logs in {writer.log_dir} (tensorboard --logdir {run_dir / 'tensorboard'})", rank)
 
     def save(at_step: int) -> None:
+        nonlocal lead_warned
         if not _finite_weights(engine, step_bank, device):
             good = ckpt.latest_checkpoint(run_dir, strict=False)
             raise DivergenceError(f"the weights are not finite at step {at_step} (the loss and gradient norms were); "
@@ -819,11 +820,11 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
         if in_slurm_job and not lead_warned:  # once per attempt: the first save that needs more than Slurm allows
             warning = signal_lead_warning(time.perf_counter() - t_save, last_step_s, recipe.slurm.signal_seconds)
             if warning:
-                lead_warned.append(True)
+                lead_warned = True
                 _log(warning, rank)
 
     in_slurm_job = bool(os.environ.get("SLURM_JOB_ID"))
-    lead_warned: list[bool] = []
+    lead_warned = False
     last_step_s = 0.0
 
     dist.set_timeout(recipe.parallel.timeout_minutes)  # the hang guard, per step (save() lengthens it)
