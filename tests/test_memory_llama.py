@@ -372,6 +372,89 @@ def test_gradient_checkpointing_non_reentrant(base_dir):
             torch.testing.assert_close(p.grad, ref[n], atol=1e-6, rtol=1e-4)
 
 
+def test_stream_mode_under_gradient_checkpointing_recomputes_from_the_forwards_state(base_dir):
+    """Truncated BPTT ("stream": the state carried across forwards) with gradient checkpointing: the
+    recomputation in backward starts from the state the forward started from, not from the state the forward
+    has since moved on to, and moves nothing on itself (non-reentrant checkpointing, as load_memory_llama's
+    docstring asks). Before 2026-11-30 the first segment's backward raised torch's CheckpointError (a
+    different number of saved tensors)."""
+
+    def segments(checkpointing: bool):
+        model = load(base_dir, "alma", gate_bias_init=-1.0)
+        perturb(model, gate_bias=-1.0)
+        model.train()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        set_memory_mode(model, "stream")
+        out = []
+        for seed in (1, 2, 3):
+            x = ids(1, 24, seed=seed)
+            loss = model(x, labels=x).loss
+            loss.backward()
+            block = memory_blocks(model)[0]
+            gate = block.stats()["gate_mean"]
+            out.append((float(loss.detach()), block.state.pos, block.w_h.weight.grad.clone(), gate))
+            model.zero_grad()
+        return out
+
+    for (loss, pos, grad, gate), (loss_c, pos_c, grad_c, gate_c) in zip(segments(False), segments(True)):
+        assert (pos, gate) == (pos_c, gate_c) and loss == pytest.approx(loss_c, rel=1e-6)
+        torch.testing.assert_close(grad_c, grad, atol=1e-6, rtol=1e-4)
+    assert [pos for _, pos, _, _ in segments(True)] == [24, 48, 72]
+
+
+def test_loaded_model_keeps_its_mode_and_generate_carries_the_memory(base_dir, base_model):
+    """load_memory_llama / augment return the model in the mode it was loaded in (from_pretrained: eval), the
+    new blocks and peft's wrapper included, so generate()'s decoding steps carry the memory (eval mode keeps
+    it). Before 2026-11-30 the blocks came out in training mode: every decoding step silently restarted the
+    memory (|cached decoding - full forward| 1.58 with W_h = 0)."""
+    from memtrain.model.titans.memory_llama import augment
+
+    x = ids(1, 30, seed=4)
+    for lora in (None, {"r": 4}):
+        model = load(base_dir, "gema", lora=lora, gate_bias_init=0.0)
+        assert not model.training and not any(m.training for m in model.modules())
+        torch.testing.assert_close(kv_decode(model, x, 20), logits(model, x), atol=1e-5, rtol=1e-5)
+        with torch.no_grad():
+            model.generate(x[:, :20], max_new_tokens=3, do_sample=False, pad_token_id=0)
+        assert all(block.state is not None and block.state.pos == 22 for block in memory_blocks(model))
+    trained = augment(LlamaForCausalLM.from_pretrained(base_dir).train(), "gema", None, MEM, {"r": 4})
+    assert all(m.training for m in trained.modules())
+
+
+def test_library_memory_defaults_are_the_thesis(base_dir):
+    """memory_kwargs=None builds the thesis's memory (Section 4.2.1 / Table B.1: one head on the full width,
+    expansion 2, inner learning rate at most 1e-2), as memory.memory_llama's defaults do; NeuralMemory's own
+    defaults are Titans' (4 heads, max_lr 0.1), which the library functions used until 2026-11-30."""
+    from memtrain.config import MemoryLlamaConfig
+    from memtrain.model.hf import memory_llama_kwargs
+    from memtrain.model.titans.memory_llama import THESIS_MEMORY
+
+    recipe = memory_llama_kwargs(MemoryLlamaConfig())
+    assert {k: recipe[k] for k in THESIS_MEMORY} == THESIS_MEMORY
+    memory = memory_blocks(load(base_dir, "alma", memory_kwargs=None))[0].memory
+    assert (memory.heads, memory.inner, memory.max_lr, memory.chunk_size) == (1, 64, 0.01, 16)
+    assert memory_blocks(load(base_dir, "alma", memory_kwargs={"heads": 2}))[0].memory.heads == 2
+
+
+def test_memory_shapes_the_model_cannot_take_are_recipe_errors():
+    """The memory's heads and kernel against the pretrained model's hidden size, checked where the width is
+    known (the recipe check does not know it): one RecipeError naming the key, where 100 heads on a 64-wide
+    model raised a traceback from deep inside (zero-wide heads) and 3 heads silently narrowed it to 63."""
+    from memtrain.config import MemoryLlamaConfig, RecipeError
+    from memtrain.model.hf import check_memory_llama_shape
+
+    for heads in (100, 3):
+        with pytest.raises(RecipeError, match=f"memory.memory_llama.heads: {heads} heads do not split the hidden size "
+                                              "64 of tiny; use a divisor of 64 or set memory.memory_llama.head_dim"):
+            check_memory_llama_shape(MemoryLlamaConfig(heads=heads), 64, "tiny")
+    check_memory_llama_shape(MemoryLlamaConfig(heads=3, head_dim=16), 64, "tiny")
+    check_memory_llama_shape(MemoryLlamaConfig(heads=2, kernel="triton"), 64, "tiny")
+    with pytest.raises(RecipeError, match=r"memory.memory_llama.kernel: triton: the Triton kernels take .* head size "
+                                          r"2048, hidden 4096 \(Llama, 1 head\(s\)\); use auto"):
+        check_memory_llama_shape(MemoryLlamaConfig(kernel="triton"), 2048, "Llama")
+
+
 def test_bf16_base_with_fp32_memory(base_dir):
     model = load(base_dir, "gema", torch_dtype=torch.bfloat16, gate_bias_init=CLOSED).eval()
     base = LlamaForCausalLM.from_pretrained(base_dir, dtype=torch.bfloat16).eval()

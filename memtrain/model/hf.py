@@ -391,6 +391,25 @@ def memory_llama_kwargs(ml: MemoryLlamaConfig) -> dict:
             "max_lr": ml.max_lr, "init_lr": ml.init_lr, "kernel": ml.kernel}
 
 
+def check_memory_llama_shape(ml: MemoryLlamaConfig, hidden: int, model: str) -> None:
+    """The memory's shape against the pretrained model's hidden size (RecipeError naming the key): the recipe
+    check cannot, as only the model's config gives the width. ``heads`` must split the hidden size unless
+    ``head_dim`` is set (more heads than channels gave zero-wide heads, and a non-divisor a memory narrower
+    than the model without a word), and ``kernel: triton`` needs a memory the Triton kernels' tiles hold."""
+    key = "memory.memory_llama."
+    if ml.head_dim is None and (ml.heads > hidden or hidden % ml.heads):
+        raise RecipeError(key + "heads", f"{ml.heads} heads do not split the hidden size {hidden} of {model}; use a "
+                          f"divisor of {hidden} or set memory.memory_llama.head_dim")
+    if ml.kernel == "triton":
+        from memtrain.kernels.titans import kernel_unsupported
+
+        head_dim = ml.head_dim or hidden // ml.heads
+        why = kernel_unsupported(ml.depth, head_dim, max(1, int(round(ml.expansion * head_dim))))
+        if why is not None:
+            raise RecipeError(key + "kernel", f"triton: {why} ({model}, {ml.heads} head(s)); use auto (the PyTorch "
+                              "form where the kernels do not fit) or torch, or narrower heads (heads, head_dim)")
+
+
 def lora_kwargs(ml: MemoryLlamaConfig) -> Optional[dict]:
     """``peft.LoraConfig`` arguments from ``memory.memory_llama.lora`` (None: no LoRA)."""
     lo = ml.lora
@@ -436,6 +455,8 @@ class MemoryLlamaLM(HFMemoryLM):
         if ml.layers is not None and any(i >= n_layers for i in ml.layers):
             raise RecipeError("memory.memory_llama.layers", f"{ml.layers} names blocks beyond the {n_layers} decoder "
                               f"layers of {model_cfg.pretrained if model_cfg else arch} (0-based: 0..{n_layers - 1})")
+        check_memory_llama_shape(ml, text_config(hf_model.config).hidden_size,
+                                 model_cfg.pretrained if model_cfg else arch)
         try:
             model = augment(hf_model, ml.position, ml.layers, memory_llama_kwargs(ml), lora_kwargs(ml),
                             ml.lora.freeze, every=ml.every, gate_bias_init=ml.gate_bias_init, residual=ml.residual)
@@ -692,5 +713,5 @@ class CrossAttnAdapterLM(HFMemoryLM):
         return ModelOutput(logits=logits, aux_loss=aux)
 
 
-__all__ = ["CrossAttnAdapterLM", "HFMemoryLM", "MemoryLlamaLM", "check_gated_mlps", "decoder_layers", "hf_anchor_dims",
-           "load_causal_lm", "lora_kwargs", "memory_llama_kwargs", "text_config"]
+__all__ = ["CrossAttnAdapterLM", "HFMemoryLM", "MemoryLlamaLM", "check_gated_mlps", "check_memory_llama_shape",
+           "decoder_layers", "hf_anchor_dims", "load_causal_lm", "lora_kwargs", "memory_llama_kwargs", "text_config"]

@@ -108,7 +108,18 @@ THESIS_LORA = {  # Section 4.2.1 / Table B.1
     "r": 16, "lora_alpha": 32, "lora_dropout": 0.05,
     "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
 }
+# Section 4.2.1 / Table B.1: one two-layer SiLU MLP with expansion 2 on the full hidden width (one head), the
+# inner learning rate at most max_adaptive_lr 1e-2; the default of the library functions' ``memory_kwargs``
+# (memory.memory_llama's defaults are the same; NeuralMemory's own are Titans', 4 heads and max_lr 0.1).
+THESIS_MEMORY = {"heads": 1, "depth": 2, "expansion": 2.0, "chunk_size": 16, "gate_mode": "token", "conv_kernel": 4,
+                 "max_lr": 0.01, "init_lr": 0.005}
 STAT_PREFIX = "memory_module"
+_STARTS_KEPT = 16  # the start states kept for activation checkpointing's recomputation (GatedMemoryBlock)
+
+
+def _in_backward() -> bool:
+    """Whether autograd's engine is running this code: activation checkpointing's recomputation of a forward."""
+    return torch._C._current_graph_task_id() != -1
 _EPS = 1e-6
 
 
@@ -143,13 +154,16 @@ class GatedMemoryBlock(nn.Module):
             raise ValueError(f"unknown residual {residual!r}; expected one of {', '.join(RESIDUALS)}")
         self.hidden_size, self.layer_idx = hidden_size, layer_idx
         self.gate_bias_init, self.residual, self.track_stats = float(gate_bias_init), residual, track_stats
-        self.memory = NeuralMemory(hidden_size, **dict(memory_kwargs or {}))
+        self.memory = NeuralMemory(hidden_size, **{**THESIS_MEMORY, **dict(memory_kwargs or {})})
         self.w_x = nn.Linear(hidden_size, hidden_size, bias=False)  # W_x (first half of W_DP)
         self.w_h = nn.Linear(hidden_size, hidden_size, bias=False)  # W_h (second half of W_DP)
         self.w_g = nn.Linear(hidden_size, hidden_size, bias=True)   # W_g, b_g
         self.mode = "auto"
         self.state: Optional[MemoryState] = None  # carried state (see the module docstring)
         self._ctx: Optional[dict] = None          # the current call: x_t, x_DP, the state it starts from
+        # The state each recent training forward started from, by its input's storage: activation checkpointing
+        # recomputes the forward in backward from the same input, after self.state has moved on ("stream").
+        self._starts: dict[tuple, Optional[MemoryState]] = {}
         self._stats: Optional[dict[str, torch.Tensor]] = None
         self._handles: list = []
         self.reset_parameters()
@@ -168,6 +182,7 @@ class GatedMemoryBlock(nn.Module):
     def reset_memory(self) -> None:
         """Drop the carried state: the next forward starts from M_0, zero momentum, empty conv cache."""
         self.state, self._ctx = None, None
+        self._starts.clear()
 
     # ---------------------------------------------------------------------------------------------
     # The three stages of Section 4.1.3
@@ -207,7 +222,20 @@ class GatedMemoryBlock(nn.Module):
 
     def _layer_pre_hook(self, module: nn.Module, args: tuple, kwargs: dict):
         x = args[0] if args else kwargs["hidden_states"]
-        self._ctx = {"x": x, "state": self._initial_state(x, kwargs)}
+        key = (x.data_ptr(), tuple(x.shape))  # a recomputation's input shares the forward's storage
+        if _in_backward():  # activation checkpointing recomputes this forward: start where it started
+            if key not in self._starts:
+                raise RuntimeError(f"memory_block {self.layer_idx}: a recomputation in backward (activation "
+                                   "checkpointing) of a forward this block did not see")
+            self._ctx = {"x": x, "state": self._starts[key], "recomputed": True}
+            return None
+        state = self._initial_state(x, kwargs)
+        if self.training:  # (a reentrant checkpoint runs the forward without gradients)
+            self._starts.pop(key, None)
+            self._starts[key] = state
+            while len(self._starts) > _STARTS_KEPT:
+                del self._starts[next(iter(self._starts))]
+        self._ctx = {"x": x, "state": state}
         return None
 
     def _norm_hook(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
@@ -225,9 +253,10 @@ class GatedMemoryBlock(nn.Module):
             raise RuntimeError("memory_block: self_attn ran without the memory read (input_layernorm hook)")
         a = output[0] if isinstance(output, tuple) else output
         y, g, m, new_state = self.write_and_gate(a, ctx["state"])
-        if self.mode == "stream" or (self.mode == "auto" and not self.training):
+        recomputed = ctx.get("recomputed", False)  # the forward already moved the state on and recorded stats
+        if not recomputed and (self.mode == "stream" or (self.mode == "auto" and not self.training)):
             self.state = new_state.detach()
-        if self.track_stats:
+        if self.track_stats and not recomputed:
             self._record_stats(ctx["x"], a, g, m)
         out = y.to(a.dtype)
         if self.residual == "x_dp":  # eq. 4.10 literally: the layer adds x_t, so add x_DP - x_t
@@ -302,12 +331,15 @@ def inject_memory(model: nn.Module, position: str = "alma", layers: Optional[Ite
         model: a ``transformers.LlamaForCausalLM`` (or a peft model wrapping one).
         position: ``"elma"``, ``"alma"`` or ``"gema"``; picks the default ``layers``.
         layers: 0-based decoder-block indices (overrides ``position``'s default).
-        memory_kwargs: keyword arguments of :class:`NeuralMemory` (``dim`` is the hidden size).
+        memory_kwargs: keyword arguments of :class:`NeuralMemory` (``dim`` is the hidden size) over the
+            thesis's :data:`THESIS_MEMORY`.
         every: GeMA's interval.
         gate_bias_init: b_g at initialisation (thesis: -6).
         residual: ``"input"`` (o = y + x_t, identity at init) or ``"x_dp"`` (eq. 4.10 literally).
         memory_dtype: the blocks' parameter dtype (None: the model's).
-    New parameters are trainable; the base model's ``requires_grad`` flags are left as they are.
+    New parameters are trainable; the base model's ``requires_grad`` flags are left as they are. Each new
+    block takes its decoder layer's train / eval mode (an eval-mode model keeps its memory across
+    ``generate``'s decoding steps, module docstring).
     """
     if position not in POSITIONS:
         raise ValueError(f"unknown position {position!r}; expected one of {', '.join(POSITIONS)}")
@@ -323,6 +355,7 @@ def inject_memory(model: nn.Module, position: str = "alma", layers: Optional[Ite
     for i in sorted(idx):
         block = GatedMemoryBlock(hidden, i, memory_kwargs, gate_bias_init, residual, track_stats)
         block.to(device=ref.device, dtype=memory_dtype or ref.dtype)
+        block.train(dec[i].training)
         block.attach(dec[i])
     return model
 
@@ -452,7 +485,9 @@ def augment(model: nn.Module, position: str = "alma", layers: Optional[Iterable[
             memory_dtype: Optional[torch.dtype] = torch.float32, track_stats: bool = True) -> nn.Module:
     """:func:`load_memory_llama` on an already loaded ``LlamaForCausalLM``: freeze every base parameter,
     apply LoRA (``lora``: ``peft.LoraConfig`` arguments over :data:`THESIS_LORA`; None: no LoRA),
-    optionally freeze it, inject the memory. Returns the model or the ``peft.PeftModel`` wrapping it."""
+    optionally freeze it, inject the memory. Returns the model or the ``peft.PeftModel`` wrapping it, in the
+    train / eval mode ``model`` was in (``from_pretrained``: eval)."""
+    training = model.training
     model.requires_grad_(False)
     if lora is not None:
         try:
@@ -466,7 +501,7 @@ def augment(model: nn.Module, position: str = "alma", layers: Optional[Iterable[
                 p.requires_grad_(not freeze_lora)
     inject_memory(model, position, layers, memory_kwargs, every=every, gate_bias_init=gate_bias_init,
                   residual=residual, memory_dtype=memory_dtype, track_stats=track_stats)
-    return model
+    return model.train(training)  # peft's wrapper starts in training mode whatever the model's
 
 
 def num_trainable(model: nn.Module) -> int:
@@ -474,8 +509,8 @@ def num_trainable(model: nn.Module) -> int:
 
 
 __all__ = [
-    "GatedMemoryBlock", "MODES", "POSITIONS", "RESIDUALS", "THESIS_GATE_BIAS", "THESIS_LORA", "augment",
-    "default_layers",
+    "GatedMemoryBlock", "MODES", "POSITIONS", "RESIDUALS", "THESIS_GATE_BIAS", "THESIS_LORA", "THESIS_MEMORY",
+    "augment", "default_layers",
     "gate_stats", "inject_memory", "load_memory_llama", "memory_blocks", "num_trainable", "param_groups",
     "reset_memory", "set_memory_mode",
 ]
