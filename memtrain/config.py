@@ -278,7 +278,8 @@ class CrossAttnConfig:
     tokens: int = 4096  # N_m: latent tokens per bank
     # Chapter routing (Section 4): the bank is split into `chapters` of tokens / chapters each; a router
     # picks `top_k` of them (0: no router, every layer reads the whole bank). sequence: eq. 8 on the
-    # mean-pooled sequence (it sees the whole sequence: not causal); token: per token (Section 4.4; causal).
+    # mean-pooled sequence, each document of a packed row alone (it sees the whole document: not causal); token:
+    # per token (Section 4.4; causal).
     chapters: int = 1
     top_k: int = 0
     routing: Literal["sequence", "token"] = "sequence"

@@ -14,10 +14,10 @@ import torch
 
 from memtrain.config import CrossAttnConfig, RecipeError, recipe_from_dict
 from memtrain.model import build
-from memtrain.model.crossattn import (ChapterRouter, CrossAttnMemory, LatentBank, MemoryCrossAttention,
-                                      dense_routed_attention, full_bank_attention, memory_layer_indices,
-                                      routed_attention, sequence_routed_attention)
-from memtrain.parallel.engine import lr_at, param_groups, peak_lr
+from memtrain.model.crossattn import (ChapterRouter, CrossAttnMemory, DocumentSegments, LatentBank,
+                                      MemoryCrossAttention, dense_routed_attention, full_bank_attention,
+                                      memory_layer_indices, routed_attention, sequence_routed_attention)
+from memtrain.parallel.engine import bank_frozen_from, lr_at, param_groups, peak_lr
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -144,6 +144,20 @@ def test_crossattn_router_picks_top_k_and_its_balance_loss_is_switch_style():
     rs = seq(h)  # one decision per sequence, from the mean-pooled states (eq. 8)
     sp = torch.softmax(h.mean(1) @ seq.proj.weight.T + seq.proj.bias, dim=-1)
     assert torch.equal(rs.chapters, sp.topk(2, dim=-1)[1][:, None].expand(3, 4, 2))
+    assert rs.per_row and torch.equal(rs.decisions, sp.topk(2, dim=-1)[1])
+    # Packed rows: one decision per document, from each document's mean, read by its positions.
+    doc_ids = torch.tensor([[0, 0, 1, 1], [0, 0, 0, 0], [0, 1, 2, 2]])
+    rd = seq(h, DocumentSegments.of(doc_ids))
+    docs = [h[0, :2], h[0, 2:], h[1], h[2, :1], h[2, 1:2], h[2, 2:]]
+    dp = torch.softmax(torch.stack([d.mean(0) for d in docs]) @ seq.proj.weight.T + seq.proj.bias, dim=-1)
+    assert not rd.per_row and rd.probs.shape == (6, 5)
+    torch.testing.assert_close(rd.probs, dp)
+    assert torch.equal(rd.decisions, dp.topk(2, dim=-1)[1])
+    of_position = torch.tensor([[0, 0, 1, 1], [2, 2, 2, 2], [3, 4, 5, 5]])
+    assert torch.equal(rd.chapters, rd.decisions[of_position])
+    torch.testing.assert_close(rd.log_weights, dp.topk(2, dim=-1)[0].log()[of_position])
+    share = torch.bincount(rd.decisions.reshape(-1), minlength=5).double() / rd.decisions.numel()
+    torch.testing.assert_close(rd.loss, 5 * (share * dp.mean(0)).sum())  # balancing over documents
 
 
 @pytest.mark.parametrize("routing", ["sequence", "token"])
@@ -180,16 +194,38 @@ def test_crossattn_memory_has_no_effect_at_initialisation(crossattn):
     assert (m(x).logits - anchor()(x).logits).abs().max() > 1e-3  # the reads do something once opened
 
 
-def test_the_trainer_notes_sequence_routing():
+def test_the_trainer_notes_sequence_routing_and_a_single_chapter():
     """Sequence routing is the default once routing is on (top_k), and not causal: the trainer says so at the start
-    (the adapter recipes' headers once suggested turning routing on without choosing token routing)."""
-    from memtrain.launcher.train import routing_note
+    (the adapter recipes' headers once suggested turning routing on without choosing token routing). With top_k 1
+    the language-model loss does not train the router, and the trainer says that too."""
+    from memtrain.launcher.train import routing_notes
 
-    base = {"type": "crossattn", "crossattn": {"tokens": 12, "chapters": 4, "top_k": 2}}
-    assert "the router sees the future" in routing_note(recipe_from_dict({**BASE, "memory": base}))
-    for crossattn in ({**base["crossattn"], "routing": "token"}, {**base["crossattn"], "top_k": 0}):
-        assert routing_note(recipe_from_dict({**BASE, "memory": {"type": "crossattn", "crossattn": crossattn}})) is None
-    assert routing_note(recipe_from_dict(BASE)) is None
+    def notes(**crossattn):
+        return routing_notes(recipe_from_dict({**BASE, "memory": {"type": "crossattn", "crossattn": crossattn}}))
+
+    base = {"tokens": 12, "chapters": 4, "top_k": 2}
+    sequence, = notes(**base)
+    assert "pools each document of a training sequence" in sequence and "the router sees the future" in sequence
+    assert notes(**base, routing="token") == [] and notes(**{**base, "top_k": 0}) == []
+    single, = notes(**{**base, "top_k": 1}, routing="token")
+    assert "top_k 1" in single and "no gradient" in single and "top_k 2 or more" in single
+    assert len(notes(**{**base, "top_k": 1})) == 2
+    assert routing_notes(recipe_from_dict(BASE)) == []
+
+
+@pytest.mark.parametrize("routing", ["sequence", "token"])
+def test_crossattn_router_with_one_chapter_per_read_gets_no_gradient_from_the_loss(routing):
+    """What the top_k 1 note says: one chapter's log weight shifts every logit of its read and cancels in the
+    softmax, so the language-model loss leaves the router's weights without gradient (top_k 2 gives one,
+    test_crossattn_router_receives_gradients_from_the_loss); the balancing loss still reaches it."""
+    model = model_of(tokens=24, chapters=6, top_k=1, routing=routing).double()
+    open_outputs(model)
+    out = model(tokens())
+    routers = [part.attn.router.proj.weight for part in model.crossattn.parts.values()]
+    grads = torch.autograd.grad(out.logits.square().mean(), routers)
+    assert max(float(g.abs().max()) for g in grads) < 1e-12
+    grads = torch.autograd.grad(model(tokens()).aux_loss, routers)
+    assert min(float(g.abs().max()) for g in grads) > 0
 
 
 def test_crossattn_token_routing_is_causal_and_sequence_routing_is_not():
@@ -205,6 +241,67 @@ def test_crossattn_token_routing_is_causal_and_sequence_routing_is_not():
         with torch.no_grad():
             diff = (m(x).logits[0, :15] - m(y).logits[0, :15]).abs().max()
         assert (diff < 1e-12) == causal, (routing, float(diff))
+
+
+def test_crossattn_sequence_routing_routes_each_packed_document_on_its_own():
+    """In a packed row sequence routing (eq. 8) pools and routes each document alone: a document's
+    logits, and the router's gradients from them, are those of the document as a row of its own (RoPE
+    positions restart per document), whatever is packed beside it. Rows of one document each keep the
+    per-row path. Before 2026-11-30 the router pooled the whole row, so doc A's logits moved by about 5
+    when only doc B changed."""
+    from memtrain.data.loader import document_ids
+    from memtrain.model.crossattn import DocumentSegments
+
+    eot, g = 96, torch.Generator().manual_seed(1)
+    a, b, b2, c = (torch.randint(1, 90, (n,), generator=g) for n in (11, 9, 9, 20))
+    a[-1] = eot  # an end-of-text token belongs to the document it ends
+    x, y = torch.stack([torch.cat([a, b]), c]), torch.stack([torch.cat([a, b2]), c])
+    assert DocumentSegments.of(document_ids(c[None], eot)) is None and DocumentSegments.of(None) is None
+    m = model_of(tokens=24, chapters=6, top_k=2, routing="sequence").double()
+    open_outputs(m)
+    router = m.crossattn.parts["0"].attn.router.proj.weight
+    packed = m(x, doc_ids=document_ids(x, eot)).logits
+    with torch.no_grad():
+        other = m(y, doc_ids=document_ids(y, eot)).logits
+        alone_b, alone_c = m(b[None]).logits[0], m(c[None]).logits[0]
+    assert float((packed[0, :11].detach() - other[0, :11]).abs().max()) < 1e-12  # doc B does not reach doc A
+    alone_a = m(a[None]).logits[0]
+    torch.testing.assert_close(packed[0, :11], alone_a, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(packed[0, 11:], alone_b, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(packed[1], alone_c, rtol=1e-10, atol=1e-10)
+    grad_packed, = torch.autograd.grad(packed[0, :11].square().sum(), router)
+    grad_alone, = torch.autograd.grad(alone_a.square().sum(), router)
+    assert float(grad_alone.abs().max()) > 0
+    torch.testing.assert_close(grad_packed, grad_alone, rtol=1e-10, atol=1e-12)
+
+
+def test_crossattn_routing_statistics_are_per_bank_and_count_each_forward_once():
+    """Per-layer banks (``shared: false``) are counted apart: three layers each always picking two of their
+    own bank's six chapters leave 12 of 18 chapters dead at entropy ln 2, where one count over "chapter c of
+    any bank" read every chapter as used (0 dead, ln 6). A shared bank read by the same routers uses all six.
+    A checkpointed block's recomputation in backward does not count again (it doubled the counts)."""
+    for shared, dead, entropy in ((False, 12, math.log(2)), (True, 0, math.log(6))):
+        m = model_of(tokens=24, chapters=6, top_k=2, routing="token", shared=shared)
+        with torch.no_grad():
+            for i, part in enumerate(m.crossattn.parts.values()):
+                part.attn.router.proj.weight.zero_()
+                part.attn.router.proj.bias.copy_(torch.tensor([5.0 if c == 2 * i else 4.0 if c == 2 * i + 1
+                                                               else 0.0 for c in range(6)]))
+        m.train()
+        m(tokens())
+        stats = m.crossattn.pop_stats()
+        assert stats["memory_module/dead_chapters"] == dead, shared
+        assert stats["memory_module/chapter_entropy"] == pytest.approx(entropy), shared
+    for every in (0, 1, 2):
+        m = model_of(tokens=24, chapters=6, top_k=2, routing="token")
+        open_outputs(m)
+        m.train()
+        m.activation_checkpointing = every
+        out = m(tokens())
+        counted = (m.crossattn.stats.calls, float(m.crossattn.stats.counts.sum()))
+        assert counted == (3, 3 * 2 * 23 * 2), every  # 3 layers x 46 tokens x top-2
+        (out.logits.square().mean() + out.aux_loss).backward()
+        assert (m.crossattn.stats.calls, float(m.crossattn.stats.counts.sum())) == counted, every
 
 
 @pytest.mark.parametrize("placement,k,want", [("all", 1, [0, 1, 2, 3, 4]), ("first", 2, [0, 1]),
@@ -287,6 +384,38 @@ def test_crossattn_parameter_groups_and_staged_freezing():
     # freeze_bank: 0 throughout, as the bank does not move (before, the logged optim/bank_lr followed the schedule)
     frozen = recipe_from_dict(r.to_dict(), ["memory.crossattn.freeze_bank=true", "memory.crossattn.freeze_bank_at=0"])
     assert [lr_at(frozen, "bank")(s) for s in (0, 1, 9, 19)] == [0.0] * 4 and lr_at(frozen, "memory")(1) > 0
+    assert bank_frozen_from(r) == 10 and bank_frozen_from(frozen) is None
+    assert bank_frozen_from(recipe_from_dict(r.to_dict(), ["memory.crossattn.freeze_bank_at=0"])) is None
+
+
+def test_crossattn_a_bank_frozen_partway_leaves_the_gradient_norm():
+    """From freeze_bank_at on (the trainer calls freeze_bank_gradients at that step) the bank and its W_K, W_V
+    get zero gradients, so the global norm that clipping and optim/grad_norm use counts only what still trains,
+    as with the bank frozen from the start; the other gradients are unchanged. Before 2026-11-30 the bank only
+    got a learning rate of 0, and its gradients still entered the norm (clipping the rest harder)."""
+    m = model_of(tokens=24, chapters=6, top_k=2, routing="token").double()
+    open_outputs(m)
+    bank = {id(p) for p in m.bank_parameters()}
+
+    def grads():
+        m.zero_grad()
+        out = m(tokens())
+        (out.logits.square().mean() + out.aux_loss).backward()
+        return {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+    before = grads()
+    m.crossattn.freeze_bank_gradients()
+    m.crossattn.freeze_bank_gradients()  # idempotent
+    assert len(m.crossattn._bank_grad_hooks) == len(bank)
+    after = grads()
+    trains = [n for n, p in m.named_parameters() if id(p) not in bank]
+    for n, p in m.named_parameters():
+        if id(p) in bank:
+            assert float(before[n].abs().max()) > 0 and float(after[n].abs().max()) == 0, n
+        else:
+            torch.testing.assert_close(after[n], before[n], rtol=0, atol=0)
+    norm = torch.nn.utils.clip_grad_norm_(m.parameters(), 1e9)
+    torch.testing.assert_close(norm, torch.stack([before[n].norm() for n in trains]).norm())
 
 
 @pytest.mark.parametrize("crossattn,key,message", [

@@ -577,6 +577,7 @@ def test_crossattn_adapter_trains_end_to_end_with_memtrain_train(root):
     out = subprocess.run(cmd, cwd=root, env=_env(), capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, f"{cmd}\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
     assert "cross-attention memory: 1 layer(s) [0], variant A" in out.stdout
+    assert out.stdout.count("step 3: the cross-attention bank and its W_K, W_V are frozen from here on") == 1
     rows = {m["step"]: m for m in map(json.loads, (root / "runs/e2e/metrics.jsonl").read_text().splitlines())}
     assert sorted(rows) == list(range(1, 7))
     assert all(m["loss/train"] == m["loss/train"] for m in rows.values())  # finite
@@ -607,3 +608,8 @@ def test_crossattn_adapter_trains_end_to_end_with_memtrain_train(root):
     for k in ("crossattn.parts.0.attn.wq.weight", "crossattn.parts.0.attn.wo.weight",
               "crossattn.parts.0.attn.router.proj.weight"):
         assert not torch.equal(end[k], mid[k]), k
+    # Resumed past freeze_bank_at, the run freezes the bank again before its first step.
+    out = subprocess.run([*cmd, "train.max_steps=8"], cwd=root, env=_env(), capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-5000:]
+    assert out.stdout.count("step 6: the cross-attention bank and its W_K, W_V are frozen from here on") == 1
+    assert torch.equal(state(8)["crossattn.banks.0.weight"], mid["crossattn.banks.0.weight"])

@@ -468,16 +468,27 @@ def _available_gib() -> float:
     return psutil.virtual_memory().available / 2**30
 
 
-def routing_note(recipe: Recipe) -> Optional[str]:
-    """The start-of-run note for routed cross-attention memory under sequence routing: the default (eq. 8 as the
-    crossattn-memory-banks paper writes it), and an easy one to get by accident when turning routing on
-    (``top_k``), though it is not causal. None otherwise."""
+def routing_notes(recipe: Recipe) -> list[str]:
+    """The start-of-run notes for routed cross-attention memory: under sequence routing, the default (eq. 8 as
+    the crossattn-memory-banks paper writes it) and an easy one to get by accident when turning routing on
+    (``top_k``), that it is not causal; with ``top_k`` 1, that the language-model loss does not train the
+    router (:mod:`memtrain.model.crossattn.routing`). Empty otherwise."""
     c = recipe.memory.crossattn
-    if not (recipe.memory.is_crossattn and c is not None and c.top_k and c.routing == "sequence"):
-        return None
-    return ("note: sequence routing pools each whole training sequence, the tokens every position predicts "
-            "included, so the router sees the future and the language-model loss is optimistic; "
-            "memory.crossattn.routing: token is causal (Section 4.4)")
+    if not (recipe.memory.is_crossattn and c is not None and c.top_k):
+        return []
+    notes = []
+    if c.routing == "sequence":
+        # memtrain's decoder routes each document of a packed row; a pretrained model's attention crosses them
+        pooled = "each whole training sequence" if recipe.model.type == "hf" else "each document of a training sequence"
+        notes.append(f"note: sequence routing pools {pooled}, the tokens every position predicts included, so the "
+                     "router sees the future and the language-model loss is optimistic; memory.crossattn.routing: "
+                     "token is causal (Section 4.4)")
+    if c.top_k == 1:
+        notes.append("note: with memory.crossattn.top_k 1 every token reads one chapter, whose router weight cancels "
+                     "in that read's softmax, so the language-model loss gives the router no gradient: it learns from "
+                     "the load-balancing loss alone (memory.crossattn.balance_loss); top_k 2 or more lets the loss "
+                     "train it")
+    return notes
 
 
 def _lock_run_dir(run_dir, rank: int, device: torch.device):
@@ -619,7 +630,8 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
     from memtrain.model import build, count_parameters, peak_flops
     from memtrain.parallel import checkpoint as ckpt
     from memtrain.parallel.checkpoint_folder import write_text_atomic
-    from memtrain.parallel.engine import flattens, global_grad_norm, initialize, lr_at, skipped_step
+    from memtrain.parallel.engine import (bank_frozen_from, flattens, global_grad_norm, initialize, lr_at,
+                                         skipped_step)
 
     rank, world = dist_env.rank, dist_env.world_size
     run_dir = recipe.run_dir
@@ -685,8 +697,7 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
              f"({counts['bank']:,} bank parameters, {counts['per_layer']:,} per layer)"
              + (f", {mem.crossattn.chapters} chapters, top-{mem.crossattn.top_k} per {mem.crossattn.routing}"
                 if mem.crossattn.top_k else ""), rank)
-        note = routing_note(recipe)
-        if note:
+        for note in routing_notes(recipe):
             _log(note, rank)
     if hasattr(model, "describe"):  # MemoryLlama, memory adapters: what trains at which rate; Titans: its attention
         for line in model.describe():
@@ -831,11 +842,19 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
 
     last: dict = {}
     first_step = step
+    bank_freeze = bank_frozen_from(recipe) if crossattn is not None else None  # memory.crossattn.freeze_bank_at
     engine.train()
     last_saved = step if latest is not None else -1
     zero0 = recipe.parallel.zero_stage == 0
     try:
         while step < max_steps:
+            if bank_freeze is not None and step >= bank_freeze:  # from this step on, or resumed past it
+                crossattn.freeze_bank_gradients()
+                if chapter_bank is not None:
+                    chapter_bank.requires_grad_(False)
+                _log(f"step {step}: the cross-attention bank and its W_K, W_V are frozen from here on "
+                     f"(memory.crossattn.freeze_bank_at): no gradient, no update", rank)
+                bank_freeze = None
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             t_start = time.perf_counter()

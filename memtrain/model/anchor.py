@@ -469,33 +469,45 @@ class DecoderLM(TrainingOptions, nn.Module):
         if memory is not None:
             mems = layout.per_layer(self.generic_memory(memory, input_ids.shape[0]))
         routing_losses: list[torch.Tensor] = []
+        reads: list[_MemoryRead] = []
+        # Sequence routing pools each document of a packed row on its own (eq. 8 per document).
+        documents = None
+        if self.crossattn is not None and self.crossattn.pools_sequence:
+            from memtrain.model.crossattn.routing import DocumentSegments
+            documents = DocumentSegments.of(doc_ids)
         for i, (block, mem) in enumerate(zip(self.blocks, mems)):
             extra: tuple = (mem, layout) if mem is not None else (None, None)
             kwargs = {}
             if self.crossattn is not None and self.crossattn.has(i):
-                kwargs = {"memory_read": _MemoryRead(self.crossattn, i, routing_losses),
+                reads.append(_MemoryRead(self.crossattn, i, routing_losses, documents))
+                kwargs = {"memory_read": reads[-1],
                           "memory_after": "attn" if self.crossattn.cfg.variant == "A" else "ffn"}
             if self._recompute(i):
                 x = checkpoint(block, x, cos, sin, mask, *extra, use_reentrant=False, **kwargs)
             else:
                 x = block(x, cos, sin, mask, *extra, **kwargs)
+        for read in reads:  # a checkpointed block's recomputation in backward reads again: it records nothing
+            read.recomputing = True
         aux = None
         if routing_losses and self.crossattn.cfg.balance_loss:
             # Load balancing (Switch-style), averaged over the memory layers; the trainer adds it to the loss.
-            aux = self.crossattn.cfg.balance_loss * torch.stack(routing_losses[:len(self.crossattn.parts)]).mean()
+            aux = self.crossattn.cfg.balance_loss * torch.stack(routing_losses).mean()
         logits, loss_sum = lm_output(self, x, labels)
         return ModelOutput(logits=logits, aux_loss=aux, loss_sum=loss_sum)
 
 
 class _MemoryRead:
-    """Block ``layer``'s cross-attention memory read (``x -> x``), collecting its routing loss."""
+    """Block ``layer``'s cross-attention memory read (``x -> x``), collecting its routing loss and
+    statistics in the forward; once ``recomputing`` (set after the forward's blocks have run), a call is
+    activation checkpointing's recomputation in backward and records neither."""
 
-    def __init__(self, memory: Any, layer: int, losses: list) -> None:
-        self.memory, self.layer, self.losses = memory, layer, losses
+    def __init__(self, memory: Any, layer: int, losses: list, documents: Any = None) -> None:
+        self.memory, self.layer, self.losses, self.documents = memory, layer, losses, documents
+        self.recomputing = False
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x, loss = self.memory.apply(self.layer, x)
-        if loss is not None:
+        x, loss = self.memory.apply(self.layer, x, self.documents, record=not self.recomputing)
+        if loss is not None and not self.recomputing:
             self.losses.append(loss)
         return x
 

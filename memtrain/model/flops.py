@@ -67,7 +67,8 @@ def crossattn_flops_per_token(memory: nn.Module, batch: int, seq_len: int) -> fl
       forward projects the whole bank; routed, the distinct chapters of a micro-batch, estimated for
       uniform routing as ``C (1 - (1 - k / C)^n)`` chapters over ``n`` routing decisions (``batch``
       sequences, or ``batch x seq_len`` tokens) -- exact when ``k = C``; a router that concentrates
-      its picks projects fewer."""
+      its picks projects fewer. Sequence routing decides once per document of a packed row, so training
+      rows of several documents project more chapters than this per-row estimate."""
     c = memory.cfg
     tokens = batch * seq_len
 

@@ -289,6 +289,16 @@ def peak_lr(recipe: Recipe, role: str = "anchor") -> tuple[float, float]:
     return o.lr, o.min_lr
 
 
+def bank_frozen_from(recipe: Recipe) -> Optional[int]:
+    """The optimizer step (0-based) from which ``memory.crossattn.freeze_bank_at`` freezes the cross-attention
+    bank and its W_K, W_V (Section 5.5's staged freezing); None without one (``freeze_bank`` freezes them at
+    build time instead)."""
+    c = recipe.memory.crossattn
+    if not recipe.memory.is_crossattn or c is None or c.freeze_bank or not c.freeze_bank_at.value:
+        return None
+    return recipe.steps(c.freeze_bank_at)
+
+
 def lr_at(recipe: Recipe, role: str = "anchor") -> Callable[[int], float]:
     """``step -> learning rate`` for optimizer step ``step`` (0-based). Every role follows the same
     warmup and cosine (train.schedule) between its own peak and floor (:func:`peak_lr`): the memory
@@ -300,7 +310,7 @@ def lr_at(recipe: Recipe, role: str = "anchor") -> Callable[[int], float]:
     c = recipe.memory.crossattn
     # Section 5.5's staged freezing: from this step on the bank (and its W_K, W_V) stops moving; AdamW with a
     # learning rate of 0 applies neither the update nor the (decoupled) weight decay.
-    frozen_from = recipe.steps(c.freeze_bank_at) if role == "bank" and c is not None else 0
+    frozen_from = (bank_frozen_from(recipe) or 0) if role == "bank" else 0
     frozen = role == "bank" and c is not None and c.freeze_bank  # from the start: 0 throughout (as logged)
 
     def schedule(step: int) -> float:

@@ -5,9 +5,9 @@ the set of them a model carries (:mod:`.layer`)."""
 from memtrain.model.crossattn.bank import LatentBank
 from memtrain.model.crossattn.layer import (CrossAttnMemory, MemoryBlockPart, MemoryCrossAttention, RoutingStats,
                                             memory_layer_indices)
-from memtrain.model.crossattn.routing import (ChapterRouter, Routing, dense_routed_attention, full_bank_attention,
-                                              routed_attention, sequence_routed_attention)
+from memtrain.model.crossattn.routing import (ChapterRouter, DocumentSegments, Routing, dense_routed_attention,
+                                              full_bank_attention, routed_attention, sequence_routed_attention)
 
-__all__ = ["ChapterRouter", "CrossAttnMemory", "LatentBank", "MemoryBlockPart", "MemoryCrossAttention", "Routing",
-           "RoutingStats", "dense_routed_attention", "full_bank_attention", "memory_layer_indices", "routed_attention",
-           "sequence_routed_attention"]
+__all__ = ["ChapterRouter", "CrossAttnMemory", "DocumentSegments", "LatentBank", "MemoryBlockPart",
+           "MemoryCrossAttention", "Routing", "RoutingStats", "dense_routed_attention", "full_bank_attention",
+           "memory_layer_indices", "routed_attention", "sequence_routed_attention"]

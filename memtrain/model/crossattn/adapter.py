@@ -30,11 +30,12 @@ The memory layers' norms are the pretrained model's own RMSNorm class with its e
 (:func:`layer_norm_factory`; Gemma's ``(1 + w)`` gain included), so a memory read sees the same kind of
 normalised input as the layer's own sublayers.
 
-Routing losses (Section 4.3's load balancing) of one forward are collected by :meth:`MemoryAdapterHooks.collecting`;
-a hook running outside it (``generate``, a recomputation under activation checkpointing during backward)
-reads memory normally and drops its loss. Generation with ``sequence`` routing routes each decoding step on
-the tokens of that step only (mean pooling over the new tokens); ``token`` routing and the unrouted bank do
-not have this caveat.
+Routing losses (Section 4.3's load balancing) and routing statistics of one forward are collected by
+:meth:`MemoryAdapterHooks.collecting`; a hook running outside it (``generate``, a recomputation under activation
+checkpointing during backward) reads memory normally and records neither. Sequence routing pools the whole
+row, as the pretrained model's attention crosses the documents of a packed row (:mod:`memtrain.model.hf`).
+Generation with ``sequence`` routing routes each decoding step on the tokens of that step only (mean pooling
+over the new tokens); ``token`` routing and the unrouted bank do not have this caveat.
 """
 
 from __future__ import annotations
@@ -150,7 +151,7 @@ class MemoryAdapterHooks:
         o = output[0] if isinstance(output, tuple) else output
         part = self.memory.parts[str(i)]
         dtype = part.norm.weight.dtype if hasattr(part.norm, "weight") else o.dtype
-        read, loss = part.attn(part.norm((x + o).to(dtype)), self.memory.bank_for(i), self.memory.stats)
+        read, loss = part.attn(part.norm((x + o).to(dtype)), self.memory.bank_for(i), self._recorder(i))
         self._collect(loss)
         o = o + read.to(o.dtype)
         return (o, *output[1:]) if isinstance(output, tuple) else o
@@ -160,10 +161,14 @@ class MemoryAdapterHooks:
         y = output[0] if isinstance(output, tuple) else output
         part = self.memory.parts[str(i)]
         dtype = part.norm.weight.dtype if hasattr(part.norm, "weight") else y.dtype
-        h, loss = part(y.to(dtype), self.memory.bank_for(i), self.memory.stats)
+        h, loss = part(y.to(dtype), self.memory.bank_for(i), self._recorder(i))
         self._collect(loss)
         h = h.to(y.dtype)
         return (h, *output[1:]) if isinstance(output, tuple) else h
+
+    def _recorder(self, i: int) -> Optional[Callable]:
+        """Routing statistics count the reads of a collected forward only (not a recomputation in backward)."""
+        return self.memory.recorder(i) if self._losses is not None else None
 
     def _collect(self, loss: Optional[torch.Tensor]) -> None:
         if loss is not None and self._losses is not None:

@@ -16,15 +16,16 @@ per-step statistics (chapter usage, router loss) the trainer logs.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from functools import partial
+from typing import Callable, Optional
 
 import torch
 from torch import nn
 
 from memtrain.config import CrossAttnConfig, ModelConfig
 from memtrain.model.crossattn.bank import LatentBank
-from memtrain.model.crossattn.routing import (ChapterRouter, full_bank_attention, routed_attention,
-                                              sequence_routed_attention)
+from memtrain.model.crossattn.routing import (ChapterRouter, DocumentSegments, Routing, full_bank_attention,
+                                              routed_attention, sequence_routed_attention)
 from memtrain.model.swiglu import silu_mul_linear
 
 
@@ -100,56 +101,65 @@ class MemoryCrossAttention(nn.Module):
         shape = (*m.shape[:-1], self.heads, self.head_dim)
         return self.wk(m).view(shape), self.wv(m).view(shape)
 
-    def forward(self, h: torch.Tensor, bank: LatentBank, stats: Optional["RoutingStats"] = None) -> tuple[
-            torch.Tensor, Optional[torch.Tensor]]:
-        """``h`` ``[B, T, d]`` (normalised); returns ``(output [B, T, d], load-balancing loss or None)``."""
+    def forward(self, h: torch.Tensor, bank: LatentBank, record: Optional[Callable[[Routing], None]] = None,
+                documents: Optional[DocumentSegments] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``h`` ``[B, T, d]`` (normalised); returns ``(output [B, T, d], load-balancing loss or None)``.
+        ``record`` receives the routing decision of a training forward (:meth:`RoutingStats.recorder`);
+        ``documents``: the rows' documents when they are packed (sequence routing routes each one)."""
         B, T, _ = h.shape
         q = self.wq(h).view(B, T, self.heads, self.head_dim)
         if self.router is None:
             keys, values = self.key_values(bank, None, q.dtype)
             out, loss = full_bank_attention(q, keys, values), None
         else:
-            routing = self.router(h)
+            routing = self.router(h, documents)
             kv = lambda ids: self.key_values(bank, ids, q.dtype)  # noqa: E731
-            if self.router.mode == "sequence":
-                out = sequence_routed_attention(q, kv, routing.chapters[:, 0], routing.log_weights[:, 0], self.kernel)
-            else:
+            if routing.per_row:  # one chapter set per row: the kernel reads it once for all the row's tokens
+                out = sequence_routed_attention(q, kv, routing.decisions, routing.log_weights[:, 0], self.kernel)
+            else:  # per token, or per document of packed rows
                 out = routed_attention(q, kv, routing.chapters, routing.log_weights, self.kernel)
             loss = routing.loss
-            if stats is not None and self.training:  # training forwards only (not validation)
-                stats.add(routing)
+            if record is not None and self.training:  # training forwards only (not validation)
+                record(routing)
         return self.wo(out.reshape(B, T, self.width)), loss
 
 
 class RoutingStats:
-    """Chapter usage and router loss summed over the forwards of one optimizer step (all memory layers,
-    micro-batches); the trainer reads and resets them (``memory_module/*`` in TensorBoard)."""
+    """Chapter usage and router loss summed over the training forwards of one optimizer step (all memory
+    layers, micro-batches), per bank; the trainer reads and resets them (``memory_module/*`` in
+    TensorBoard). A decision counts once however many of a micro-batch's tokens share it (a sequence,
+    or a document of packed rows, under sequence routing), and once per forward: the recomputation of a
+    checkpointed block in backward records nothing (:meth:`CrossAttnMemory.read`'s ``record``)."""
 
-    def __init__(self, chapters: int) -> None:
-        self.chapters = chapters
+    def __init__(self, chapters: int, banks: int = 1) -> None:
+        self.chapters, self.banks = chapters, banks
         self.reset()
 
     def reset(self) -> None:
-        self.counts = torch.zeros(self.chapters, dtype=torch.float64)
+        self.counts = torch.zeros(self.banks, self.chapters, dtype=torch.float64)
         self.loss, self.calls = 0.0, 0
 
-    def add(self, routing) -> None:
-        ids = routing.chapters.detach()
-        if routing.probs.shape[0] != ids.shape[0] * ids.shape[1]:  # sequence routing: one decision per sequence
-            ids = ids[:, :1]
-        self.counts += torch.bincount(ids.reshape(-1).cpu(), minlength=self.chapters).double()
+    def recorder(self, bank: int) -> Callable[[Routing], None]:
+        """What a memory layer reading bank ``bank`` calls with its routing decision."""
+        return partial(self.add, bank=bank)
+
+    def add(self, routing: Routing, bank: int = 0) -> None:
+        ids = routing.decisions.detach()
+        self.counts[bank] += torch.bincount(ids.reshape(-1).cpu(), minlength=self.chapters).double()
         self.loss += float(routing.loss.detach())
         self.calls += 1
 
     def summary(self) -> dict[str, float]:
-        total = float(self.counts.sum())
-        if not total:
+        """Over the banks read this step: the mean of each bank's chapter-usage entropy (nats; at most
+        ``log C``), the chapters of those banks no decision chose, and the mean router loss."""
+        used = self.counts[self.counts.sum(1) > 0]
+        if not len(used):
             return {}
-        p = self.counts / total
-        nz = p[p > 0]
-        return {"memory_module/chapter_entropy": float(-(nz * nz.log()).sum()),
+        p = used / used.sum(1, keepdim=True)
+        entropy = -torch.where(p > 0, p * p.log(), torch.zeros_like(p)).sum(1)
+        return {"memory_module/chapter_entropy": float(entropy.mean()),
                 "memory_module/chapter_entropy_max": math.log(self.chapters),
-                "memory_module/dead_chapters": float((self.counts == 0).sum()),
+                "memory_module/dead_chapters": float((used == 0).sum()),
                 "memory_module/router_loss": self.loss / max(self.calls, 1)}
 
 
@@ -185,8 +195,9 @@ class MemoryBlockPart(nn.Module):
             self.ffn_norm = norm_factory()
             self.ffn = _SwiGLU(d_model, ffn_dim)
 
-    def forward(self, x: torch.Tensor, bank: LatentBank, stats: Optional[RoutingStats] = None):
-        out, loss = self.attn(self.norm(x), bank, stats)
+    def forward(self, x: torch.Tensor, bank: LatentBank, record: Optional[Callable[[Routing], None]] = None,
+                documents: Optional[DocumentSegments] = None):
+        out, loss = self.attn(self.norm(x), bank, record, documents)
         x = x + out
         if self.variant == "B":
             x = x + self.ffn(self.ffn_norm(x))
@@ -214,28 +225,40 @@ class CrossAttnMemory(nn.Module):
                 d_model, bank_width, width, heads, c.chapters, c.top_k, c.routing, c.proj_rank, c.kernel), c.variant,
                 c.ffn_dim or ffn_dim, norm_factory)
             for i in self.layer_indices})
-        self.stats = RoutingStats(c.chapters) if c.top_k else None
+        self.stats = RoutingStats(c.chapters, n_banks) if c.top_k else None
         if c.freeze_bank:
             for p in self.bank_parameters():
                 p.requires_grad_(False)
 
+    def bank_index(self, layer: int) -> int:
+        """The index in :attr:`banks` of decoder layer ``layer``'s bank."""
+        return 0 if self.cfg.shared else self.layer_indices.index(layer)
+
     def bank_for(self, layer: int) -> LatentBank:
-        return self.banks[0 if self.cfg.shared else self.layer_indices.index(layer)]
+        return self.banks[self.bank_index(layer)]
+
+    def recorder(self, layer: int) -> Optional[Callable[[Routing], None]]:
+        """What decoder layer ``layer``'s memory read records its routing with (None without routing)."""
+        return self.stats.recorder(self.bank_index(layer)) if self.stats is not None else None
 
     def has(self, layer: int) -> bool:
         return str(layer) in self.parts
 
-    def apply(self, layer, x: Optional[torch.Tensor] = None):
+    def apply(self, layer, x: Optional[torch.Tensor] = None, documents: Optional[DocumentSegments] = None,
+              record: bool = True):
         """Decoder layer ``layer``'s memory read on residual stream ``x``: ``(new x, routing loss)``
         (:meth:`read`). Called with a function alone it is ``nn.Module.apply(fn)``, which this name
         shadows and DeepSpeed's engine set-up calls on every submodule."""
         if x is None and callable(layer):
             return super().apply(layer)
-        return self.read(layer, x)
+        return self.read(layer, x, documents, record)
 
-    def read(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Decoder layer ``layer``'s memory read on residual stream ``x``: ``(new x, routing loss)``."""
-        return self.parts[str(layer)](x, self.bank_for(layer), self.stats)
+    def read(self, layer: int, x: torch.Tensor, documents: Optional[DocumentSegments] = None,
+             record: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Decoder layer ``layer``'s memory read on residual stream ``x``: ``(new x, routing loss)``.
+        ``documents``: the rows' documents when packed (:meth:`DocumentSegments.of`); ``record``: whether
+        the routing statistics count this read (not a recomputation in backward)."""
+        return self.parts[str(layer)](x, self.bank_for(layer), self.recorder(layer) if record else None, documents)
 
     @property
     def pools_sequence(self) -> bool:
@@ -253,6 +276,17 @@ class CrossAttnMemory(nn.Module):
         for part in self.parts.values():
             params += list(part.attn.wk.parameters()) + list(part.attn.wv.parameters())
         return params
+
+    def freeze_bank_gradients(self) -> None:
+        """Section 5.5's staged freezing, from ``freeze_bank_at`` on (the trainer calls this at that step, and at
+        the start of a run resumed past it): the bank and its W_K, W_V receive zero gradients from then on,
+        so the global gradient norm (``optim/grad_norm``) and clipping count only what still trains, as for
+        parameters frozen from the start (``freeze_bank``); their learning rate is 0 from that step too (AdamW
+        with a rate of 0 moves nothing). Zeros rather than ``requires_grad_(False)``: every ZeRO stage keeps
+        its parameter groups. Idempotent."""
+        if not getattr(self, "_bank_grad_hooks", None):
+            self._bank_grad_hooks = [p.register_hook(torch.zeros_like) for p in self.bank_parameters()
+                                     if p.requires_grad]
 
     def pop_stats(self) -> dict[str, float]:
         """The routing statistics since the last call (empty without routing), then reset."""

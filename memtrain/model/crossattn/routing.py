@@ -2,7 +2,10 @@
 
 The router (eq. 8) scores the ``C`` chapters, ``s = softmax(W_r h + b_r)``, from the mean-pooled
 sequence (``sequence`` routing: one choice per sequence; it sees the whole sequence, so it is not
-causal) or from each token (``token`` routing, Section 4.4: causal) and keeps the ``top_k``. The
+causal) or from each token (``token`` routing, Section 4.4: causal) and keeps the ``top_k``. In a
+packed row of several documents "the sequence" is each document (:class:`DocumentSegments`): every
+document is pooled and routed on its own, so a document's routing, like its attention, does not
+depend on the documents packed beside it. The
 routing weights enter the attention as a bias ``log s_c`` on the logits of chapter ``c``'s tokens, so
 
     out_t = sum_c s_c Z_c o_c / sum_c s_c Z_c,   Z_c = sum_{j in c} exp(q_t . k_j / sqrt(D)),
@@ -18,6 +21,11 @@ elsewhere, which never materialises per-token gathered keys either (the (token, 
 grouped by chapter, each group's attention is computed against its chapter with its log-sum-exp, and
 every token's chapters are merged by their log-sum-exps plus log weights, as split-K attention merges
 partial softmaxes). Memory is ``O(unique chapters x chapter size)`` plus one small row per pair.
+
+With ``top_k = 1`` a token reads one chapter, whose log weight shifts every logit of that read alike and
+cancels in its softmax: the language-model loss then gives the router no gradient (as the paper's hard
+top-k selection gives it none at any ``k``), and only the load-balancing loss trains it
+(:meth:`CrossAttnMemory.describe` says so at the start of a run).
 :func:`dense_routed_attention` is the same function written as masked attention over the whole bank,
 for tests.
 """
@@ -37,12 +45,47 @@ from memtrain.kernels import routed_attention as routed_kernels
 class Routing(NamedTuple):
     """A routing decision: ``chapters`` ``[B, T, k]`` (long), ``log_weights`` ``[B, T, k]`` (log router
     scores of those chapters), ``probs`` ``[N, C]`` the router probabilities of every decision (N = B
-    for sequence routing, B*T for token routing), ``loss`` the load-balancing loss (unweighted)."""
+    for sequence routing, the documents of the batch when its rows are packed, B*T for token routing),
+    ``loss`` the load-balancing loss (unweighted), ``decisions`` ``[N, k]`` the chapters each decision
+    picked, ``per_row`` whether every token of row ``b`` reads ``decisions[b]`` (sequence routing of
+    rows that hold one document each)."""
 
     chapters: torch.Tensor
     log_weights: torch.Tensor
     probs: torch.Tensor
     loss: torch.Tensor
+    decisions: torch.Tensor
+    per_row: bool
+
+
+class DocumentSegments(NamedTuple):
+    """The documents of a packed batch, for sequence routing: ``index`` ``[B*T]`` the document (0 ..
+    ``count - 1``, numbered row by row) of each position, ``sizes`` ``[count]`` their lengths."""
+
+    index: torch.Tensor
+    sizes: torch.Tensor
+    count: int
+
+    @classmethod
+    def of(cls, doc_ids: Optional[torch.Tensor]) -> Optional["DocumentSegments"]:
+        """The documents of ``doc_ids`` ``[B, T]`` (:func:`memtrain.data.loader.document_ids`); None when
+        every row holds one document (or ``doc_ids`` is None), where a row is its own sequence. Reads one
+        number back from the device."""
+        if doc_ids is None or doc_ids.shape[1] < 2:
+            return None
+        starts = torch.ones_like(doc_ids, dtype=torch.bool)
+        starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+        index = starts.reshape(-1).cumsum(0) - 1
+        count = int(index[-1]) + 1
+        if count == doc_ids.shape[0]:
+            return None
+        return cls(index, torch.bincount(index, minlength=count), count)
+
+    def mean(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[B, T, d]`` -> ``[count, d]``: each document's mean."""
+        flat = x.reshape(-1, x.shape[-1])
+        total = flat.new_zeros(self.count, flat.shape[-1]).index_add_(0, self.index, flat)
+        return total / self.sizes[:, None].to(flat.dtype)
 
 
 class ChapterRouter(nn.Module):
@@ -64,11 +107,16 @@ class ChapterRouter(nn.Module):
         nn.init.normal_(self.proj.weight, std=1.0 / math.sqrt(self.proj.in_features))
         nn.init.zeros_(self.proj.bias)
 
-    def forward(self, h: torch.Tensor) -> Routing:
-        """``h`` ``[B, T, d]`` (the layer's normalised input)."""
+    def forward(self, h: torch.Tensor, documents: Optional[DocumentSegments] = None) -> Routing:
+        """``h`` ``[B, T, d]`` (the layer's normalised input); ``documents`` the rows' documents when they
+        are packed (sequence routing then routes each document; token routing ignores it)."""
         B, T, _ = h.shape
         acc = torch.promote_types(h.dtype, torch.float32)  # the router in fp32 (float64 stays float64)
-        x = h.to(acc).mean(dim=1) if self.mode == "sequence" else h.to(acc).reshape(B * T, -1)
+        per_row = self.mode == "sequence" and documents is None
+        if self.mode == "token":
+            x = h.to(acc).reshape(B * T, -1)
+        else:
+            x = h.to(acc).mean(dim=1) if per_row else documents.mean(h.to(acc))
         logits = F.linear(x, self.proj.weight.to(acc), self.proj.bias.to(acc))
         probs = torch.softmax(logits, dim=-1)  # [N, C]
         top, ids = probs.topk(self.top_k, dim=-1)
@@ -77,11 +125,13 @@ class ChapterRouter(nn.Module):
         share = counts / ids.numel()  # f_c
         loss = self.chapters * (share * probs.mean(dim=0)).sum()
         log_w = torch.log(top.clamp_min(1e-30))
-        if self.mode == "sequence":
-            ids, log_w = ids[:, None].expand(B, T, self.top_k), log_w[:, None].expand(B, T, self.top_k)
+        if per_row:
+            chapters, log_w = ids[:, None].expand(B, T, self.top_k), log_w[:, None].expand(B, T, self.top_k)
+        elif self.mode == "sequence":  # each position reads its document's chapters
+            chapters, log_w = ids[documents.index].view(B, T, self.top_k), log_w[documents.index].view(B, T, self.top_k)
         else:
-            ids, log_w = ids.view(B, T, self.top_k), log_w.view(B, T, self.top_k)
-        return Routing(ids, log_w, probs, loss)
+            chapters, log_w = ids.view(B, T, self.top_k), log_w.view(B, T, self.top_k)
+        return Routing(chapters, log_w, probs, loss, ids, per_row)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -141,5 +191,5 @@ def dense_routed_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     return torch.einsum("bthn,nhd->bthd", torch.softmax(logits, dim=-1), values.double())
 
 
-__all__ = ["ChapterRouter", "Routing", "dense_routed_attention", "full_bank_attention", "routed_attention",
-           "sequence_routed_attention"]
+__all__ = ["ChapterRouter", "DocumentSegments", "Routing", "dense_routed_attention", "full_bank_attention",
+           "routed_attention", "sequence_routed_attention"]
