@@ -459,6 +459,36 @@ def test_single_process_matches_memory_bank():
     assert {k: v for k, v in s_bank.items() if not k.startswith("comm/")} == pytest.approx(s_ref)
 
 
+def test_bf16_model_row_gradients_are_summed_over_sequences_in_fp32():
+    """Under a bf16 model the rows reach the model in bf16, but a row several sequences share gets their
+    gradients summed in fp32, as the replicated bank (fp32 rows, the model's cast after the expansion) sums
+    them: the two banks' gradients agree to fp32 rounding. The cast came before the expansion until
+    2026-11-30, which summed in bf16 (1.7e-3 relative off on the shared level, exact on the other)."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=97, d_model=64, n_layers=2, n_heads=4, ffn_dim=96, max_seq_len=64)
+    model = build(cfg, MemoryConfig(type="ffn", levels=[4, 2]), 4).to(torch.bfloat16)
+    x = torch.randint(0, 97, (16, 32), generator=torch.Generator().manual_seed(1))
+    leaf = torch.arange(16)
+    ids = torch.stack([leaf // 4, leaf], 1)  # level 1: four sequences per row; level 2: one
+    ref = MemoryBank(model.memory_layout, seed=SEED)
+    bank = ShardedMemoryBank(model.memory_layout, seed=SEED, compute_dtype=torch.bfloat16)
+    with torch.no_grad():
+        for table, shard in zip(ref.tables, bank.shards):
+            table.normal_(0, 0.05, generator=torch.Generator().manual_seed(2))
+            shard.copy_(table)
+    model(x, memory=ref.fetch(ids)).logits.float().square().mean().backward()
+    fetched = bank.fetch(ids)
+    assert all(level.dtype == torch.bfloat16 for level in fetched.levels)
+    model.zero_grad()
+    model(x, memory=fetched).logits.float().square().mean().backward()
+    bank.reduce_gradients()
+    for level, table in enumerate(ref.tables):
+        rows, grad = bank.grads[level]
+        dense = torch.zeros_like(table.grad)
+        dense[rows] = grad
+        assert float((dense - table.grad).norm() / table.grad.norm()) < 1e-5, level
+
+
 # --------------------------------------------------------------------------------------------------
 # Deferred mode, bf16 storage, CPU offload, chunked initialisation
 

@@ -15,7 +15,8 @@ replace that one method). Each rank keeps only its rows, their gradient and thei
   and rounds the result to bf16 (round to nearest even) after every step; there is no fp32 master
   copy. Rows cross the all-to-all in the storage dtype (bf16: half the fetch bytes); gradients cross
   and are summed in fp32. :meth:`fetch` casts the received rows to ``compute_dtype`` (default: the
-  storage dtype) *after* communication, so the model's gradient arrives in ``compute_dtype``.
+  storage dtype) *after* communication and after giving each sequence its row, so the model's gradient
+  arrives in ``compute_dtype`` and the sequences sharing a row have their gradients summed in fp32.
 - CPU offload (``offload=True``): rows, moments, gradients and bookkeeping live in CPU memory (pinned
   when ``device`` is CUDA); ``device`` is the compute device. An owner gathers the requested rows on
   the CPU and moves them to ``device`` for the all-to-all (NCCL exchanges GPU tensors) and the model;
@@ -354,8 +355,10 @@ class ShardedMemoryBank:
             if not bool(used.any()):
                 levels.append(None)
                 continue
-            rows = _FetchedRows.apply(rows.to(self.compute_dtype), self._token, self, level, uniq)
-            levels.append(per_sequence_rows(rows, inverse, used))
+            # One row per sequence in fp32, then the cast: the gradient of a row several sequences share is
+            # summed over them in fp32, as the replicated bank's (summed in bf16 until 2026-11-30: 1.7e-3 off).
+            rows = _FetchedRows.apply(rows.to(torch.float32), self._token, self, level, uniq)
+            levels.append(per_sequence_rows(rows, inverse, used).to(self.compute_dtype))
         return FetchedMemory(levels=levels, generic=generic.to(self.device) if generic is not None else None,
                              ids=ids)
 
