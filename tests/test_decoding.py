@@ -331,8 +331,8 @@ NEVER = -1  # no end-of-text: every row generates NEW_TITANS tokens
 def titans_config(variant: str, max_seq_len: int) -> ModelConfig:
     """Memory chunk 4, MAC segment 6, MAG / MAL window 5, 3 persistent tokens. With max_seq_len 20,
     MAC streams calls of 18 tokens (three segments; its memory holds 18, 36 tokens at the boundaries:
-    mid-chunk, then on a chunk boundary), the others calls of 20 (the memory holds 3 + 20, 3 + 40
-    tokens with the persistent ones: mid-chunk)."""
+    mid-chunk, then on a chunk boundary), MAG and MAL calls of 15 (20 less the window; the memory holds
+    3 + 15, 3 + 30 tokens with the persistent ones: mid-chunk), LMM calls of 20 (3 + 20, 3 + 40)."""
     t = TitansConfig(variant=variant, memory_heads=2, memory_chunk_size=4, segment_len=6, window=5,
                      persistent_tokens=NP, memory_max_lr=0.1, memory_init_lr=0.03)
     return ModelConfig(type="titans", vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, ffn_dim=64,
@@ -394,7 +394,7 @@ def stream_generate(variant: str):
     first generated tokens, and two more steps."""
     short, long = titans_pair(variant)
     n, call = short.cfg.max_seq_len, stream_call_tokens(short)
-    assert call == (18 if variant == "mac" else 20)
+    assert call == {"mac": 18, "lmm": 20}.get(variant, 15)
     length = 2 * call + 17
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(1, VOCAB, (length,), generator=g).tolist() for _ in range(2)]

@@ -177,6 +177,16 @@ def test_bad_inputs_are_rejected():
         m(tokens(), torch.zeros(2, 39, dtype=torch.long))
     with pytest.raises(ValueError, match="memory must be"):
         m(tokens(), memory=[None])
+    # No tokens, and a carried memory of another batch size: one clear ValueError each (for MAC an IndexError
+    # from its segment loop and a shape mismatch deep inside the memory until 2026-11-30).
+    for variant in VARIANTS:
+        m = exact(variant)
+        with pytest.raises(ValueError, match=r"input_ids has no tokens \(shape \[batch, 0\]\)"):
+            m(tokens(T=0))
+        with torch.no_grad():
+            state = m(tokens(B=2, T=5)).memory
+        with pytest.raises(ValueError, match="memory holds the state of 2 sequence.s., input_ids has 1"):
+            m(tokens(B=1, T=5), memory=state)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -556,3 +566,4 @@ def test_start_of_run_line_names_the_length_the_variant_attends_over_and_the_key
         assert (f"sliding-window attention over 40 keys (model.titans.window; model.titans.segment_len is not used "
                 f"by {variant.upper()})") in line
     assert "memory depth 2, 4 heads, chunks of 16 tokens, 4 persistent tokens" in line
+

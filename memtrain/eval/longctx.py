@@ -157,8 +157,12 @@ def task_examples(tasks: Sequence[str], lengths: Sequence[int], samples: int, en
 
 def stream_call_tokens(model: torch.nn.Module) -> Optional[int]:
     """Titans models read long prompts in calls of this many tokens, carrying the memory state from
-    one call to the next (:func:`greedy_generate`): ``model.max_seq_len`` rounded down to whole MAC
-    segments (the carried state is then exact); None for other models."""
+    one call to the next (:func:`greedy_generate`); None for other models. MAC: ``model.max_seq_len``
+    rounded down to whole segments (the carried state is then exact). MAG / MAL: ``max_seq_len`` less
+    the attention window, so the call that goes on generating holds more than a window of the prompt
+    and every new token's sliding window sees the tokens before it (their window restarts at a call;
+    with calls of ``max_seq_len`` a 2x-context prompt's question and answer fell after the last
+    boundary in a call of a few tokens). LMM: ``max_seq_len``."""
     from memtrain.model.titans.arch import TitansLM
 
     if not isinstance(model, TitansLM):
@@ -166,6 +170,8 @@ def stream_call_tokens(model: torch.nn.Module) -> Optional[int]:
     n, t = model.cfg.max_seq_len, model.titans
     if t.variant == "mac" and n >= t.segment_len:
         n = n // t.segment_len * t.segment_len
+    elif t.variant in ("mag", "mal") and n > t.window:
+        n -= t.window
     return n
 
 
@@ -240,8 +246,10 @@ def greedy_generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], ma
       unread part of a sequence exceeds ``max_context`` its first C tokens are run and the memory state
       the model returns (``output.memory``) is carried into the next call, so nothing is truncated.
       For MAC with C a multiple of the segment length the result equals one forward over the whole
-      sequence; MAG / MAL sliding windows restart at each call (their memory state is exact). Prompts of
-      equal length are batched (no padding).
+      sequence, and so for LMM; MAG / MAL sliding windows restart at each call (the last call keeps more
+      than a window, :func:`stream_call_tokens`), and since each block's memory reads the block's input,
+      which the restarted attention of the blocks below shaped, their memory states from the second block
+      on differ from one long forward's too. Prompts of equal length are batched (no padding).
 
     The batch is capped so that one forward's fp32 logits stay within ``logits_budget`` bytes
     (``vocab_size`` known). ``token_limit`` (the tokenizer's vocabulary size): ids from it on are never chosen. A
@@ -343,9 +351,10 @@ def run_long_context(model: torch.nn.Module, tokenizer: Any, examples: Sequence[
     """Tokenize each example's prompt (:func:`memtrain.data.tasks.format_prompt`), generate
     greedily (:func:`greedy_generate`; MemoryLlama blocks start every forward from M_0), decode and score
     (:func:`memtrain.data.tasks.score`, whole-word answer match). Returns accuracy with
-    counts and truncated prompts overall, per task, per length, per task and length, per needle depth,
-    and every example's prediction."""
-    from memtrain.data.tasks import format_prompt, is_correct, score
+    counts and truncated prompts overall, per task, per length, per task and length, per needle depth
+    (S-NIAH examples only), the BABILong examples by the benchmark's own stricter rule (``babilong``:
+    :func:`memtrain.data.tasks.babilong_correct`), and every example's prediction."""
+    from memtrain.data.tasks import BABILONG_TASKS, NIAH_TASKS, babilong_correct, format_prompt, is_correct
 
     encoder = encoder or PromptEncoder(tokenizer)
     prompts = [encoder.encode(format_prompt(e)) for e in examples]
@@ -356,12 +365,13 @@ def run_long_context(model: torch.nn.Module, tokenizer: Any, examples: Sequence[
                                                memory_fn=memory_fn, device=device, vocab_size=vocab_size,
                                                token_limit=getattr(tokenizer, "vocab_size", None))
     predictions = [tokenizer.decode(g) if g else "" for g in generated]
-    scored = score(predictions, examples)
     hits = [is_correct(p, e["answer"]) for p, e in zip(predictions, examples)]
+    strict = [babilong_correct(p, e) for p, e in zip(predictions, examples)]
 
-    def cells(key: Callable[[dict], Any], where: Callable[[dict], bool] = lambda e: True) -> dict[str, Any]:
+    def cells(key: Callable[[dict], Any], where: Callable[[dict], bool] = lambda e: True,
+              correct: Sequence[bool] = hits) -> dict[str, Any]:
         groups: dict[str, tuple[list, list]] = {}
-        for h, c, e in zip(hits, truncated, examples):
+        for h, c, e in zip(correct, truncated, examples):
             if where(e):
                 g = groups.setdefault(str(key(e)), ([], []))
                 g[0].append(h)
@@ -369,16 +379,28 @@ def run_long_context(model: torch.nn.Module, tokenizer: Any, examples: Sequence[
         return {k: _cell(*v) for k, v in groups.items()}
 
     tasks = list(dict.fromkeys(e["task"] for e in examples))
+    qa = [t for t in tasks if t in BABILONG_TASKS]
+    babilong = None
+    if qa:
+        is_qa = [e["task"] in BABILONG_TASKS for e in examples]
+        babilong = {"all": _cell([s for s, q in zip(strict, is_qa) if q],
+                                 [c for c, q in zip(truncated, is_qa) if q]),
+                    "by_task": cells(lambda e: e["task"], lambda e: e["task"] in BABILONG_TASKS, strict),
+                    "by_task_length": {t: cells(lambda e: e["length"], lambda e, t=t: e["task"] == t, strict)
+                                       for t in qa}}
     return {
         "all": _cell(hits, truncated),
         "by_task": cells(lambda e: e["task"]),
         "by_length": cells(lambda e: e["length"]),
         "by_task_length": {t: cells(lambda e: e["length"], lambda e, t=t: e["task"] == t) for t in tasks},
-        "by_depth": {str(k): v for k, v in scored["by_depth"].items()},
+        # a needle's depth; a BABILong example's "depth" (its earliest supporting fact) is not bucketed with them
+        "by_depth": cells(lambda e: e["depth"], lambda e: e["task"] in NIAH_TASKS),
+        "babilong": babilong,
         "truncated": int(sum(truncated)),
         "examples": [{"task": e["task"], "length": e["length"], "depth": e["depth"], "prompt_tokens": len(p),
-                      "truncated": c, "answer": e["answer"], "prediction": pred[:200], "correct": h}
-                     for e, p, c, pred, h in zip(examples, prompts, truncated, predictions, hits)],
+                      "truncated": c, "answer": e["answer"], "prediction": pred[:200], "correct": h,
+                      **({"correct_babilong": s} if e["task"] in BABILONG_TASKS else {})}
+                     for e, p, c, pred, h, s in zip(examples, prompts, truncated, predictions, hits, strict)],
     }
 
 
@@ -451,6 +473,11 @@ def long_context_lines(lc: dict[str, Any]) -> list[str]:
                f"{ctx['max_context']}-token context")
     lines.append(f"prompts: {lc['all']['count']} ({lc['samples']} per task and length), {how}; memory: "
                  f"{lc['memory'].split(' (')[0]}; predictions in the JSON")
+    babilong = lc.get("babilong")
+    if babilong:
+        lines.append("BABILong's own scorer (the first sentence names the answer and no other place, person or "
+                     "object): " + ", ".join(f"{t} {pct(c).strip()}" for t, c in babilong["by_task"].items())
+                     + f"; all {pct(babilong['all']).strip()}")
     return lines
 
 

@@ -198,17 +198,34 @@ def answer_tokens(prompt_encoder: Any, prompt: str, prompt_ids: Sequence[int], a
 
 
 def answer_logprob(model: torch.nn.Module, tokens: Sequence[int], start: int, max_context: int,
-                   device: torch.device) -> float:
+                   device: torch.device, stream_tokens: Optional[int] = None) -> float:
     """Mean log-probability per token of ``tokens[start:]`` (the answer) as the continuation of
-    ``tokens[:start]`` (the prompt), in one forward over the last ``max_context`` tokens."""
+    ``tokens[:start]`` (the prompt): in one forward over the last ``max_context`` tokens, or for a model that
+    streams (``stream_tokens``: Titans, :func:`memtrain.eval.longctx.reading_plan`) over the whole sequence
+    in calls of ``stream_tokens`` with the memory carried, as generation reads the prompt. Until 2026-11-30
+    a Titans prompt was cut to its last ``max_context`` tokens here while generation read all of it."""
     n = len(tokens) - start
-    seq = list(tokens)[-max_context:]
-    if n >= len(seq):
-        raise RecipeError("", f"--answer ({n} tokens) leaves no room for the prompt in {max_context} tokens")
-    with torch.no_grad():
-        logits = model(torch.tensor([seq], device=device)).logits[0].float()
-    logp = torch.log_softmax(logits[-n - 1:-1], dim=-1)
-    return float(logp.gather(-1, torch.tensor(seq[-n:], device=device)[:, None]).mean())
+    if stream_tokens is not None:
+        seq = torch.tensor([list(tokens)], device=device)
+        state, parts = None, []
+        with torch.no_grad():
+            for begin in range(0, seq.shape[1], stream_tokens):
+                out = model(seq[:, begin:begin + stream_tokens], doc_ids=None, memory=state)
+                state = out.memory
+                if begin + stream_tokens > start - 1:  # holds a position that predicts an answer token
+                    parts.append((begin, out.logits[0].float()))
+        first = parts[0][0]
+        logits = torch.cat([p for _, p in parts])[start - 1 - first:-1]
+        target = seq[0, start:]
+    else:
+        window = list(tokens)[-max_context:]
+        if n >= len(window):
+            raise RecipeError("", f"--answer ({n} tokens) leaves no room for the prompt in {max_context} tokens")
+        with torch.no_grad():
+            logits = model(torch.tensor([window], device=device)).logits[0].float()[-n - 1:-1]
+        target = torch.tensor(window[-n:], device=device)
+    logp = torch.log_softmax(logits, dim=-1)
+    return float(logp.gather(-1, target[:, None]).mean())
 
 
 def _clip(text: str, n: int = 70) -> str:
@@ -316,14 +333,14 @@ def generate(recipe: Recipe, prompts: Sequence[str], checkpoint: Optional[str | 
                 entry["answer_tokens"] = len(tokens) - start
                 if reader is not None:
                     with reader.not_recording():
-                        on = answer_logprob(model, tokens, start, max_context, device)
+                        on = answer_logprob(model, tokens, start, max_context, device, stream)
                         with reader.paused():
-                            off = answer_logprob(model, tokens, start, max_context, device)
+                            off = answer_logprob(model, tokens, start, max_context, device, stream)
                     entry["answer_logprob"] = {"on": on, "off": off}
                     echo(f"  answer {_clip(answer)} ({len(tokens) - start} tokens): mean log-prob per token "
                          f"{on:.4f} with the context bank, {off:.4f} without ({on - off:+.4f})")
                 else:
-                    off = answer_logprob(model, tokens, start, max_context, device)
+                    off = answer_logprob(model, tokens, start, max_context, device, stream)
                     entry["answer_logprob"] = {"off": off}
                     echo(f"  answer {_clip(answer)} ({len(tokens) - start} tokens): mean log-prob per token "
                          f"{off:.4f} (no context bank)")

@@ -404,6 +404,8 @@ class TitansLM(TrainingOptions, nn.Module):
         T = input_ids.shape[1]
         if T > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds model.max_seq_len {self.cfg.max_seq_len}")
+        if T == 0:
+            raise ValueError("input_ids has no tokens (shape [batch, 0]); pass at least one")
         if doc_ids is not None and doc_ids.shape != input_ids.shape:
             raise ValueError(f"doc_ids shape {tuple(doc_ids.shape)} differs from input_ids "
                              f"{tuple(input_ids.shape)}")
@@ -412,6 +414,9 @@ class TitansLM(TrainingOptions, nn.Module):
         elif len(memory) != len(self.blocks) or not all(isinstance(s, MemoryState) for s in memory):
             raise ValueError(f"memory must be a list of {len(self.blocks)} MemoryState (a previous output's "
                              "memory) or None")
+        elif any(s.batch_size != input_ids.shape[0] for s in memory):
+            raise ValueError(f"memory holds the state of {memory[0].batch_size} sequence(s), input_ids has "
+                             f"{input_ids.shape[0]}; continue a sequence with its own batch's output.memory")
         ctx = self._context(input_ids, doc_ids)
         x = self.embed(input_ids)
         states = []
