@@ -21,13 +21,13 @@ elsewhere, which never materialises per-token gathered keys either (the (token, 
 grouped by chapter, each group's attention is computed against its chapter with its log-sum-exp, and
 every token's chapters are merged by their log-sum-exps plus log weights, as split-K attention merges
 partial softmaxes). Memory is ``O(unique chapters x chapter size)`` plus one small row per pair.
+:func:`dense_routed_attention` is the same function written as masked attention over the whole bank,
+for tests.
 
 With ``top_k = 1`` a token reads one chapter, whose log weight shifts every logit of that read alike and
 cancels in its softmax: the language-model loss then gives the router no gradient (as the paper's hard
-top-k selection gives it none at any ``k``), and only the load-balancing loss trains it
-(:meth:`CrossAttnMemory.describe` says so at the start of a run).
-:func:`dense_routed_attention` is the same function written as masked attention over the whole bank,
-for tests.
+top-k selection gives it none at any ``k``), and only the load-balancing loss trains it (the trainer says
+so at the start of such a run: :func:`memtrain.launcher.train.routing_notes`).
 """
 
 from __future__ import annotations
