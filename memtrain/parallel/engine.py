@@ -115,7 +115,15 @@ class JointNorm:
     loss scale, 1 in fp32/bf16): ZeRO 1/2 get the joint value, ZeRO 3 one more group norm, the bank's.
     The training loop sets :attr:`bank_norm` before ``engine.step()`` and afterwards scales the bank by
     :meth:`coefficient`, the same factor. An invalid norm (inf/NaN, DeepSpeed's negative sentinel)
-    passes through unchanged and leaves the bank unscaled (DeepSpeed skips or fails that step)."""
+    passes through unchanged and leaves the bank unscaled (DeepSpeed skips or fails that step).
+
+    ZeRO 1 with bf16 parameters and fp32 gradient accumulation (the paper recipes' setting) runs DeepSpeed's
+    ``BF16_Optimizer``, whose norm is that of the tensors ``get_grads_for_norm()`` returns (on every rank all
+    of the anchor's gradients, no reduction over data-parallel ranks), and whose clip scales the tensors
+    ``get_grads_for_norm(for_clipping=True)`` returns by ``clip / (norm + 1e-6)``: one more tensor holding
+    the bank's norm makes that norm the joint one (its total is read back from ``_global_grad_norm``).
+    Until 2026-11-30 this case raised a TypeError at the start of training, so memory recipes with the
+    default ``memory.grad_clip: auto`` under ZeRO 1 in bf16 could not start on a GPU."""
 
     def __init__(self, engine, clip: float):
         opt = engine.optimizer
@@ -128,6 +136,9 @@ class JointNorm:
         elif hasattr(opt, "_get_norm_groups"):  # ZeRO 3
             self._inner = opt._get_norm_groups
             opt._get_norm_groups = self._norm_groups
+        elif hasattr(opt, "get_grads_for_norm") and hasattr(opt, "clear_hp_grads"):  # BF16_Optimizer: ZeRO 1, bf16
+            self._inner = opt.get_grads_for_norm
+            opt.get_grads_for_norm = self._grads_for_norm
         else:
             raise TypeError(f"joint clipping under ZeRO needs DeepSpeed's ZeRO optimizer, got {type(opt).__name__}")
 
@@ -154,8 +165,22 @@ class JointNorm:
         extra = self.bank_norm * self._scale()
         return groups + [torch.tensor(extra, dtype=like.dtype, device=like.device) if like is not None else extra]
 
+    def _grads_for_norm(self, for_clipping: bool = False):
+        out = self._inner(for_clipping=for_clipping)
+        if for_clipping:  # scaled in place by the clip: the anchor's gradients
+            return out
+        anchor, experts = out
+        self.total = None  # read back from the optimizer after its step (:meth:`coefficient`)
+        device = anchor[0].device if anchor else torch.device("cpu")
+        return [*anchor, torch.tensor([self.bank_norm], dtype=torch.float32, device=device)], experts
+
     def coefficient(self) -> float:
         """The clipping factor DeepSpeed applied to the anchor in the step just taken."""
+        if self.total is None and hasattr(self._opt, "_global_grad_norm"):  # BF16_Optimizer: the joint norm
+            norm = self._opt._global_grad_norm
+            self.total = float(norm) if norm is not None else None
+            if self.total is not None and (not math.isfinite(self.total) or self.total < 0):
+                self.total = float("nan")
         if self.total is None or not math.isfinite(self.total):
             return 1.0
         return min(1.0, self.clip / (self.total + 1e-6))
@@ -407,11 +432,15 @@ def skipped_step(engine) -> Iterator[None]:
             p.grad = None
         # DeepSpeed's fp32 clipping indexes the first parameter with a gradient: nothing to clip here.
         target, name, stand_in = engine, "clip_fp32_gradients", lambda *args, **kwargs: None
+    previous = target.__dict__.get(name)  # an instance's own wrapper (JointNorm's) comes back after the step
     setattr(target, name, stand_in)
     try:
         yield
     finally:
-        delattr(target, name)  # the class's own method again
+        if previous is not None:
+            setattr(target, name, previous)
+        else:
+            delattr(target, name)  # the class's own method again
 
 
 def weights_finite(engine) -> bool:
