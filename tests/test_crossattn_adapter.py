@@ -583,6 +583,8 @@ def test_crossattn_adapter_trains_end_to_end_with_memtrain_train(root):
     assert all(m["loss/train"] == m["loss/train"] for m in rows.values())  # finite
     assert rows[1]["optim/bank_lr"] > 0 and rows[4]["optim/bank_lr"] == rows[6]["optim/bank_lr"] == 0.0
     assert rows[4]["optim/memory_lr"] > 0 and "memory_module/chapter_entropy" in rows[6]
+    # the load-balancing term apart from the LM loss: balance_loss 0.01 x the one routed layer's router loss
+    assert rows[2]["loss/balance"] == pytest.approx(0.01 * rows[2]["memory_module/router_loss"], rel=1e-5)
     from memtrain.parallel.engine import lr_at
 
     assert rows[2]["optim/lora_lr"] == pytest.approx(lr_at(load_recipe(root / "tiny.yaml"), "lora")(1))

@@ -937,10 +937,13 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
             ce_sum, aux_sum, data_frac = _all_sum(
                 [float(torch.stack(ce_parts).sum()), float(torch.stack(aux_parts).sum()) if aux_parts else 0.0,
                  data_wait / step_time], device)
-            train_loss = ce_sum / max(step_tokens, 1.0) + aux_sum / (accum * world)
+            # The LM loss alone, as loss/val; the routers' load-balancing term it was trained with apart (it was
+            # included in loss/train until 2026-11-30, 0.01-0.02 nats at the default weight)
+            train_loss = ce_sum / max(step_tokens, 1.0)
 
             values = {
                 "loss/train": train_loss,
+                **({"loss/balance": aux_sum / (accum * world)} if aux_parts else {}),
                 "loss/nonfinite_steps": float(nonfinite_total),
                 "optim/lr": schedule(step - 1),
                 "optim/grad_norm": grad_norm,
