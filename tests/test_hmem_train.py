@@ -120,9 +120,13 @@ def test_two_ranks_with_a_replicated_bank_equal_one(root):
     train(root, "one")
     train(root, "two", nproc=2)
     one, two = metrics(root, "one"), metrics(root, "two")
+    tables = bank_tables(root, "one", 6)
+    ring = 2 * (2 - 1) * sum(t.numel() * 4 for t in tables.values()) // 2  # the fp32 gradients' all-reduce
     for a, b in zip(one, two):
         assert b["loss/train"] == pytest.approx(a["loss/train"], rel=1e-5)
         assert b["memory_module/rows_touched_frac/all"] == a["memory_module/rows_touched_frac/all"]
+        # the replicated bank's traffic is counted (the sharded bank's was; this one's was not, until 2026-11-30)
+        assert (a["comm/bank_bytes_sent"], b["comm/bank_bytes_sent"], b["comm/bank_bytes_received"]) == (0, ring, ring)
     for level, table in bank_tables(root, "one", 6).items():
         torch.testing.assert_close(bank_tables(root, "two", 6)[level], table, rtol=1e-4, atol=1e-6)
 

@@ -75,6 +75,7 @@ class MemoryBank:
             layout.init_rows(table.data, level, gen)
             self.tables.append(table)
         self.optimizer: Optional[torch.optim.Optimizer] = None
+        self._last_bytes = (0, 0)  # the last gradient all-reduce's bytes, this rank: (sent, received)
         self._reset_counters()
 
     # -- parameters and optimizer ------------------------------------------------------------------
@@ -123,16 +124,25 @@ class MemoryBank:
     # -- after backward ----------------------------------------------------------------------------
 
     def reduce_gradients(self) -> None:
-        """Average the bank's gradients over data-parallel ranks (a no-op in a world of one)."""
+        """Average the bank's gradients over data-parallel ranks (a no-op in a world of one), and count the
+        bytes this rank sends and receives for it (the all-reduce's ring volume, 2 (W - 1) / W of every table's
+        gradient: :func:`memtrain.parallel.comm.wire_bytes`), reported by :meth:`stats`."""
+        from memtrain.parallel.comm import wire_bytes
+
         dist = torch.distributed
+        self._last_bytes = (0, 0)
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return
-        world = dist.get_world_size()
+        world, rank = dist.get_world_size(), dist.get_rank()
+        sent = received = 0
         for t in self.parameters():
             if t.grad is None:
                 t.grad = torch.zeros_like(t)
+            _, out, into = wire_bytes("all_reduce", {"tensor": t.grad}, world, rank)
+            sent, received = sent + out, received + into
             dist.all_reduce(t.grad)
             t.grad.div_(world)
+        self._last_bytes = (sent, received)
 
     def grad_norm(self) -> float:
         grads = [t.grad for t in self.parameters() if t.grad is not None]
@@ -169,8 +179,9 @@ class MemoryBank:
 
     def stats(self, norms: bool = True, reset: bool = True) -> dict[str, float]:
         """TensorBoard scalars ``memory_module/*`` since the last reset, over all data-parallel ranks:
-        the fraction of bank rows touched per level and overall, the generic-memory rate, and (with
-        ``norms``) the parameter norm of every level's table."""
+        the fraction of bank rows touched per level and overall, the generic-memory rate, (with ``norms``)
+        the parameter norm of every level's table, and this rank's ``comm/bank_bytes_sent`` /
+        ``comm/bank_bytes_received`` of the last gradient all-reduce (:meth:`reduce_gradients`)."""
         dist = torch.distributed
         touched = [m.to(torch.uint8) for m in self._touched]
         counts = self._counts.clone()
@@ -196,6 +207,9 @@ class MemoryBank:
             out["memory_module/rows_touched_frac/all"] = n_touched / n_rows
         if counts[0] > 0:
             out["memory_module/generic_rate"] = float(counts[1] / counts[0])
+        # the last step's gradient all-reduce, this rank (the sharded bank reports its all-to-alls the same way)
+        sent, received = self._last_bytes
+        out["comm/bank_bytes_sent"], out["comm/bank_bytes_received"] = float(sent), float(received)
         if reset:
             self._reset_counters()
         return out
