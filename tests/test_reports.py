@@ -362,6 +362,23 @@ def test_scaling_world_size_changed(tmp_path):
     assert any("ran on 2, 4 ranks; reported over the steps on 4 ranks" in n for n in report["notes"])
 
 
+def test_scaling_leaves_out_the_first_step_after_a_resume(tmp_path):
+    """A resumed attempt warms up again (compilation, caches): its first logged step is left out as the run's
+    first ones are. Here step 60, the first after a resume from step 50, took 5x as long."""
+    times = [1.0] * 10
+    times[5] = 5.0
+    run = _tb_run(tmp_path, "resumed", 0, tags={"throughput/device/tokens_per_sec": [100.0 / t for t in times],
+                                                "throughput/tokens_per_sec": [100.0 / t for t in times],
+                                                "throughput/step_time_s": times})
+    _jsonl(run / "attempts.jsonl", [_start(900.0, 1, None), {"event": "end", "time": 950.0, "state": "preempted",
+                                                             "step": 50}, _start(960.0, 1, 50)])
+    r = scaling_report([run], tmp_path / "out")["runs"][0]
+    assert (r["steps_logged"], r["steps_used"], r["first_step_used"]) == (10, 7, 30)
+    assert r["step_time_s"] == 1.0 and r["tokens_per_sec"] == 100.0
+    (run / "attempts.jsonl").unlink()  # without the record the slow step counts
+    assert scaling_report([run], tmp_path / "out2")["runs"][0]["steps_used"] == 8
+
+
 def test_scaling_warmup_skip():
     assert [warmup_skip(n) for n in (0, 1, 2, 3, 10, 20, 21, 100)] == [0, 0, 1, 2, 2, 2, 3, 10]
 

@@ -9,8 +9,9 @@ the checkpoints (:func:`memtrain.parallel.checkpoint_folder.list_checkpoints`), 
 :func:`scaling_report` compares runs of one recipe on different numbers of ranks from their TensorBoard
 scalars and writes ``scaling.md`` and ``scaling.png``. Conventions (the notes under the table repeat them):
 
-- Warm-up: the first ``max(2, ceil(10%))`` logged steps of a run are left out (but at least one logged
-  step is kept); every number is the median over the remaining logged steps.
+- Warm-up: the first ``max(2, ceil(10%))`` logged steps of a run are left out, and the first logged step
+  after each resume (``attempts.jsonl``; a resumed process warms up again: compilation, caches), but at
+  least one logged step is kept; every number is the median over the remaining logged steps.
 - World size: ``throughput/tokens_per_sec / throughput/device/tokens_per_sec`` of each logged step (the
   trainer logs the second as the first divided by the ranks), else the newest complete checkpoint's
   ``world_size``, else the last ``start`` of ``attempts.jsonl``. A run whose logged steps ran on several
@@ -446,6 +447,11 @@ def _run_scaling(run_dir: Path, notes: list[str]) -> dict[str, Any]:
 
     skip = warmup_skip(len(steps))
     kept = steps[skip:]
+    for attempt in _attempts(run_dir):  # a resumed attempt's first logged step warms up again
+        resumed = attempt.get("resumed_from_step")
+        first = min((s for s in steps if isinstance(resumed, int) and s > resumed), default=None)
+        if first in kept and len(kept) > 1:
+            kept.remove(first)
 
     def med(tag: str) -> Optional[float]:
         values = scalars.get(tag)
@@ -596,7 +602,7 @@ def scaling_report(run_dirs: list[str | Path], out_dir: str | Path) -> dict[str,
     notes.append(f"scaling efficiency = tokens/s per device / that of {base['name']} ({base['world_size']} "
                  f"rank{'s' if base['world_size'] != 1 else ''}, the fewest)")
     notes.append("every number is the median over the logged steps after warm-up (the first max(2, 10%) logged "
-                 "steps are left out); step-time shares are medians of time/<part>_s / throughput/step_time_s; "
+                 "steps are left out, and the first after each resume); step-time shares are medians of time/<part>_s / throughput/step_time_s; "
                  "bytes are rank 0's per step (1 MB = 10^6 bytes)")
     notes.append(f"world size from: {', '.join(sources)}")
 
