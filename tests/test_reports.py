@@ -116,6 +116,10 @@ def test_status_fields(tmp_path):
     assert "global_step50" in text and "60" not in text.split("incomplete", 1)[1].splitlines()[0]
     assert "#1 " in text and "preempted at step 20" in text
     assert "#2 " in text and "resumed at step 20 -> no end recorded" in text and "job 4242 restart 1" in text
+    # stopped at step 53 by a signal, logged last at 50: the step line says how far it got and what was logged
+    _jsonl(run / "attempts.jsonl", [{"event": "end", "time": 1060.0, "state": "preempted", "step": 53}])
+    text = format_status(run_status(run), now=1050.0 + 120)
+    assert "53 / 100 (53%); the last logged step 50, logged" in text and "(204800, at step 50)" in text
 
 
 def test_status_states(tmp_path):

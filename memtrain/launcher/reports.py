@@ -310,12 +310,19 @@ def format_status(status: dict[str, Any], now: Optional[float] = None) -> str:
         lines.append(("step", f"no step logged yet (of {s['max_steps'] if s['max_steps'] is not None else '?'})"))
     else:
         total = s["max_steps"] if s["max_steps"] is not None else "?"
-        pct = f" ({100 * s['last_step'] / s['max_steps']:.0f}%)" if s["max_steps"] else ""
         ago = _ago(s["last_time"], now)
-        lines.append(("step", f"{s['last_step']} / {total}{pct}, logged {_when(s['last_time'])}"
-                              + (f" ({ago})" if ago else "")))
+        logged = f"logged {_when(s['last_time'])}" + (f" ({ago})" if ago else "")
+        # A run stopped between logged steps (a signal, a crash after a save) got further than it logged.
+        ends = [a["end"]["step"] for a in s["attempts"] if isinstance((a.get("end") or {}).get("step"), int)]
+        reached = max([s["last_step"], *ends, *(c["step"] for c in s["checkpoints"])])
+        pct = f" ({100 * reached / s['max_steps']:.0f}%)" if s["max_steps"] else ""
+        if reached > s["last_step"]:
+            lines.append(("step", f"{reached} / {total}{pct}; the last logged step {s['last_step']}, {logged}"))
+        else:
+            lines.append(("step", f"{reached} / {total}{pct}, {logged}"))
         if s["tokens_seen"] is not None:
-            lines.append(("tokens seen", f"{_si(s['tokens_seen'])} ({s['tokens_seen']})"))
+            at = f", at step {s['last_step']}" if reached > s["last_step"] else ""
+            lines.append(("tokens seen", f"{_si(s['tokens_seen'])} ({s['tokens_seen']}{at})"))
         loss = []
         if s["loss_train"] is not None:
             loss.append(f"train {s['loss_train']:.4f} (step {s['loss_train_step']})")
