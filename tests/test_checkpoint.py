@@ -341,3 +341,29 @@ def test_a_learning_rate_changed_on_resume_is_the_one_applied(tmp_path):
             assert run["loaded"][0] == pytest.approx(run["want"][0], rel=1e-12)
             assert run["stepped"][0] == pytest.approx(run["want"][1], rel=1e-12)
         assert lower["loaded"][0] == pytest.approx(same["loaded"][0] / 10, rel=1e-12)
+
+
+def test_a_checkpoint_resumes_only_in_the_precision_it_trained_in(tmp_path):
+    """DeepSpeed's optimizer state of a bf16 run does not load into an fp32 one (its bf16 optimizers keep fp32
+    masters and name their ZeRO files bf16_zero_pp_rank_*), and the other way round: a checkpoint resumed in
+    another precision (parallel.precision auto is bf16 on a GPU, fp32 on a CPU) is one line naming both and the
+    ways on, where the load reported a missing file and called the checkpoint damaged. The precision is recorded
+    in trainer_state.json since 2026-11-30; older ZeRO 1-3 checkpoints are told by their optimizer files' names."""
+    info = checkpoint_folder.CheckpointInfo(tmp_path / "global_step4", 4, False, 1)
+    info.path.mkdir()
+    with pytest.raises(CheckpointError, match=r"was trained in bf16 but this run is fp32; resume it on a GPU "
+                                              r"\(parallel.precision bf16 or auto\), or start a new run.dir with "
+                                              r"model.init_from=.*global_step4 to go on from its weights"):
+        ckpt.check_precision(info, {"precision": "bf16"}, "fp32")
+    with pytest.raises(CheckpointError, match="was trained in fp32 but this run is bf16; resume it with "
+                                              "parallel.precision fp32"):
+        ckpt.check_precision(info, {"precision": "fp32"}, "bf16")
+    ckpt.check_precision(info, {"precision": "fp32"}, "fp32")
+    ckpt.check_precision(info, {}, "bf16")  # nothing tells (an older ZeRO 0 checkpoint): no check
+    (info.path / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt").touch()
+    assert ckpt.saved_precision(info, {}) == "bf16"
+    with pytest.raises(CheckpointError, match="was trained in bf16 but this run is fp32"):
+        ckpt.check_precision(info, {}, "fp32")
+    (info.path / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt").rename(
+        info.path / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    assert ckpt.saved_precision(info, {}) == "fp32"

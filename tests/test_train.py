@@ -300,6 +300,7 @@ def test_resume_on_the_same_settings_prepared_again_is_refused(workdir, referenc
         (other / "meta.json").write_text(json.dumps(meta))
     state = json.loads((run / "checkpoints" / "global_step8" / "trainer_state.json").read_text())
     assert state["data"]["created"] == json.loads((workdir / "data" / "meta.json").read_text())["created"]
+    assert state["precision"] == "fp32"  # checked on resume (tests/test_checkpoint.py -k precision)
     before = _snapshot(run)
     out = train(workdir, "redata", f"data.dir={other}", "train.max_steps=10", check=False)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]

@@ -640,6 +640,7 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
     if latest is not None:
         saved = ckpt.read_trainer_state(latest)
         ckpt.check_compatible(latest, saved, recipe, world)
+        ckpt.check_precision(latest, saved, prec)
         ckpt.check_token_durations(latest, saved, recipe)
         ckpt.verify(latest, rank, world)  # the files against COMPLETE.json's checksums, before anything reads them
         done = int(saved.get("step", latest.step))
@@ -824,6 +825,7 @@ def _train(recipe: Recipe, dist_env, device: torch.device, prec: str, accum: int
                              trainer_state={"step": at_step, "tokens_seen": tokens_seen, "loader": loader_state,
                                             "world_size": world, "nonfinite_steps": nonfinite_total,
                                             "nonfinite_run": nonfinite_run, ckpt.ALIGNED_KEY: aligned,
+                                            ckpt.PRECISION_KEY: prec,
                                             ckpt.DATA_KEY: ckpt.data_identity(meta)},
                              rank_extra={"loader": loader_state}, write_extra=write_bank)
         dist.set_timeout(recipe.parallel.timeout_minutes)

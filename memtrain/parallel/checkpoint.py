@@ -252,6 +252,35 @@ def check_compatible(info: CheckpointInfo, state: dict, recipe: Recipe, world_si
             + (" (or any stage 1-3)" if saved_stage > 0 else ""))
 
 
+PRECISION_KEY = "precision"  # trainer_state.json: the precision the run trained in (since 2026-11-30)
+
+
+def saved_precision(info: CheckpointInfo, state: dict) -> Optional[str]:
+    """The precision a checkpoint was trained in: recorded in its trainer state, or for one written before the
+    record under ZeRO 1-3 the names of DeepSpeed's optimizer files (``bf16_zero_pp_rank_*`` with bf16 on); None
+    when neither tells."""
+    if state.get(PRECISION_KEY) in ("fp32", "bf16"):
+        return state[PRECISION_KEY]
+    if any(info.path.glob("bf16_zero_pp_rank_*_optim_states.pt")):
+        return "bf16"
+    if any(info.path.glob("zero_pp_rank_*_optim_states.pt")):
+        return "fp32"
+    return None
+
+
+def check_precision(info: CheckpointInfo, state: dict, precision: str) -> None:
+    """Refuse to resume a checkpoint in another precision than it was trained in (``parallel.precision``, or
+    ``auto`` resolving to bf16 on a GPU and fp32 on a CPU): DeepSpeed's optimizer state of one does not load into
+    the other (its bf16 optimizers keep fp32 masters and name their files apart), and the load used to fail
+    with a missing file reported as a damaged checkpoint."""
+    was = saved_precision(info, state)
+    if was is None or was == precision:
+        return
+    where = "on a GPU (parallel.precision bf16 or auto)" if was == "bf16" else "with parallel.precision fp32"
+    raise CheckpointError(f"checkpoint {info.path} was trained in {was} but this run is {precision}; resume it "
+                          f"{where}, or start a new run.dir with model.init_from={info.path} to go on from its weights")
+
+
 def data_identity(meta: dict) -> dict:
     """The prepared data a run trains on, as its ``meta.json`` names it: the settings' fingerprint and when it was
     prepared (a folder prepared again, from changed sources, has another time)."""

@@ -78,8 +78,9 @@ def deepspeed_config(recipe: Recipe, world_size: int, precision_name: str = "fp3
         "zero_allow_untested_optimizer": True,
         "bf16": {"enabled": precision_name == "bf16"},
         "fp16": {"enabled": False},
-        # Accumulate bf16 gradients in fp32 so that many micro-batches do not lose precision.
-        "data_types": {"grad_accum_dtype": "fp32" if precision_name == "bf16" else None},
+        # Accumulate bf16 gradients in fp32 so that many micro-batches do not lose precision (ZeRO 1-3; DeepSpeed
+        # refuses the mix without ZeRO, where its bf16 optimizer keeps fp32 masters and bf16 gradients).
+        "data_types": {"grad_accum_dtype": "fp32" if precision_name == "bf16" and stage > 0 else None},
         "steps_per_print": 2**62,
         "wall_clock_breakdown": False,
         "dump_state": False,
@@ -412,21 +413,29 @@ def base_optimizer(engine):
 
 @contextlib.contextmanager
 def skipped_step(engine) -> Iterator[None]:
-    """Make the ``engine.step()`` inside this block skip the optimizer update, through the path DeepSpeed
-    takes for an fp16 overflow wherever it has one: ZeRO 1-3 (``has_overflow``) and the bf16 optimizer
-    (an invalid gradient norm) clear the gradients, leave weights, moments and the learning-rate
-    schedule untouched and report ``engine.was_step_applied()`` False. Without ZeRO in fp32 the engine
-    steps the plain torch optimizer, which skips every parameter without a gradient: the gradients are
-    dropped here (weights and moments untouched; DeepSpeed still steps the schedule). Used by the
-    divergence guard, with the decision already agreed by every rank, so the overflow every rank
-    reports here matches."""
+    """Make the ``engine.step()`` inside this block skip the optimizer update, through the path each DeepSpeed
+    optimizer takes for an invalid gradient norm: it clears the gradients, leaves weights, moments and the
+    learning-rate schedule untouched and reports ``engine.was_step_applied()`` False. The norm each one
+    checks reads NaN here: ZeRO 1-2 ``scaled_global_norm`` (an invalid norm is an overflow in fp32 and bf16;
+    their ``has_overflow``, replaced until 2026-11-30, runs only with fp16 or bf16, so fp32 applied the
+    step), ZeRO 3 ``_get_norm_groups`` (its overflow check runs only with fp16: it applied the step in fp32
+    and bf16), the bf16 optimizer of ZeRO 1 ``get_grads_for_norm``, and the bf16 optimizer without ZeRO its
+    overflow checker. Without ZeRO in fp32 the engine steps the plain torch optimizer, which skips every
+    parameter without a gradient: the gradients are dropped here (weights and moments untouched; DeepSpeed
+    still steps the schedule). Used by the divergence guard, with the decision already agreed by every rank,
+    so every rank skips the norm's collectives alike."""
     opt = engine.optimizer
-    if hasattr(opt, "has_overflow"):  # ZeRO 1-3
-        target, name, stand_in = opt, "has_overflow", lambda *args, **kwargs: True
-    elif hasattr(opt, "get_grads_for_norm") and hasattr(opt, "clear_hp_grads"):  # DeepSpeed's BF16_Optimizer
-        device = next(p.device for p in engine.module.parameters())
+    device = next(p.device for p in engine.module.parameters())
+    nan = lambda: torch.full((), float("nan"), device=device)  # noqa: E731
+    if hasattr(opt, "scaled_global_norm"):  # ZeRO 1-2
+        target, name, stand_in = opt, "scaled_global_norm", lambda *args, **kwargs: nan()
+    elif hasattr(opt, "_get_norm_groups"):  # ZeRO 3
+        target, name, stand_in = opt, "_get_norm_groups", lambda *args, **kwargs: [nan()]
+    elif hasattr(opt, "get_grads_for_norm") and hasattr(opt, "clear_hp_grads"):  # BF16_Optimizer (ZeRO 1, bf16)
         target, name = opt, "get_grads_for_norm"
-        stand_in = lambda *args, **kwargs: ([torch.full((1,), float("nan"), device=device)], [])  # noqa: E731
+        stand_in = lambda *args, **kwargs: ([nan()[None]], [])  # noqa: E731
+    elif hasattr(getattr(opt, "overflow_checker", None), "check"):  # FP16_UnfusedOptimizer (no ZeRO, bf16)
+        target, name, stand_in = opt.overflow_checker, "check", lambda *args, **kwargs: True
     else:
         for p in engine.module.parameters():
             p.grad = None
@@ -445,9 +454,9 @@ def skipped_step(engine) -> Iterator[None]:
 
 def weights_finite(engine) -> bool:
     """Whether every weight this rank's optimizer updates is finite (its fp32 master partitions under
-    ZeRO 1-3 and bf16, the parameters themselves otherwise); local, no communication."""
-    for group in base_optimizer(engine).param_groups:
-        for p in group["params"]:
-            if p.numel() and not bool(torch.isfinite(p.detach()).all()):
-                return False
-    return True
+    ZeRO 1-3 and bf16, the parameters themselves otherwise); local, no communication. ZeRO 3 empties its
+    torch optimizer's groups between steps, so its flat fp32 partitions are read instead (until 2026-11-30
+    this checked nothing there)."""
+    flats = getattr(engine.optimizer, "fp32_partitioned_groups_flat", None)  # ZeRO 3
+    tensors = list(flats) if flats else [p for g in base_optimizer(engine).param_groups for p in g["params"]]
+    return all(not p.numel() or bool(torch.isfinite(p.detach()).all()) for p in tensors)
