@@ -609,8 +609,8 @@ def scaling_report(run_dirs: list[str | Path], out_dir: str | Path) -> dict[str,
     notes.append(f"scaling efficiency = tokens/s per device / that of {base['name']} ({base['world_size']} "
                  f"rank{'s' if base['world_size'] != 1 else ''}, the fewest)")
     notes.append("every number is the median over the logged steps after warm-up (the first max(2, 10%) logged "
-                 "steps are left out, and the first after each resume); step-time shares are medians of time/<part>_s / throughput/step_time_s; "
-                 "bytes are rank 0's per step (1 MB = 10^6 bytes)")
+                 "steps are left out, and the first after each resume); step-time shares are medians of "
+                 "time/<part>_s / throughput/step_time_s; bytes are rank 0's per step (1 MB = 10^6 bytes)")
     notes.append(f"world size from: {', '.join(sources)}")
 
     out_dir = Path(out_dir)
