@@ -178,7 +178,8 @@ def test_wiring_batch_memory_and_mode_ids():
         assert batch_memory(bank, "none", len(ids), torch.from_numpy(ids), torch.device("cpu")) is None
         assert bank.stats(norms=False) == {f"memory_module/rows_touched_frac/level{l + 1}": 0.0
                                            for l, r in enumerate(levels) if r} | {
-                                               "memory_module/rows_touched_frac/all": 0.0}
+                                               "memory_module/rows_touched_frac/all": 0.0,
+                                               "comm/bank_bytes_sent": 0.0, "comm/bank_bytes_received": 0.0}
     with pytest.raises(ValueError, match="memory mode 'blocked' needs cluster ids"):
         batch_memory(bank, "blocked", 2, None, torch.device("cpu"))
     with pytest.raises(ValueError, match=r"level-1 cluster ids must lie in \[0, 3\); got \[0, 3\]"):
