@@ -110,10 +110,6 @@ def is_correct(prediction: str, answer: str) -> bool:
     return re.search(rf"(?<![\w]){re.escape(answer)}(?![\w])", prediction, flags=re.IGNORECASE) is not None
 
 
-def _names(text: str, word: str) -> bool:
-    return re.search(rf"(?<![\w]){re.escape(word)}(?![\w])", text, flags=re.IGNORECASE) is not None
-
-
 def babilong_correct(prediction: str, example: dict) -> bool:
     """BABILong's scoring rule (Kuratov et al. 2024: the benchmark's own scorer, which the Titans paper's
     BABILong results follow) for a qa1-qa5 example: only the prediction's first sentence counts (up to the
@@ -126,7 +122,7 @@ def babilong_correct(prediction: str, example: dict) -> bool:
         return is_correct(prediction, example["answer"])
     first = re.split(r"question", prediction.split(".")[0], flags=re.IGNORECASE)[0]
     named = {label.lower() for label in TASK_LABELS[example["task"]]
-             if _names(first, label) and not _names(example["question"], label)}
+             if is_correct(first, label) and not is_correct(example["question"], label)}
     return named == {example["answer"].lower()}
 
 

@@ -382,10 +382,9 @@ def run_long_context(model: torch.nn.Module, tokenizer: Any, examples: Sequence[
     qa = [t for t in tasks if t in BABILONG_TASKS]
     babilong = None
     if qa:
-        is_qa = [e["task"] in BABILONG_TASKS for e in examples]
-        babilong = {"all": _cell([s for s, q in zip(strict, is_qa) if q],
-                                 [c for c, q in zip(truncated, is_qa) if q]),
-                    "by_task": cells(lambda e: e["task"], lambda e: e["task"] in BABILONG_TASKS, strict),
+        is_qa = lambda e: e["task"] in BABILONG_TASKS  # noqa: E731
+        babilong = {"all": cells(lambda e: "all", is_qa, strict)["all"],
+                    "by_task": cells(lambda e: e["task"], is_qa, strict),
                     "by_task_length": {t: cells(lambda e: e["length"], lambda e, t=t: e["task"] == t, strict)
                                        for t in qa}}
     return {

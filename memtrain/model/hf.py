@@ -401,10 +401,10 @@ def check_memory_llama_shape(ml: MemoryLlamaConfig, hidden: int, model: str) -> 
         raise RecipeError(key + "heads", f"{ml.heads} heads do not split the hidden size {hidden} of {model}; use a "
                           f"divisor of {hidden} or set memory.memory_llama.head_dim")
     if ml.kernel == "triton":
-        from memtrain.kernels.titans import kernel_unsupported
+        from memtrain.kernels.titans import kernel_unsupported, mlp_hidden
 
         head_dim = ml.head_dim or hidden // ml.heads
-        why = kernel_unsupported(ml.depth, head_dim, max(1, int(round(ml.expansion * head_dim))))
+        why = kernel_unsupported(ml.depth, head_dim, mlp_hidden(head_dim, ml.expansion))
         if why is not None:
             raise RecipeError(key + "kernel", f"triton: {why} ({model}, {ml.heads} head(s)); use auto (the PyTorch "
                               "form where the kernels do not fit) or torch, or narrower heads (heads, head_dim)")

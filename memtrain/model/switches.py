@@ -97,14 +97,14 @@ def check_kernels(recipe: "Recipe", device: "torch.device") -> None:
     if recipe.memory.is_memory_llama and ml is not None and ml.kernel == "triton":
         titans.append(("memory.memory_llama.kernel", ml.depth, ml.head_dim, ml.expansion))
     for key, depth, head, expansion in titans:
-        from memtrain.kernels.titans import use_triton as titans_use_triton
+        from memtrain.kernels.titans import mlp_hidden, use_triton as titans_use_triton
 
         # MemoryLlama's default head (the base model's width over the heads) is not known before the model loads:
         # the device is checked here, the size when the memory is built
         head = head or 64
         try:
             titans_use_triton("triton", torch.empty(0, device=device), depth, head_dim=head,
-                              hidden=max(1, int(round(expansion * head))))
+                              hidden=mlp_hidden(head, expansion))
         except (RuntimeError, ValueError) as err:
             raise RecipeError(key, f"{err}; or set {key}: auto") from None
 

@@ -59,6 +59,12 @@ def kernel_fits(head_dim: int, hidden: int, depth: int = 2) -> bool:
     return _pow2(head_dim) * _pow2(hidden) <= KERNEL_MAX_TILE
 
 
+def mlp_hidden(head_dim: int, expansion: float) -> int:
+    """The hidden width of a memory MLP (:class:`memtrain.model.titans.NeuralMemory`): ``expansion x head_dim``,
+    rounded, at least 1."""
+    return max(1, int(round(expansion * head_dim)))
+
+
 def kernel_unsupported(depth: int, head_dim: int, hidden: int, algorithm: str = "chunked") -> str | None:
     """Why the kernels cannot run this memory (``None`` when they can): the sequential algorithm, or layers
     wider than the kernels' tiles. ``hidden`` is ignored for depth 1."""
@@ -252,4 +258,4 @@ def scan(q, k, v, lr, log_eta, log_keep, w, s, wg, pos: int, chunk_size: int, al
 
 
 __all__ = ["ALGORITHMS", "DEEP_KERNEL_MAX_WIDTH", "DEEP_KERNEL_MIN_DEPTH", "KERNELS", "KERNEL_MAX_TILE", "kernel_fits",
-           "kernel_unsupported", "scan", "triton_available", "use_triton"]
+           "kernel_unsupported", "mlp_hidden", "scan", "triton_available", "use_triton"]

@@ -82,7 +82,7 @@ from torch import nn
 
 from memtrain.errors import SettingError
 from memtrain.kernels.op import requested_mode
-from memtrain.kernels.titans import (KERNELS, kernel_unsupported, requested_backward, requested_forward,
+from memtrain.kernels.titans import (KERNELS, kernel_unsupported, mlp_hidden, requested_backward, requested_forward,
                                       requested_stages, requested_wave, use_triton)
 from memtrain.model import switches
 from memtrain.model.grouped_linear import fan_out, grouped_linear
@@ -247,7 +247,7 @@ class NeuralMemory(nn.Module):
         self.kernel = kernel
         inner = heads * head_dim
         self.inner = inner
-        hidden = max(1, int(round(expansion * head_dim)))
+        hidden = mlp_hidden(head_dim, expansion)
         sizes = [head_dim] + [hidden] * (depth - 1) + [head_dim]
         why = kernel_unsupported(depth, head_dim, hidden) if kernel == "triton" else None
         if why is not None:
